@@ -1,0 +1,319 @@
+//! Groups: the handle users hold.
+//!
+//! A [`Group`] is a set of ranks over one transport, with its own id, collective sequence numbers,
+//! timeout and poison state. [`Group::new_group`] makes sub-groups that share the parent's
+//! connections (for 2-D data × tensor parallel layouts). Group ranks are dense `0..size`; the
+//! group maps them to transport (global) ranks.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use crate::error::{Error, Result};
+use crate::transport::matcher::P2P_GROUP_BIT;
+use crate::transport::{OpId, Transport, TransportExt};
+use crate::wire::{DType, Fingerprint, MsgDesc, OpKind, Tag};
+
+/// Default per-operation timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A set of ranks that run collectives together.
+///
+/// Cloning is cheap and shares the sequence counter and poison state: clones are the same group.
+#[derive(Clone)]
+pub struct Group {
+    inner: Arc<GroupInner>,
+}
+
+struct GroupInner {
+    transport: Arc<dyn Transport>,
+    id: u32,
+    members: Vec<usize>,
+    rank: usize,
+    seq: AtomicU64,
+    children: AtomicU32,
+    timeout_ms: AtomicU64,
+    poison: Mutex<Option<Error>>,
+    /// Things that must live as long as the group (the store server on rank 0).
+    _keep: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("id", &self.inner.id)
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.members.len())
+            .field("transport", &self.inner.transport.name())
+            .finish()
+    }
+}
+
+impl Group {
+    /// The world group over `transport`: every rank of the job, id 0.
+    pub fn new(transport: Arc<dyn Transport>) -> Group {
+        Self::with_keep(transport, Vec::new())
+    }
+
+    pub(crate) fn with_keep(
+        transport: Arc<dyn Transport>,
+        keep: Vec<Arc<dyn Any + Send + Sync>>,
+    ) -> Group {
+        let n = transport.world_size();
+        let rank = transport.rank();
+        Group {
+            inner: Arc::new(GroupInner {
+                transport,
+                id: 0,
+                members: (0..n).collect(),
+                rank,
+                seq: AtomicU64::new(0),
+                children: AtomicU32::new(0),
+                timeout_ms: AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64),
+                poison: Mutex::new(None),
+                _keep: keep,
+            }),
+        }
+    }
+
+    /// One group per thread over the in-memory transport: `Group::mem_world(4)` gives the 4
+    /// ranks of a job; hand each to its own thread.
+    pub fn mem_world(n: usize) -> Vec<Group> {
+        crate::transport::mem::MemTransport::world(n)
+            .into_iter()
+            .map(|t| Group::new(Arc::new(t)))
+            .collect()
+    }
+
+    /// This rank within the group (`0..size()`).
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.members.len()
+    }
+
+    /// Group id carried in every frame (0 is the world group).
+    pub fn id(&self) -> u32 {
+        self.inner.id
+    }
+
+    /// The transport (global) rank of group rank `r`.
+    ///
+    /// # Panics
+    /// If `r >= size()`; callers check ranks with [`Group::check_rank`] first.
+    pub fn global_rank(&self, r: usize) -> usize {
+        self.inner.members[r]
+    }
+
+    /// The global ranks of the members, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.inner.members
+    }
+
+    /// The transport under this group.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.inner.transport
+    }
+
+    /// Per-operation timeout. Default 30 s ([`DEFAULT_TIMEOUT`]), or `TUTTI_TIMEOUT` seconds when
+    /// built by rendezvous.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Set the per-operation timeout. Hazard: too short fails legitimately slow ranks; too long
+    /// delays the report of a stuck peer (dead peers are reported at once regardless).
+    pub fn set_timeout(&self, t: Duration) {
+        self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);
+    }
+
+    /// Deadline for an operation starting now.
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout()
+    }
+
+    /// Take the next collective sequence number. Every member takes them in the same order.
+    pub fn next_seq(&self) -> u64 {
+        self.inner.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Fail when the group or its transport is poisoned.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`] with the original cause.
+    pub fn check(&self) -> Result<()> {
+        if let Some(e) = self.inner.poison.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            return Err(e.poisoned());
+        }
+        if let Some(e) = self.inner.transport.poisoned() {
+            return Err(e.poisoned());
+        }
+        Ok(())
+    }
+
+    /// Record a failure: fatal errors poison the group so later calls fail fast.
+    pub fn fail(&self, e: &Error) {
+        if e.is_fatal() {
+            let mut p = self.inner.poison.lock().unwrap_or_else(|p| p.into_inner());
+            if p.is_none() {
+                warn!(group = self.inner.id, rank = self.inner.rank, "group poisoned: {e}");
+                *p = Some(e.clone());
+            }
+        }
+    }
+
+    /// Refuse a rank argument outside the group, before anything is sent.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the operation.
+    pub fn check_rank(&self, r: usize, op: &str, what: &str) -> Result<()> {
+        if r >= self.size() {
+            return Err(Error::InvalidArgument {
+                rank: self.rank(),
+                op: op.into(),
+                detail: format!("{what} {r} is outside the group of {} ranks", self.size()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Stop everything: pending and future operations of every group over this transport fail
+    /// with [`Error::Aborted`], and peers are told. Callable from any thread; idempotent.
+    pub fn abort(&self, reason: &str) {
+        self.inner.transport.abort(reason);
+    }
+
+    /// Make a sub-group of the given group ranks (sorted, distinct). Every member of `self` must
+    /// call this, in the same order relative to other `new_group` calls (like
+    /// `torch.distributed.new_group`); members of `ranks` get `Some(group)`, others `None`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty, unsorted, duplicated or out-of-range list.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<Group>> {
+        let n = self.inner.children.fetch_add(1, Ordering::Relaxed);
+        let bad = |d: String| Error::InvalidArgument {
+            rank: self.rank(),
+            op: "new_group".into(),
+            detail: d,
+        };
+        if ranks.is_empty() {
+            return Err(bad("the rank list is empty".into()));
+        }
+        if ranks.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad(format!("ranks {ranks:?} must be sorted and distinct")));
+        }
+        if let Some(r) = ranks.iter().find(|r| **r >= self.size()) {
+            return Err(bad(format!("rank {r} is outside the group of {}", self.size())));
+        }
+        let Some(my) = ranks.iter().position(|r| *r == self.rank()) else {
+            return Ok(None);
+        };
+        // Deterministic id from parent id, creation index and members: equal on every member.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ u64::from(self.inner.id);
+        let mut mix = |v: u64| {
+            h ^= v;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        };
+        mix(u64::from(n));
+        for r in ranks {
+            mix(*r as u64);
+        }
+        let id = ((h ^ (h >> 32)) as u32 & !P2P_GROUP_BIT).max(1);
+        let members: Vec<usize> = ranks.iter().map(|r| self.inner.members[*r]).collect();
+        info!(parent = self.inner.id, id, ?members, "new group");
+        Ok(Some(Group {
+            inner: Arc::new(GroupInner {
+                transport: self.inner.transport.clone(),
+                id,
+                members,
+                rank: my,
+                seq: AtomicU64::new(0),
+                children: AtomicU32::new(0),
+                timeout_ms: AtomicU64::new(self.inner.timeout_ms.load(Ordering::Relaxed)),
+                poison: Mutex::new(None),
+                _keep: Vec::new(),
+            }),
+        }))
+    }
+
+    fn p2p_desc(&self, tag: u32) -> MsgDesc {
+        MsgDesc {
+            tag: Tag { group: self.inner.id | P2P_GROUP_BIT, seq: 0, step: tag },
+            fp: Fingerprint {
+                op: OpKind::SendRecv,
+                dtype: DType::U8,
+                redop: 0,
+                root: u32::MAX,
+                count: 0,
+            },
+        }
+    }
+
+    /// Send `data` to group rank `dst` under a user `tag`. Messages of one (peer, tag) arrive in
+    /// order.
+    ///
+    /// # Collective contract
+    /// Point to point: `dst` posts a matching [`recv`](Group::recv) from this rank with the same
+    /// tag and a buffer at least `data.len()` long.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad rank; transport errors; timeouts.
+    pub fn send(&self, dst: usize, tag: u32, data: &[u8]) -> Result<()> {
+        self.check()?;
+        self.check_rank(dst, "send", "destination rank")?;
+        let r = self.inner.transport.send(
+            self.global_rank(dst),
+            self.p2p_desc(tag),
+            data,
+            self.timeout(),
+        );
+        r.inspect_err(|e| self.fail(e))
+    }
+
+    /// Receive from group rank `src` under `tag` into `buf`; returns the bytes received.
+    ///
+    /// # Collective contract
+    /// Point to point, matching a [`send`](Group::send) from `src`.
+    ///
+    /// # Errors
+    /// As [`send`](Group::send); [`Error::TooLong`] when the message does not fit.
+    pub fn recv(&self, src: usize, tag: u32, buf: &mut [u8]) -> Result<usize> {
+        self.check()?;
+        self.check_rank(src, "recv", "source rank")?;
+        let r = self.inner.transport.recv(
+            self.global_rank(src),
+            self.p2p_desc(tag),
+            buf,
+            self.timeout(),
+        );
+        r.inspect_err(|e| self.fail(e))
+    }
+
+    /// Post a non-blocking point-to-point send; see [`Group::send`].
+    ///
+    /// # Safety
+    /// As [`Transport::post_send`]: `data` must stay valid and unchanged until the returned
+    /// operation is waited for or cancelled on [`Group::transport`].
+    ///
+    /// # Errors
+    /// As [`Group::send`].
+    pub unsafe fn isend(&self, dst: usize, tag: u32, data: &[u8]) -> Result<OpId> {
+        self.check()?;
+        self.check_rank(dst, "isend", "destination rank")?;
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            self.inner.transport.post_send(
+                self.global_rank(dst),
+                self.p2p_desc(tag),
+                data.as_ptr(),
+                data.len(),
+            )
+        }
+    }
+}

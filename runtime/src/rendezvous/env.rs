@@ -1,0 +1,235 @@
+//! Who am I: rank, world size and master address from the launcher's environment variables.
+//!
+//! Recognised, in this order: torchrun/`tutti-run` (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`), Open MPI
+//! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`) and Slurm
+//! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`). The store is `TUTTI_STORE`
+//! (`tcp://host:port` or `file:///dir`) or else `MASTER_ADDR` + `MASTER_PORT`.
+
+use crate::error::{Error, Result};
+
+/// Which launcher's variables were used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Launcher {
+    /// torchrun or tutti-run (`RANK`, `WORLD_SIZE`).
+    Torchrun,
+    /// Open MPI's mpirun.
+    OpenMpi,
+    /// Slurm's srun.
+    Slurm,
+}
+
+/// Where the rendezvous store is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreSpec {
+    /// A TCP store served by rank 0 at host:port.
+    Tcp {
+        /// Host name or address.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+    /// A file store in a shared directory.
+    File(std::path::PathBuf),
+}
+
+/// The launch environment of one rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvInfo {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// Rank within this host.
+    pub local_rank: usize,
+    /// Which variables were found.
+    pub launcher: Launcher,
+    /// Rendezvous store.
+    pub store: StoreSpec,
+}
+
+fn parse_usize(name: &str, v: &str) -> Result<usize> {
+    v.trim()
+        .parse::<usize>()
+        .map_err(|_| Error::Config(format!("{name}={v:?} is not a non-negative integer")))
+}
+
+impl EnvInfo {
+    /// Read the process environment.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable that is missing or malformed.
+    pub fn from_env() -> Result<EnvInfo> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Parse from any variable lookup (tests pass a map).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable that is missing or malformed.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<EnvInfo> {
+        let sets: [(Launcher, &str, &str, &str); 3] = [
+            (Launcher::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+            (
+                Launcher::OpenMpi,
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+            ),
+            (Launcher::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+        ];
+        let Some((launcher, rk, wk, lk)) =
+            sets.into_iter().find(|(_, r, w, _)| get(r).is_some() || get(w).is_some())
+        else {
+            return Err(Error::Config(
+                "no rank information: set RANK and WORLD_SIZE (torchrun style, or start with \
+                 tutti-run), or run under mpirun or srun"
+                    .into(),
+            ));
+        };
+        let need = |k: &str| get(k).ok_or_else(|| Error::Config(format!("{k} is not set")));
+        let rank = parse_usize(rk, &need(rk)?)?;
+        let world = parse_usize(wk, &need(wk)?)?;
+        if world == 0 {
+            return Err(Error::Config(format!("{wk}=0: a job needs at least one rank")));
+        }
+        if rank >= world {
+            return Err(Error::Config(format!("{rk}={rank} is not below {wk}={world}")));
+        }
+        let local_rank = match get(lk) {
+            Some(v) => parse_usize(lk, &v)?,
+            None => 0,
+        };
+        let store = match get("TUTTI_STORE") {
+            Some(s) => parse_store(&s)?,
+            None => {
+                let host = get("MASTER_ADDR").ok_or_else(|| {
+                    Error::Config(
+                        "MASTER_ADDR is not set: set MASTER_ADDR and MASTER_PORT to rank 0's \
+                         host and a free port, or TUTTI_STORE=file:///shared/dir"
+                            .into(),
+                    )
+                })?;
+                let port_s = get("MASTER_PORT").ok_or_else(|| {
+                    Error::Config("MASTER_PORT is not set (MASTER_ADDR is)".into())
+                })?;
+                let port =
+                    port_s.trim().parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+                        Error::Config(format!("MASTER_PORT={port_s:?} is not a port (1-65535)"))
+                    })?;
+                if host.trim().is_empty() {
+                    return Err(Error::Config("MASTER_ADDR is empty".into()));
+                }
+                StoreSpec::Tcp { host: host.trim().to_string(), port }
+            }
+        };
+        Ok(EnvInfo { rank, world, local_rank, launcher, store })
+    }
+}
+
+fn parse_store(s: &str) -> Result<StoreSpec> {
+    if let Some(path) = s.strip_prefix("file://") {
+        if path.is_empty() {
+            return Err(Error::Config("TUTTI_STORE=file:// needs a directory".into()));
+        }
+        return Ok(StoreSpec::File(path.into()));
+    }
+    if let Some(hp) = s.strip_prefix("tcp://") {
+        let (host, port) = hp
+            .rsplit_once(':')
+            .ok_or_else(|| Error::Config(format!("TUTTI_STORE={s:?} needs tcp://host:port")))?;
+        let port = port
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| Error::Config(format!("TUTTI_STORE={s:?}: bad port")))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+        return Ok(StoreSpec::Tcp { host, port });
+    }
+    Err(Error::Config(format!("TUTTI_STORE={s:?}: expected tcp://host:port or file:///dir")))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<EnvInfo> {
+        let m: HashMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        EnvInfo::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world, e.local_rank, e.launcher), (3, 8, 1, Launcher::Torchrun));
+        assert_eq!(e.store, StoreSpec::Tcp { host: "10.0.0.1".into(), port: 29500 });
+    }
+
+    #[test]
+    fn openmpi_and_slurm() {
+        let e = env(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("TUTTI_STORE", "file:///tmp/x"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world, e.launcher), (2, 4, Launcher::OpenMpi));
+        assert_eq!(e.store, StoreSpec::File("/tmp/x".into()));
+        let e = env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("TUTTI_STORE", "tcp://[::1]:7000"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world, e.local_rank, e.launcher), (5, 6, 1, Launcher::Slurm));
+        assert_eq!(e.store, StoreSpec::Tcp { host: "::1".into(), port: 7000 });
+    }
+
+    #[test]
+    fn torchrun_wins_over_slurm() {
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap();
+        assert_eq!(e.launcher, Launcher::Torchrun);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let msg = |r: Result<EnvInfo>| r.unwrap_err().to_string();
+        assert!(msg(env(&[])).contains("RANK and WORLD_SIZE"));
+        assert!(msg(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).contains("RANK=\"x\""));
+        assert!(msg(env(&[("RANK", "0")])).contains("WORLD_SIZE is not set"));
+        assert!(msg(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).contains("not below"));
+        assert!(msg(env(&[("RANK", "0"), ("WORLD_SIZE", "0")])).contains("at least one"));
+        assert!(msg(env(&[("RANK", "0"), ("WORLD_SIZE", "1")])).contains("MASTER_ADDR"));
+        let m = msg(env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "99999"),
+        ]));
+        assert!(m.contains("MASTER_PORT=\"99999\""), "{m}");
+        assert!(msg(env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("TUTTI_STORE", "redis://x")]))
+            .contains("TUTTI_STORE"));
+        assert!(msg(env(&[("SLURM_PROCID", "-1"), ("SLURM_NTASKS", "2")])).contains("SLURM_PROCID"));
+    }
+}

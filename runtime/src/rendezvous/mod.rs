@@ -1,0 +1,173 @@
+//! Rendezvous: from environment variables to a connected [`Group`].
+//!
+//! ```text
+//! env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TUTTI_*)
+//!   → rank 0 serves the TCP store on MASTER_ADDR:MASTER_PORT (or a file store is used)
+//!   → every rank claims its rank number (duplicates are refused), learns the job id and token
+//!   → every rank listens on its chosen address (port from the OS) and publishes it
+//!   → full mesh of authenticated TCP connections → Group
+//! ```
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::info;
+
+use crate::auth::{self, JobKey};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::transport::tcp::{JobIdentity, TcpConfig, TcpTransport};
+
+pub mod env;
+pub mod ifaddr;
+pub mod store;
+
+pub use env::{EnvInfo, Launcher, StoreSpec};
+pub use store::{FileStore, Store, StoreServer, TcpStore};
+
+/// Options for [`init`]; [`Options::from_env`] reads the `TUTTI_*` variables.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Job token (`TUTTI_TOKEN`). Default: none, and rank 0 generates one and hands it out
+    /// through the store. Hazard: without a token, anyone who can reach the store can join.
+    pub token: Option<String>,
+    /// Interface filter (`TUTTI_SOCKET_IFNAME`, NCCL syntax). Default: the route to the master.
+    pub ifname: Option<ifaddr::IfSpec>,
+    /// Per-operation timeout (`TUTTI_TIMEOUT`, seconds). Default 30 s.
+    pub timeout: Duration,
+    /// TCP transport settings (`TUTTI_CONNECT_TIMEOUT` seconds, `TUTTI_SPIN_US`).
+    pub tcp: TcpConfig,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            token: None,
+            ifname: None,
+            timeout: crate::group::DEFAULT_TIMEOUT,
+            tcp: TcpConfig::default(),
+        }
+    }
+}
+
+fn secs(name: &str, v: &str) -> Result<Duration> {
+    let f: f64 =
+        v.trim().parse().ok().filter(|f: &f64| f.is_finite() && *f > 0.0).ok_or_else(|| {
+            Error::Config(format!("{name}={v:?} is not a positive number of seconds"))
+        })?;
+    Ok(Duration::from_secs_f64(f))
+}
+
+impl Options {
+    /// Read `TUTTI_TOKEN`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT` and
+    /// `TUTTI_SPIN_US`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming a malformed variable.
+    pub fn from_env() -> Result<Options> {
+        let mut o = Options::default();
+        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        o.token = get("TUTTI_TOKEN");
+        if let Some(v) = get("TUTTI_SOCKET_IFNAME") {
+            o.ifname = Some(v.parse()?);
+        }
+        if let Some(v) = get("TUTTI_TIMEOUT") {
+            o.timeout = secs("TUTTI_TIMEOUT", &v)?;
+        }
+        if let Some(v) = get("TUTTI_CONNECT_TIMEOUT") {
+            o.tcp.connect_timeout = secs("TUTTI_CONNECT_TIMEOUT", &v)?;
+        }
+        if let Some(v) = get("TUTTI_SPIN_US") {
+            let us: u64 = v.trim().parse().map_err(|_| {
+                Error::Config(format!("TUTTI_SPIN_US={v:?} is not a whole number of µs"))
+            })?;
+            o.tcp.spin = Duration::from_micros(us);
+        }
+        Ok(o)
+    }
+}
+
+/// Rendezvous from the environment and connect: what a program launched by `tutti-run`,
+/// torchrun, srun or mpirun calls first.
+///
+/// # Errors
+/// [`Error::Config`] for missing or malformed variables; [`Error::Store`] and
+/// [`Error::Rendezvous`] naming the ranks that could not be reached or disagree.
+pub fn init_from_env() -> Result<Group> {
+    init(&EnvInfo::from_env()?, &Options::from_env()?)
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::Config(format!("cannot resolve MASTER_ADDR {host:?}: {e}")))?
+        .next()
+        .ok_or_else(|| Error::Config(format!("MASTER_ADDR {host:?} resolves to no address")))
+}
+
+/// Rendezvous with explicit environment and options.
+///
+/// # Errors
+/// As [`init_from_env`].
+pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
+    let (rank, world) = (env.rank, env.world);
+    let deadline = opts.tcp.connect_timeout;
+    let key = opts.token.as_deref().map(JobKey::from_token);
+    let mut keep: Vec<Arc<dyn std::any::Any + Send + Sync>> = Vec::new();
+    let (store, master_ip): (Arc<dyn Store>, Option<IpAddr>) = match &env.store {
+        StoreSpec::File(dir) => (Arc::new(FileStore::new(dir)?), None),
+        StoreSpec::Tcp { host, port } => {
+            let addr = resolve(host, *port)?;
+            if rank == 0 {
+                keep.push(Arc::new(StoreServer::start(addr, world, key.clone())?));
+            }
+            let s = TcpStore::connect(addr, rank, world, key.as_ref(), deadline)?;
+            (Arc::new(s), Some(addr.ip()))
+        }
+    };
+    let claims = store.add(&format!("tutti/rank/{rank}"), 1)?;
+    if claims > 1 {
+        return Err(Error::Rendezvous {
+            rank,
+            detail: format!(
+                "{claims} processes claim rank {rank}: duplicate RANK values, or two jobs share \
+                 one store (MASTER_PORT)"
+            ),
+        });
+    }
+    let (token, job) = if rank == 0 {
+        let token = match &opts.token {
+            Some(t) => t.clone(),
+            None => auth::random_token().map_err(Error::Config)?,
+        };
+        let job = u64::from_le_bytes(auth::random::<8>().map_err(Error::Config)?);
+        if opts.token.is_none() {
+            store.set("tutti/token", token.as_bytes())?;
+        }
+        store.set("tutti/job", &job.to_le_bytes())?;
+        (token, job)
+    } else {
+        let job_raw = store.get("tutti/job", deadline).map_err(|_| Error::Rendezvous {
+            rank,
+            detail: format!("rank 0 did not publish the job id within {deadline:?}"),
+        })?;
+        let job =
+            <[u8; 8]>::try_from(job_raw.as_slice()).map(u64::from_le_bytes).map_err(|_| {
+                Error::Rendezvous { rank, detail: "malformed job id in the store".into() }
+            })?;
+        let token = match &opts.token {
+            Some(t) => t.clone(),
+            None => String::from_utf8_lossy(&store.get("tutti/token", deadline)?).into_owned(),
+        };
+        (token, job)
+    };
+    let mut tcp = opts.tcp.clone();
+    tcp.bind_ip = ifaddr::select(opts.ifname.as_ref(), master_ip)?;
+    let id = JobIdentity { rank, world, job, key: JobKey::from_token(&token) };
+    let t = TcpTransport::connect(&id, store.as_ref(), &tcp)?;
+    info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete");
+    let g = Group::with_keep(Arc::new(t), keep);
+    g.set_timeout(opts.timeout);
+    Ok(g)
+}

@@ -1,0 +1,96 @@
+//! Helpers to build whole jobs inside one process, for tests, examples and benchmarks.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::auth::JobKey;
+use crate::error::Result;
+use crate::group::Group;
+use crate::rendezvous::{Store, StoreServer, TcpStore};
+use crate::transport::mem::MemTransport;
+use crate::transport::tcp::{JobIdentity, TcpConfig, TcpTransport};
+use crate::transport::Transport;
+
+/// Which transport a test job uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Kind {
+    /// In-memory.
+    Mem,
+    /// TCP over 127.0.0.1.
+    Tcp,
+}
+
+/// A TCP job of `n` ranks on 127.0.0.1, all in this process (one store, ports from the OS).
+/// Returns the transports in rank order and the store server (keep it alive while connecting).
+///
+/// # Errors
+/// Any rendezvous failure.
+pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
+    let key = JobKey::from_token("tutti-test");
+    let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), n, Some(key.clone()))?;
+    let addr = server.addr();
+    let job = 0x7475_7474_6900_0000 ^ addr.port() as u64;
+    let results: Vec<Result<TcpTransport>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (key, cfg) = (key.clone(), cfg.clone());
+                s.spawn(move || {
+                    let store = TcpStore::connect(addr, rank, n, Some(&key), cfg.connect_timeout)?;
+                    let id = JobIdentity { rank, world: n, job, key };
+                    TcpTransport::connect(&id, &store as &dyn Store, &cfg)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| match h.join() {
+                Ok(r) => r,
+                Err(p) => std::panic::resume_unwind(p),
+            })
+            .collect()
+    });
+    let ts = results.into_iter().collect::<Result<Vec<_>>>()?;
+    Ok((ts, server))
+}
+
+/// Transports of a job of `n` ranks of the given kind, in rank order.
+///
+/// # Errors
+/// Rendezvous failures (TCP).
+pub fn world(kind: Kind, n: usize) -> Result<Vec<Arc<dyn Transport>>> {
+    Ok(match kind {
+        Kind::Mem => {
+            MemTransport::world(n).into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
+        }
+        Kind::Tcp => {
+            let cfg =
+                TcpConfig { connect_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+            let (ts, _server) = tcp_world(n, &cfg)?;
+            ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
+        }
+    })
+}
+
+/// World groups of a job of `n` ranks of the given kind, in rank order.
+///
+/// # Errors
+/// Rendezvous failures (TCP).
+pub fn groups(kind: Kind, n: usize) -> Result<Vec<Group>> {
+    Ok(world(kind, n)?.into_iter().map(Group::new).collect())
+}
+
+/// Run `f(group)` on one thread per rank and collect the results in rank order. A panic on any
+/// rank is re-raised.
+pub fn run<T: Send>(groups: Vec<Group>, f: impl Fn(Group) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = groups.into_iter().map(|g| s.spawn(move || f(g))).collect();
+        hs.into_iter()
+            .map(|h| match h.join() {
+                Ok(v) => v,
+                Err(p) => std::panic::resume_unwind(p),
+            })
+            .collect()
+    })
+}

@@ -1,0 +1,272 @@
+//! Matching of arriving messages to posted receives, shared by every transport.
+//!
+//! Per source peer, posted receives and unexpected (arrived before being posted) messages wait in
+//! FIFO order. A message matches the first posted receive with the same [`Tag`]; its fingerprint
+//! and length are then checked. A data frame for a later sequence number of a group while a
+//! receive for an earlier one is still posted proves the peer moved on without sending what this
+//! rank waits for: that receive fails as a mismatch instead of hanging until the timeout.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use crate::error::{Error, OpContext, Result};
+use crate::transport::OpId;
+use crate::wire::{MsgDesc, Tag};
+
+/// Groups at or above this id carry point-to-point traffic, whose sequence numbers never advance.
+pub(crate) const P2P_GROUP_BIT: u32 = 0x8000_0000;
+
+/// A raw buffer pointer that may cross threads; the poster's safety contract keeps it valid.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawBuf(pub(crate) *mut u8);
+
+// SAFETY: the pointer is only dereferenced while the operation that owns it is posted, and the
+// poster guarantees exclusive access to the range for that long (see `Transport::post_recv`).
+unsafe impl Send for RawBuf {}
+
+/// A posted receive waiting for its message.
+#[derive(Debug)]
+pub(crate) struct RecvPost {
+    pub(crate) id: OpId,
+    pub(crate) desc: MsgDesc,
+    pub(crate) buf: RawBuf,
+    pub(crate) cap: usize,
+}
+
+/// State of one posted operation.
+#[derive(Debug)]
+pub(crate) enum OpState {
+    Pending { peer: usize, desc: MsgDesc, bytes: u64, posted: Instant },
+    Done(usize),
+    Failed(Error),
+}
+
+/// The table of operations posted on one rank.
+#[derive(Debug, Default)]
+pub(crate) struct Ops {
+    map: HashMap<u64, OpState>,
+    next: u64,
+}
+
+impl Ops {
+    pub(crate) fn insert(&mut self, peer: usize, desc: MsgDesc, bytes: usize) -> OpId {
+        self.next += 1;
+        let state = OpState::Pending { peer, desc, bytes: bytes as u64, posted: Instant::now() };
+        self.map.insert(self.next, state);
+        OpId(self.next)
+    }
+
+    pub(crate) fn complete(&mut self, id: OpId, bytes: usize) {
+        if let Some(s) = self.map.get_mut(&id.0) {
+            if matches!(s, OpState::Pending { .. }) {
+                *s = OpState::Done(bytes);
+            }
+        }
+    }
+
+    pub(crate) fn fail(&mut self, id: OpId, err: Error) {
+        if let Some(s) = self.map.get_mut(&id.0) {
+            if matches!(s, OpState::Pending { .. }) {
+                *s = OpState::Failed(err);
+            }
+        }
+    }
+
+    /// Fail every pending operation; `make` builds the error from (peer, context).
+    pub(crate) fn fail_all(&mut self, mut make: impl FnMut(usize, OpContext) -> Error) {
+        for s in self.map.values_mut() {
+            if let OpState::Pending { peer, desc, bytes, posted } = s {
+                let err = make(*peer, context(desc, 0, *bytes, *posted));
+                *s = OpState::Failed(err);
+            }
+        }
+    }
+
+    /// Fail every pending operation with `peer`.
+    pub(crate) fn fail_peer(&mut self, peer: usize, mut make: impl FnMut(OpContext) -> Error) {
+        for s in self.map.values_mut() {
+            if let OpState::Pending { peer: p, desc, bytes, posted } = s {
+                if *p == peer {
+                    let err = make(context(desc, 0, *bytes, *posted));
+                    *s = OpState::Failed(err);
+                }
+            }
+        }
+    }
+
+    /// `Some(result)` when finished (and forgets the op); `None` while pending or unknown.
+    pub(crate) fn take_finished(&mut self, id: OpId) -> Option<Result<usize>> {
+        match self.map.get(&id.0)? {
+            OpState::Pending { .. } => None,
+            _ => match self.map.remove(&id.0) {
+                Some(OpState::Done(n)) => Some(Ok(n)),
+                Some(OpState::Failed(e)) => Some(Err(e)),
+                _ => None,
+            },
+        }
+    }
+
+    pub(crate) fn pending(&self, id: OpId) -> Option<(usize, MsgDesc, u64, Instant)> {
+        match self.map.get(&id.0)? {
+            OpState::Pending { peer, desc, bytes, posted } => Some((*peer, *desc, *bytes, *posted)),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn forget(&mut self, id: OpId) {
+        self.map.remove(&id.0);
+    }
+}
+
+/// Context of an operation for error messages.
+pub(crate) fn context(desc: &MsgDesc, done: u64, bytes: u64, posted: Instant) -> OpContext {
+    OpContext {
+        op: desc.fp.op,
+        group: desc.tag.group,
+        seq: desc.tag.seq,
+        step: desc.tag.step,
+        bytes_done: done,
+        bytes,
+        elapsed: posted.elapsed(),
+    }
+}
+
+/// Check an arriving message against the receive posted for its tag.
+pub(crate) fn check(
+    rank: usize,
+    peer: usize,
+    post: &RecvPost,
+    got: &MsgDesc,
+    len: u64,
+    posted_at: Instant,
+) -> Result<()> {
+    if post.desc.fp != got.fp {
+        return Err(Error::Mismatch {
+            rank,
+            peer,
+            expected: post.desc.to_string(),
+            got: got.to_string(),
+        });
+    }
+    if len > post.cap as u64 {
+        return Err(Error::TooLong {
+            rank,
+            peer,
+            ctx: Box::new(context(&post.desc, 0, post.cap as u64, posted_at)),
+            posted: post.cap as u64,
+            got: len,
+        });
+    }
+    Ok(())
+}
+
+/// What became of a posted receive.
+#[derive(Debug)]
+pub(crate) enum Posted {
+    /// An unexpected message with its tag was waiting: check and copy it.
+    Matched(RecvPost, MsgDesc, Vec<u8>),
+    /// The peer already sent this later message of the group: the receive can never match.
+    Stale(RecvPost, MsgDesc),
+    /// Queued until its message arrives.
+    Queued,
+}
+
+/// Where an arriving message goes.
+#[derive(Debug)]
+pub(crate) enum Dest {
+    /// Into this posted receive (already removed from the queue; check it first).
+    Posted(RecvPost),
+    /// Into the unexpected queue.
+    Unexpected,
+}
+
+/// Posted receives and unexpected messages from one source peer.
+#[derive(Debug, Default)]
+pub(crate) struct PeerQueues {
+    posted: VecDeque<RecvPost>,
+    unexpected: VecDeque<(MsgDesc, Vec<u8>)>,
+}
+
+impl PeerQueues {
+    /// Post a receive: takes an unexpected message with its tag if one is waiting (the caller
+    /// checks and copies it); fails it as stale when the peer already sent a later collective of
+    /// the same group; else queues it.
+    pub(crate) fn post(&mut self, post: RecvPost) -> Posted {
+        let tag = post.desc.tag;
+        if let Some(i) = self.unexpected.iter().position(|(d, _)| d.tag == tag) {
+            if let Some((desc, data)) = self.unexpected.remove(i) {
+                return Posted::Matched(post, desc, data);
+            }
+        }
+        if tag.group & P2P_GROUP_BIT == 0 {
+            let later = self
+                .unexpected
+                .iter()
+                .find(|(d, _)| d.tag.group == tag.group && d.tag.seq > tag.seq);
+            if let Some((d, _)) = later {
+                let d = *d;
+                return Posted::Stale(post, d);
+            }
+        }
+        self.posted.push_back(post);
+        Posted::Queued
+    }
+
+    /// A data header arrived: find its destination. Receives proven unmatched by a sequence
+    /// advance are returned in `stale` for the caller to fail.
+    pub(crate) fn arrive(&mut self, desc: &MsgDesc, stale: &mut Vec<RecvPost>) -> Dest {
+        let tag = desc.tag;
+        if let Some(i) = self.posted.iter().position(|p| p.desc.tag == tag) {
+            if let Some(p) = self.posted.remove(i) {
+                return Dest::Posted(p);
+            }
+        }
+        if tag.group & P2P_GROUP_BIT == 0 {
+            let mut i = 0;
+            while i < self.posted.len() {
+                let t: Tag = self.posted[i].desc.tag;
+                if t.group == tag.group && t.seq < tag.seq {
+                    if let Some(p) = self.posted.remove(i) {
+                        stale.push(p);
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        Dest::Unexpected
+    }
+
+    /// Queue a fully arrived unexpected message.
+    pub(crate) fn push_unexpected(&mut self, desc: MsgDesc, data: Vec<u8>) {
+        self.unexpected.push_back((desc, data));
+    }
+
+    /// Remove a posted receive (cancel); true if it was still queued.
+    pub(crate) fn remove(&mut self, id: OpId) -> bool {
+        if let Some(i) = self.posted.iter().position(|p| p.id == id) {
+            self.posted.remove(i);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Drop every queued receive (after the peer failed).
+    pub(crate) fn clear_posted(&mut self) {
+        self.posted.clear();
+    }
+}
+
+/// The error for a receive whose peer moved on to a later collective.
+pub(crate) fn stale_error(rank: usize, peer: usize, post: &RecvPost, got: &MsgDesc) -> Error {
+    Error::Mismatch {
+        rank,
+        peer,
+        expected: post.desc.to_string(),
+        got: format!(
+            "{got} (rank {peer} already moved on to a later collective without sending the \
+             expected message)"
+        ),
+    }
+}

@@ -1,0 +1,207 @@
+//! The transport: point-to-point send and receive, nothing else.
+//!
+//! A [`Transport`] connects the `world_size` ranks of one job. Algorithms post sends of byte
+//! ranges to a peer and receives into byte ranges from a peer, each under a [`MsgDesc`] (tag plus
+//! fingerprint), and wait for them with a deadline. Several operations may be in flight per peer;
+//! messages of one (peer, tag) arrive in order; a receive lands directly in the caller's buffer.
+//!
+//! The raw posting methods are `unsafe` because the transport keeps the buffer's address until the
+//! operation completes or is cancelled (Gloo's `UnboundBuffer` model). Safe code uses
+//! [`TransportExt`]: blocking [`send`](TransportExt::send) / [`recv`](TransportExt::recv) and
+//! [`exchange`](TransportExt::exchange), which posts many operations and waits for all of them
+//! while it holds the borrows.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::wire::MsgDesc;
+
+pub(crate) mod matcher;
+pub mod mem;
+pub mod tcp;
+
+/// Identifies a posted operation on one transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(pub u64);
+
+/// Point-to-point message passing between the ranks of one job.
+///
+/// Implementations: [`mem::MemTransport`] (ranks as threads) and [`tcp::TcpTransport`] (ranks as
+/// processes). Collective algorithms see only this trait.
+pub trait Transport: Send + Sync {
+    /// This process's rank in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the job.
+    fn world_size(&self) -> usize;
+
+    /// Name of the transport (`mem`, `tcp`, …), for logs and benchmarks.
+    fn name(&self) -> &'static str;
+
+    /// Post a send of `len` bytes at `data` to `peer` under `desc`.
+    ///
+    /// # Safety
+    /// `data..data+len` must stay valid for reads, and must not be written, until
+    /// [`wait`](Transport::wait) or [`test`](Transport::test) reports the operation finished, or
+    /// [`cancel`](Transport::cancel) returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad peer; the poisoning error once the transport failed.
+    unsafe fn post_send(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) -> Result<OpId>;
+
+    /// Post a receive of at most `cap` bytes into `buf` from `peer` under `desc`.
+    ///
+    /// # Safety
+    /// `buf..buf+cap` must stay valid for writes, and must not be accessed, until the operation
+    /// finished or [`cancel`](Transport::cancel) returns.
+    ///
+    /// # Errors
+    /// As [`post_send`](Transport::post_send).
+    unsafe fn post_recv(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        buf: *mut u8,
+        cap: usize,
+    ) -> Result<OpId>;
+
+    /// Wait until `op` finishes or `deadline` passes. Returns the bytes moved. A finished
+    /// operation is forgotten: wait for each at most once.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] at the deadline (the operation stays posted: cancel it or wait again);
+    /// the operation's own failure ([`Error::PeerLost`], [`Error::Mismatch`], …).
+    fn wait(&self, op: OpId, deadline: Instant) -> Result<usize>;
+
+    /// Make progress without blocking; `Some(bytes)` when `op` has finished (and is forgotten).
+    ///
+    /// # Errors
+    /// As [`wait`](Transport::wait), without timeouts.
+    fn test(&self, op: OpId) -> Result<Option<usize>>;
+
+    /// Withdraw a posted operation. When this returns, the transport no longer touches its buffer
+    /// (a partly written send is completed from a private copy; a partly read receive is
+    /// drained). Unknown or finished ids are ignored.
+    fn cancel(&self, op: OpId);
+
+    /// Fail every pending and future operation with [`Error::Aborted`]. Idempotent, callable from
+    /// any thread, never blocks for long.
+    fn abort(&self, reason: &str);
+
+    /// The error that poisoned this transport, if any.
+    fn poisoned(&self) -> Option<Error>;
+}
+
+/// One operation for [`TransportExt::exchange`].
+#[derive(Debug)]
+pub enum Op<'a> {
+    /// Send `data` to `peer`.
+    Send {
+        /// Destination rank.
+        peer: usize,
+        /// Tag and fingerprint.
+        desc: MsgDesc,
+        /// Payload.
+        data: &'a [u8],
+    },
+    /// Receive from `peer` into `buf`; `received` is set to the bytes that arrived.
+    Recv {
+        /// Source rank.
+        peer: usize,
+        /// Tag and fingerprint.
+        desc: MsgDesc,
+        /// Destination.
+        buf: &'a mut [u8],
+        /// Bytes received, set by `exchange`.
+        received: usize,
+    },
+}
+
+/// Safe conveniences over the raw [`Transport`] methods.
+pub trait TransportExt: Transport {
+    /// Send `data` to `peer` and wait until it is handed to the transport's wire.
+    ///
+    /// # Errors
+    /// As [`Transport::wait`].
+    fn send(&self, peer: usize, desc: MsgDesc, data: &[u8], timeout: Duration) -> Result<()> {
+        let mut ops = [Op::Send { peer, desc, data }];
+        self.exchange(&mut ops, timeout)
+    }
+
+    /// Receive from `peer` into `buf`; returns the bytes received.
+    ///
+    /// # Errors
+    /// As [`Transport::wait`]; [`Error::TooLong`] when the message does not fit.
+    fn recv(&self, peer: usize, desc: MsgDesc, buf: &mut [u8], timeout: Duration) -> Result<usize> {
+        let mut ops = [Op::Recv { peer, desc, buf, received: 0 }];
+        self.exchange(&mut ops, timeout)?;
+        match ops {
+            [Op::Recv { received, .. }] => Ok(received),
+            _ => unreachable!("the array holds the one receive built above"),
+        }
+    }
+
+    /// Post every operation, then wait for all of them (in order) within `timeout`. On the first
+    /// error the rest are cancelled and the error is returned.
+    ///
+    /// # Errors
+    /// The first failure among the operations.
+    fn exchange(&self, ops: &mut [Op<'_>], timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut ids = Vec::with_capacity(ops.len());
+        let mut result = Ok(());
+        for op in ops.iter_mut() {
+            // SAFETY: the buffers are borrowed for the whole call and every posted id is waited
+            // for or cancelled below before the borrows end.
+            let posted = unsafe {
+                match op {
+                    Op::Send { peer, desc, data } => {
+                        self.post_send(*peer, *desc, data.as_ptr(), data.len())
+                    }
+                    Op::Recv { peer, desc, buf, .. } => {
+                        self.post_recv(*peer, *desc, buf.as_mut_ptr(), buf.len())
+                    }
+                }
+            };
+            match posted {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        let mut done = 0;
+        if result.is_ok() {
+            for (i, id) in ids.iter().enumerate() {
+                match self.wait(*id, deadline) {
+                    Ok(n) => {
+                        if let Op::Recv { received, .. } = &mut ops[i] {
+                            *received = n;
+                        }
+                        done = i + 1;
+                    }
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
+        for id in &ids[done..] {
+            self.cancel(*id);
+        }
+        result
+    }
+}
+
+impl<T: Transport + ?Sized> TransportExt for T {}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1070 @@
+//! The TCP progress engine: every peer connection of one rank, driven by whichever thread waits.
+//!
+//! There is no I/O thread on the data path. A thread in [`Engine::wait`] makes progress on every
+//! connection with work: it writes queued frames with one vectored `sendmsg` (header and payload
+//! together) and reads arriving frames, payloads straight into the posted receive buffer. Posting
+//! a send writes at once when the socket has room, so small messages leave without waiting for
+//! anyone. A waiter first spins for a short, bounded time yielding the CPU between attempts, then
+//! blocks in `poll(2)` with the lock released; 2-core machines running 4+ ranks never spin
+//! without bound.
+
+use std::collections::VecDeque;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use crate::error::{Error, OpContext, Result};
+use crate::transport::matcher::{self, Dest, Ops, PeerQueues, Posted, RawBuf, RecvPost};
+use crate::transport::OpId;
+use crate::wire::{FrameKind, Header, HeaderError, MsgDesc, HEADER_LEN};
+
+/// Bytes of the per-connection staging buffer small frames are read through.
+const STAGE: usize = 64 * 1024;
+/// A payload with at least this much left is read directly into its destination.
+const DIRECT_MIN: usize = 16 * 1024;
+/// Longest abort reason accepted from a peer.
+const MAX_ABORT_REASON: u64 = 4096;
+/// Most frames gathered into one `sendmsg`.
+const MAX_IOV: usize = 64;
+/// Longest a waiter sleeps in `poll` before looking again (abort and deadlines are also checked).
+const POLL_SLICE: Duration = Duration::from_millis(100);
+
+/// Tunables of the engine.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineConfig {
+    pub(crate) spin: Duration,
+    pub(crate) unexpected_limit: u64,
+}
+
+enum Payload {
+    Borrowed(*const u8),
+    Owned(Vec<u8>),
+}
+
+struct SendItem {
+    id: Option<OpId>,
+    hdr: [u8; HEADER_LEN],
+    data: Payload,
+    len: usize,
+    /// Bytes of header plus payload already written.
+    off: usize,
+}
+
+impl SendItem {
+    fn total(&self) -> usize {
+        HEADER_LEN + self.len
+    }
+
+    fn data_ptr(&self) -> *const u8 {
+        match &self.data {
+            Payload::Borrowed(p) => *p,
+            Payload::Owned(v) => v.as_ptr(),
+        }
+    }
+}
+
+enum RxDest {
+    Posted { id: OpId, buf: RawBuf },
+    Unexpected { desc: MsgDesc, data: Vec<u8> },
+    Abort(Vec<u8>),
+    Discard,
+}
+
+struct RxFrame {
+    dest: RxDest,
+    len: usize,
+    done: usize,
+}
+
+struct Conn {
+    stream: TcpStream,
+    fd: RawFd,
+    sendq: VecDeque<SendItem>,
+    stage: Box<[u8]>,
+    start: usize,
+    end: usize,
+    hdr: [u8; HEADER_LEN],
+    hdr_have: usize,
+    cur: Option<RxFrame>,
+    /// Receives posted for this peer that wait for data (queued or being filled).
+    want: usize,
+    /// The peer said it is shutting down cleanly (a close frame arrived).
+    peer_closed: bool,
+    last_tx: Instant,
+}
+
+// SAFETY: the raw pointers inside (`Payload::Borrowed`, `RxDest::Posted`) are only dereferenced
+// under the engine lock while their operations are posted; posters guarantee validity until then.
+unsafe impl Send for Conn {}
+
+/// Why a connection failed.
+enum ConnFail {
+    Closed,
+    Io(std::io::Error),
+    Protocol(String),
+    Aborted(String),
+}
+
+pub(crate) struct Inner {
+    rank: usize,
+    conns: Vec<Option<Conn>>,
+    queues: Vec<PeerQueues>,
+    ops: Ops,
+    poisoned: Option<Error>,
+    unexpected_bytes: u64,
+    cfg: EngineConfig,
+}
+
+/// All connections of one rank.
+pub(crate) struct Engine {
+    rank: usize,
+    world: usize,
+    inner: Mutex<Inner>,
+    aborted: AtomicBool,
+    wake_rx: RawFd,
+    wake_tx: RawFd,
+}
+
+impl Engine {
+    /// Build an engine over connected streams (`None` at our own index).
+    pub(crate) fn new(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        cfg: EngineConfig,
+    ) -> std::io::Result<Engine> {
+        let world = streams.len();
+        let mut conns = Vec::with_capacity(world);
+        for s in streams {
+            conns.push(match s {
+                None => None,
+                Some(stream) => {
+                    stream.set_nonblocking(true)?;
+                    stream.set_nodelay(true)?;
+                    let now = Instant::now();
+                    Some(Conn {
+                        fd: stream.as_raw_fd(),
+                        stream,
+                        sendq: VecDeque::new(),
+                        stage: vec![0u8; STAGE].into_boxed_slice(),
+                        start: 0,
+                        end: 0,
+                        hdr: [0; HEADER_LEN],
+                        hdr_have: 0,
+                        cur: None,
+                        want: 0,
+                        peer_closed: false,
+                        last_tx: now,
+                    })
+                }
+            });
+        }
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Engine {
+            rank,
+            world,
+            inner: Mutex::new(Inner {
+                rank,
+                conns,
+                queues: (0..world).map(|_| PeerQueues::default()).collect(),
+                ops: Ops::default(),
+                poisoned: None,
+                unexpected_bytes: 0,
+                cfg,
+            }),
+            aborted: AtomicBool::new(false),
+            wake_rx: fds[0],
+            wake_tx: fds[1],
+        })
+    }
+
+    pub(crate) fn world(&self) -> usize {
+        self.world
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Critical sections do not panic on network input; if a caller's thread panicked inside
+        // one, the state is still structurally valid, so continue rather than cascade panics.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wake(&self) {
+        let b = 1u8;
+        // SAFETY: writing one byte from a valid local to our own pipe; errors (full pipe) are
+        // fine, a wake-up is already pending then.
+        unsafe { libc::write(self.wake_tx, (&b as *const u8).cast(), 1) };
+    }
+
+    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
+        if peer >= self.world {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op: what.into(),
+                detail: format!("peer rank {peer} is outside the world of {}", self.world),
+            });
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// See `Transport::post_send`.
+    pub(crate) unsafe fn post_send(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) -> Result<OpId> {
+        self.check_peer(peer, "send")?;
+        let mut g = self.lock();
+        if let Some(e) = &g.poisoned {
+            return Err(e.poisoned());
+        }
+        let id = g.ops.insert(peer, desc, len);
+        if peer == self.rank {
+            let slice: &[u8] = if len == 0 {
+                &[]
+            } else {
+                // SAFETY: caller guarantees the range is readable; the copy ends before return.
+                unsafe { std::slice::from_raw_parts(data, len) }
+            };
+            g.deliver_local(desc, slice);
+            g.ops.complete(id, len);
+            return Ok(id);
+        }
+        let hdr = Header::data(desc, self.rank, len).encode();
+        let item = SendItem { id: Some(id), hdr, data: Payload::Borrowed(data), len, off: 0 };
+        let Some(c) = g.conns[peer].as_mut().filter(|c| !c.peer_closed) else {
+            g.ops.forget(id);
+            return Err(closed_peer(self.rank, peer, &desc, len));
+        };
+        c.sendq.push_back(item);
+        // Eager write: small messages leave now, without waiting for a waiter.
+        g.progress_tx(peer);
+        Ok(id)
+    }
+
+    /// # Safety
+    /// See `Transport::post_recv`.
+    pub(crate) unsafe fn post_recv(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        buf: *mut u8,
+        cap: usize,
+    ) -> Result<OpId> {
+        self.check_peer(peer, "recv")?;
+        let mut g = self.lock();
+        if let Some(e) = &g.poisoned {
+            return Err(e.poisoned());
+        }
+        let id = g.ops.insert(peer, desc, cap);
+        let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
+        match g.queues[peer].post(post) {
+            Posted::Matched(post, got, data) => {
+                g.unexpected_bytes -= data.len() as u64;
+                g.fill_from_unexpected(peer, post, &got, &data);
+            }
+            Posted::Stale(post, got) => {
+                let err = matcher::stale_error(self.rank, peer, &post, &got);
+                g.ops.fail(id, err);
+            }
+            Posted::Queued => match g.conns[peer].as_mut() {
+                Some(c) if !c.peer_closed => c.want += 1,
+                _ if peer == self.rank => {}
+                _ => {
+                    g.queues[peer].remove(id);
+                    g.ops.forget(id);
+                    return Err(closed_peer(self.rank, peer, &desc, cap));
+                }
+            },
+        }
+        Ok(id)
+    }
+
+    pub(crate) fn test(&self, op: OpId) -> Result<Option<usize>> {
+        let mut g = self.lock();
+        g.progress_all(false);
+        g.ops.take_finished(op).transpose()
+    }
+
+    pub(crate) fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
+        let mut spin_until = None;
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
+        let mut fd_peer: Vec<usize> = Vec::with_capacity(self.world + 1);
+        loop {
+            {
+                let mut g = self.lock();
+                g.progress_all(false);
+                if let Some(r) = g.ops.take_finished(op) {
+                    return r;
+                }
+                let Some((peer, desc, bytes, posted)) = g.ops.pending(op) else {
+                    return Err(Error::InvalidArgument {
+                        rank: self.rank,
+                        op: "wait".into(),
+                        detail: format!("operation {op:?} is not posted (already waited for?)"),
+                    });
+                };
+                let now = Instant::now();
+                if now >= deadline {
+                    let done = g.bytes_done(op);
+                    return Err(Error::Timeout {
+                        rank: self.rank,
+                        peer,
+                        ctx: Box::new(matcher::context(&desc, done, bytes, posted)),
+                        timeout: deadline.saturating_duration_since(posted),
+                    });
+                }
+                let spin_end = *spin_until.get_or_insert(now + g.cfg.spin);
+                if now < spin_end {
+                    drop(g);
+                    std::thread::yield_now();
+                    continue;
+                }
+                fds.clear();
+                fd_peer.clear();
+                fds.push(libc::pollfd { fd: self.wake_rx, events: libc::POLLIN, revents: 0 });
+                fd_peer.push(usize::MAX);
+                for (peer, c) in g.conns.iter().enumerate() {
+                    let Some(c) = c else { continue };
+                    let mut events = libc::POLLIN;
+                    if !c.sendq.is_empty() {
+                        events |= libc::POLLOUT;
+                    }
+                    fds.push(libc::pollfd { fd: c.fd, events, revents: 0 });
+                    fd_peer.push(peer);
+                }
+            }
+            let slice = deadline.saturating_duration_since(Instant::now()).min(POLL_SLICE);
+            let ms = slice.as_millis().max(1) as libc::c_int;
+            // SAFETY: `fds` is a valid array of pollfd of the given length.
+            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+            if fds[0].revents != 0 {
+                let mut sink = [0u8; 64];
+                // SAFETY: reading into a local buffer from our own non-blocking pipe.
+                unsafe { libc::read(self.wake_rx, sink.as_mut_ptr().cast(), sink.len()) };
+            }
+            // Serve every connection poll flagged, including ones nobody waits on: their data
+            // goes to the unexpected queue (bounded) and a closed peer is noticed now.
+            if fds[1..].iter().any(|f| f.revents != 0) {
+                let mut g = self.lock();
+                for (f, &peer) in fds.iter().zip(&fd_peer).skip(1) {
+                    if f.revents & libc::POLLOUT != 0 {
+                        g.progress_tx(peer);
+                    }
+                    if f.revents & !libc::POLLOUT != 0 {
+                        g.progress_rx(peer);
+                    }
+                }
+            }
+            // After a block, spin again briefly: the next message often follows closely.
+            spin_until = None;
+        }
+    }
+
+    pub(crate) fn cancel(&self, op: OpId) {
+        let mut g = self.lock();
+        g.cancel(op);
+    }
+
+    pub(crate) fn abort(&self, reason: &str) {
+        if self.aborted.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut g = self.lock();
+        let err = Error::Aborted { rank: self.rank, reason: reason.to_string() };
+        g.poison(err, Some(reason));
+        drop(g);
+        self.wake();
+    }
+
+    pub(crate) fn poisoned(&self) -> Option<Error> {
+        self.lock().poisoned.clone()
+    }
+
+    /// Clean shutdown: send a close frame on every connection, let queued frames out, shut the
+    /// write side, and read (discarding) until each peer closes too or `timeout` passes. Reading
+    /// to the end keeps the kernel from answering late frames with a reset that could destroy
+    /// data the peer has not read yet.
+    pub(crate) fn shutdown(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.lock();
+        let rank = self.rank;
+        for c in g.conns.iter_mut().flatten() {
+            let hdr = Header::control(FrameKind::Close, rank, 0).encode();
+            c.sendq.push_back(SendItem {
+                id: None,
+                hdr,
+                data: Payload::Owned(Vec::new()),
+                len: 0,
+                off: 0,
+            });
+        }
+        let mut shut = vec![false; g.conns.len()];
+        let mut sink = vec![0u8; 64 * 1024];
+        loop {
+            let Inner { conns, ops, .. } = &mut *g;
+            let mut fds = Vec::new();
+            for (peer, slot) in conns.iter_mut().enumerate() {
+                let Some(c) = slot else { continue };
+                if c.flush(ops).is_err() {
+                    *slot = None;
+                    continue;
+                }
+                if !c.sendq.is_empty() {
+                    fds.push(libc::pollfd { fd: c.fd, events: libc::POLLOUT, revents: 0 });
+                    continue;
+                }
+                if !shut[peer] {
+                    let _ = c.stream.shutdown(std::net::Shutdown::Write);
+                    shut[peer] = true;
+                }
+                // SAFETY: reading into a local scratch buffer.
+                let r = unsafe {
+                    libc::recv(c.fd, sink.as_mut_ptr().cast(), sink.len(), libc::MSG_DONTWAIT)
+                };
+                let err = std::io::Error::last_os_error();
+                if r == 0 || (r < 0 && err.kind() != std::io::ErrorKind::WouldBlock) {
+                    *slot = None;
+                } else if r < 0 {
+                    fds.push(libc::pollfd { fd: c.fd, events: libc::POLLIN, revents: 0 });
+                }
+            }
+            if conns.iter().all(Option::is_none) {
+                return;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                debug!(rank, "shutdown: peers still open at the deadline; closing anyway");
+                return;
+            }
+            if !fds.is_empty() {
+                drop(g);
+                let ms = (deadline - now).min(POLL_SLICE).as_millis().max(1) as libc::c_int;
+                // SAFETY: valid pollfd array.
+                unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+                g = self.lock();
+            }
+        }
+    }
+
+    /// Handle control frames (keep-alive, close, abort) and closed connections without anyone
+    /// waiting: peeks at the next header of every idle connection and consumes it only when it
+    /// is a control frame, so data for receives not yet posted stays in the kernel. Called by the
+    /// transport's background thread; this is how an abort or a death reaches a rank that is
+    /// computing between collectives.
+    pub(crate) fn poll_control(&self) {
+        let mut g = self.lock();
+        for peer in 0..g.conns.len() {
+            let Some(c) = g.conns[peer].as_mut() else { continue };
+            if c.cur.is_some() || c.start != c.end || c.hdr_have != 0 {
+                continue;
+            }
+            let mut hb = [0u8; HEADER_LEN];
+            // SAFETY: peeking into a local buffer.
+            let r = unsafe {
+                libc::recv(
+                    c.fd,
+                    hb.as_mut_ptr().cast(),
+                    HEADER_LEN,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if r == 0 {
+                g.conn_failed(peer, ConnFail::Closed);
+                continue;
+            }
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    g.conn_failed(peer, ConnFail::Io(e));
+                }
+                continue;
+            }
+            if r as usize == HEADER_LEN {
+                let control = matches!(
+                    Header::decode(&hb),
+                    Ok(h) if h.kind != FrameKind::Data
+                );
+                if control {
+                    g.progress_rx(peer);
+                }
+            }
+        }
+    }
+
+    /// Queue a keep-alive on every connection idle for `idle`; called by the transport's
+    /// keep-alive thread. Never reads: data for unposted receives stays in the kernel.
+    pub(crate) fn send_keepalives(&self, idle: Duration) {
+        let mut g = self.lock();
+        if g.poisoned.is_some() {
+            return;
+        }
+        let now = Instant::now();
+        let rank = self.rank;
+        for peer in 0..g.conns.len() {
+            let Some(c) = g.conns[peer].as_mut() else { continue };
+            if c.sendq.is_empty() && now.duration_since(c.last_tx) >= idle {
+                let hdr = Header::control(FrameKind::KeepAlive, rank, 0).encode();
+                c.sendq.push_back(SendItem {
+                    id: None,
+                    hdr,
+                    data: Payload::Owned(Vec::new()),
+                    len: 0,
+                    off: 0,
+                });
+                g.progress_tx(peer);
+            }
+        }
+    }
+}
+
+fn closed_peer(rank: usize, peer: usize, desc: &MsgDesc, len: usize) -> Error {
+    Error::PeerLost {
+        rank,
+        peer,
+        ctx: Box::new(matcher::context(desc, 0, len as u64, Instant::now())),
+        detail: "the peer already closed its transport (it finished or exited)".into(),
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // SAFETY: closing the two pipe descriptors this engine created and owns.
+        unsafe {
+            libc::close(self.wake_rx);
+            libc::close(self.wake_tx);
+        }
+    }
+}
+
+impl Inner {
+    fn deliver_local(&mut self, desc: MsgDesc, data: &[u8]) {
+        let me = self.rank;
+        let mut stale = Vec::new();
+        match self.queues[me].arrive(&desc, &mut stale) {
+            Dest::Posted(post) => {
+                self.fill_from_unexpected(me, post, &desc, data);
+            }
+            Dest::Unexpected => {
+                self.unexpected_bytes += data.len() as u64;
+                self.queues[me].push_unexpected(desc, data.to_vec());
+            }
+        }
+        self.fail_stale(me, stale, &desc);
+    }
+
+    fn fill_from_unexpected(&mut self, peer: usize, post: RecvPost, got: &MsgDesc, data: &[u8]) {
+        let posted_at = self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
+        match matcher::check(self.rank, peer, &post, got, data.len() as u64, posted_at) {
+            Ok(()) => {
+                // SAFETY: the receive is posted (its buffer valid for `cap` bytes) and `check`
+                // proved the data fits.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), post.buf.0, data.len()) };
+                self.ops.complete(post.id, data.len());
+            }
+            Err(e) => self.ops.fail(post.id, e),
+        }
+    }
+
+    fn fail_stale(&mut self, peer: usize, stale: Vec<RecvPost>, got: &MsgDesc) {
+        for p in stale {
+            if let Some(c) = self.conns[peer].as_mut() {
+                c.want = c.want.saturating_sub(1);
+            }
+            let err = matcher::stale_error(self.rank, peer, &p, got);
+            self.ops.fail(p.id, err);
+        }
+    }
+
+    fn bytes_done(&self, op: OpId) -> u64 {
+        for c in self.conns.iter().flatten() {
+            if let Some(RxFrame { dest: RxDest::Posted { id, .. }, done, .. }) = &c.cur {
+                if *id == op {
+                    return *done as u64;
+                }
+            }
+            for s in &c.sendq {
+                if s.id == Some(op) {
+                    return s.off.saturating_sub(HEADER_LEN) as u64;
+                }
+            }
+        }
+        0
+    }
+
+    /// Progress every connection that has work; with `all`, read every connection.
+    fn progress_all(&mut self, all: bool) {
+        for peer in 0..self.conns.len() {
+            let (tx, rx) = match &self.conns[peer] {
+                Some(c) => (!c.sendq.is_empty(), all || c.want > 0 || c.cur.is_some()),
+                None => continue,
+            };
+            if tx {
+                self.progress_tx(peer);
+            }
+            if rx {
+                self.progress_rx(peer);
+            }
+        }
+    }
+
+    fn progress_tx(&mut self, peer: usize) {
+        let r = match self.conns[peer].as_mut() {
+            Some(c) => c.flush(&mut self.ops),
+            None => return,
+        };
+        if let Err(f) = r {
+            self.conn_failed(peer, f);
+        }
+    }
+
+    fn progress_rx(&mut self, peer: usize) {
+        loop {
+            let r = match self.conns[peer].as_mut() {
+                Some(c) => c.read_some(),
+                None => return,
+            };
+            match r {
+                Ok(0) => return,
+                Ok(_) => {
+                    if let Err(f) = self.consume(peer) {
+                        self.conn_failed(peer, f);
+                        return;
+                    }
+                }
+                Err(f) => {
+                    self.conn_failed(peer, f);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Parse what sits in the staging buffer (and finish direct reads).
+    fn consume(&mut self, peer: usize) -> Result<(), ConnFail> {
+        loop {
+            let Some(c) = self.conns[peer].as_mut() else { return Ok(()) };
+            if let Some(f) = c.cur.as_mut() {
+                let avail = c.end - c.start;
+                let n = avail.min(f.len - f.done);
+                if n > 0 {
+                    let src = &c.stage[c.start..c.start + n];
+                    match &mut f.dest {
+                        RxDest::Posted { buf, .. } => {
+                            // SAFETY: the receive is posted with `cap >= len` (checked at header
+                            // time) and `done + n <= len`.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(src.as_ptr(), buf.0.add(f.done), n)
+                            };
+                        }
+                        RxDest::Unexpected { data, .. } | RxDest::Abort(data) => {
+                            data[f.done..f.done + n].copy_from_slice(src)
+                        }
+                        RxDest::Discard => {}
+                    }
+                    f.done += n;
+                    c.start += n;
+                }
+                if f.done == f.len {
+                    let f = c.cur.take();
+                    if let Some(f) = f {
+                        self.finish(peer, f)?;
+                    }
+                    continue;
+                }
+                break;
+            }
+            let avail = c.end - c.start;
+            if avail == 0 {
+                break;
+            }
+            let n = avail.min(HEADER_LEN - c.hdr_have);
+            c.hdr[c.hdr_have..c.hdr_have + n].copy_from_slice(&c.stage[c.start..c.start + n]);
+            c.hdr_have += n;
+            c.start += n;
+            if c.hdr_have < HEADER_LEN {
+                break;
+            }
+            c.hdr_have = 0;
+            let hdr = Header::decode(&c.hdr).map_err(|e: HeaderError| {
+                ConnFail::Protocol(format!("undecodable frame header: {e}"))
+            })?;
+            self.start_frame(peer, hdr)?;
+        }
+        if let Some(c) = self.conns[peer].as_mut() {
+            if c.start == c.end {
+                c.start = 0;
+                c.end = 0;
+            }
+        }
+        Ok(())
+    }
+
+    fn start_frame(&mut self, peer: usize, hdr: Header) -> Result<(), ConnFail> {
+        if hdr.src as usize != peer {
+            return Err(ConnFail::Protocol(format!(
+                "frame claims source rank {} on the connection of rank {peer}",
+                hdr.src
+            )));
+        }
+        let len = hdr.len;
+        let dest = match hdr.kind {
+            FrameKind::KeepAlive => {
+                if len != 0 {
+                    return Err(ConnFail::Protocol("keep-alive with a payload".into()));
+                }
+                RxDest::Discard
+            }
+            FrameKind::Close => {
+                if len != 0 {
+                    return Err(ConnFail::Protocol("close frame with a payload".into()));
+                }
+                self.peer_closing(peer);
+                RxDest::Discard
+            }
+            FrameKind::Abort => {
+                if len > MAX_ABORT_REASON {
+                    return Err(ConnFail::Protocol(format!("abort reason of {len} bytes")));
+                }
+                RxDest::Abort(vec![0; len as usize])
+            }
+            FrameKind::Data => {
+                let mut stale = Vec::new();
+                let dest = self.queues[peer].arrive(&hdr.desc, &mut stale);
+                self.fail_stale(peer, stale, &hdr.desc);
+                match dest {
+                    Dest::Posted(post) => {
+                        if let Some(c) = self.conns[peer].as_mut() {
+                            c.want = c.want.saturating_sub(1);
+                        }
+                        let posted_at =
+                            self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
+                        match matcher::check(self.rank, peer, &post, &hdr.desc, len, posted_at) {
+                            Ok(()) => RxDest::Posted { id: post.id, buf: post.buf },
+                            Err(e) => {
+                                warn!(rank = self.rank, peer, "{e}");
+                                self.ops.fail(post.id, e);
+                                RxDest::Discard
+                            }
+                        }
+                    }
+                    Dest::Unexpected => {
+                        let limit = self.cfg.unexpected_limit;
+                        if self.unexpected_bytes.saturating_add(len) > limit {
+                            let err = Error::UnexpectedOverflow {
+                                rank: self.rank,
+                                peer,
+                                bytes: self.unexpected_bytes.saturating_add(len),
+                                limit,
+                            };
+                            self.poison(err, None);
+                            return Ok(());
+                        }
+                        self.unexpected_bytes += len;
+                        // Bounded by the budget check just above.
+                        RxDest::Unexpected { desc: hdr.desc, data: vec![0; len as usize] }
+                    }
+                }
+            }
+        };
+        let Ok(len) = usize::try_from(len) else {
+            return Err(ConnFail::Protocol(format!("frame length {len} does not fit in memory")));
+        };
+        let f = RxFrame { dest, len, done: 0 };
+        if len == 0 {
+            return self.finish(peer, f);
+        }
+        if let Some(c) = self.conns[peer].as_mut() {
+            c.cur = Some(f);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, peer: usize, f: RxFrame) -> Result<(), ConnFail> {
+        match f.dest {
+            RxDest::Posted { id, .. } => self.ops.complete(id, f.len),
+            RxDest::Unexpected { desc, data } => {
+                // A receive may have been posted while the message was arriving.
+                let mut stale = Vec::new();
+                match self.queues[peer].arrive(&desc, &mut stale) {
+                    Dest::Posted(post) => {
+                        if let Some(c) = self.conns[peer].as_mut() {
+                            c.want = c.want.saturating_sub(1);
+                        }
+                        self.unexpected_bytes -= data.len() as u64;
+                        self.fill_from_unexpected(peer, post, &desc, &data);
+                    }
+                    Dest::Unexpected => self.queues[peer].push_unexpected(desc, data),
+                }
+                self.fail_stale(peer, stale, &desc);
+            }
+            RxDest::Abort(reason) => {
+                let reason = String::from_utf8_lossy(&reason).into_owned();
+                return Err(ConnFail::Aborted(reason));
+            }
+            RxDest::Discard => {}
+        }
+        Ok(())
+    }
+
+    fn cancel(&mut self, op: OpId) {
+        for peer in 0..self.queues.len() {
+            if self.queues[peer].remove(op) {
+                if let Some(c) = self.conns[peer].as_mut() {
+                    c.want = c.want.saturating_sub(1);
+                }
+            }
+        }
+        for c in self.conns.iter_mut().flatten() {
+            if let Some(f) = c.cur.as_mut() {
+                if matches!(f.dest, RxDest::Posted { id, .. } if id == op) {
+                    f.dest = RxDest::Discard;
+                }
+            }
+            let mut i = 0;
+            while i < c.sendq.len() {
+                let s = &mut c.sendq[i];
+                if s.id == Some(op) {
+                    if s.off == 0 {
+                        c.sendq.remove(i);
+                        continue;
+                    }
+                    // Partly written: finish the frame from a private copy so the stream stays
+                    // in sync, and forget the caller's buffer.
+                    if let Payload::Borrowed(p) = s.data {
+                        let copy = if s.len == 0 {
+                            Vec::new()
+                        } else {
+                            // SAFETY: the op is still posted, so its buffer is readable.
+                            unsafe { std::slice::from_raw_parts(p, s.len) }.to_vec()
+                        };
+                        s.data = Payload::Owned(copy);
+                    }
+                    s.id = None;
+                }
+                i += 1;
+            }
+        }
+        self.ops.forget(op);
+    }
+
+    /// Fail everything, tell every live peer why (abort frame), stop taking work.
+    fn poison(&mut self, err: Error, abort_reason: Option<&str>) {
+        if self.poisoned.is_some() {
+            return;
+        }
+        warn!(rank = self.rank, "transport poisoned: {err}");
+        let e2 = err.clone();
+        self.ops.fail_all(|_, _| e2.poisoned());
+        self.poisoned = Some(err.clone());
+        let reason = abort_reason.map_or_else(|| err.to_string(), str::to_string);
+        let reason = reason.as_bytes();
+        let reason = &reason[..reason.len().min(MAX_ABORT_REASON as usize)];
+        let rank = self.rank;
+        for peer in 0..self.conns.len() {
+            for q in self.queues.iter_mut() {
+                q.clear_posted();
+            }
+            let Some(c) = self.conns[peer].as_mut() else { continue };
+            c.want = 0;
+            // Drop unsent frames that never started; keep partly sent ones whole.
+            c.sendq.retain(|s| s.off > 0);
+            for s in c.sendq.iter_mut() {
+                if let Payload::Borrowed(p) = s.data {
+                    // SAFETY: the op was posted until this moment, so its buffer is readable.
+                    let copy = unsafe { std::slice::from_raw_parts(p, s.len) }.to_vec();
+                    s.data = Payload::Owned(copy);
+                }
+            }
+            let hdr = Header::control(FrameKind::Abort, rank, reason.len()).encode();
+            c.sendq.push_back(SendItem {
+                id: None,
+                hdr,
+                data: Payload::Owned(reason.to_vec()),
+                len: reason.len(),
+                off: 0,
+            });
+            let _ = c.flush(&mut self.ops);
+        }
+    }
+
+    /// A close frame arrived: the peer finished. Operations still waiting on it fail (naming it)
+    /// but the transport is not poisoned; our side of the connection is shut for writing once
+    /// queued frames are out.
+    fn peer_closing(&mut self, peer: usize) {
+        let rank = self.rank;
+        let Some(c) = self.conns[peer].as_mut() else { return };
+        c.peer_closed = true;
+        c.want = 0;
+        if c.sendq.is_empty() {
+            let _ = c.stream.shutdown(std::net::Shutdown::Write);
+        }
+        self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
+            rank,
+            peer,
+            ctx: Box::new(ctx),
+            detail: "the peer closed its transport (it finished or exited) while this \
+                     operation still needed it"
+                .into(),
+        });
+        self.queues[peer].clear_posted();
+    }
+
+    fn conn_failed(&mut self, peer: usize, f: ConnFail) {
+        if self.conns[peer].as_ref().is_some_and(|c| c.peer_closed)
+            && matches!(f, ConnFail::Closed | ConnFail::Io(_))
+        {
+            // End of a clean shutdown.
+            self.conns[peer] = None;
+            return;
+        }
+        let Some(c) = self.conns[peer].take() else { return };
+        let detail = match &f {
+            ConnFail::Closed => "connection closed by peer".to_string(),
+            ConnFail::Io(e) => format!("connection error: {e}"),
+            ConnFail::Protocol(p) => format!("protocol error: {p}"),
+            ConnFail::Aborted(r) => format!("peer aborted: {r}"),
+        };
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        debug!(rank = self.rank, peer, "{detail}");
+        let rank = self.rank;
+        // Operations with the failed peer name it directly; the rest fail through poisoning.
+        let d2 = detail.clone();
+        self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
+            rank,
+            peer,
+            ctx: Box::new(ctx),
+            detail: d2.clone(),
+        });
+        self.queues[peer].clear_posted();
+        let ctx = OpContext {
+            op: crate::wire::OpKind::Control,
+            group: 0,
+            seq: 0,
+            step: 0,
+            bytes_done: 0,
+            bytes: 0,
+            elapsed: Duration::ZERO,
+        };
+        let err = Error::PeerLost { rank, peer, ctx: Box::new(ctx), detail };
+        self.poison(err, Some(&format!("rank {rank} lost its connection to rank {peer}")));
+    }
+}
+
+impl Conn {
+    /// Write queued frames until the socket is full or the queue empty.
+    fn flush(&mut self, ops: &mut Ops) -> Result<(), ConnFail> {
+        while !self.sendq.is_empty() {
+            let mut iov: [libc::iovec; MAX_IOV] =
+                [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
+            let mut n = 0;
+            for s in self.sendq.iter() {
+                if n + 2 > MAX_IOV {
+                    break;
+                }
+                if s.off < HEADER_LEN {
+                    iov[n] = libc::iovec {
+                        iov_base: s.hdr[s.off..].as_ptr() as *mut libc::c_void,
+                        iov_len: HEADER_LEN - s.off,
+                    };
+                    n += 1;
+                }
+                let pdone = s.off.saturating_sub(HEADER_LEN);
+                if s.len > pdone {
+                    iov[n] = libc::iovec {
+                        // SAFETY: `pdone < len`, inside the posted (or owned) payload.
+                        iov_base: unsafe { s.data_ptr().add(pdone) } as *mut libc::c_void,
+                        iov_len: s.len - pdone,
+                    };
+                    n += 1;
+                }
+            }
+            // SAFETY: msghdr is plain data; we fill the iovec fields below.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = n as _;
+            // SAFETY: the iovecs point into live headers and posted payloads.
+            let r =
+                unsafe { libc::sendmsg(self.fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.kind() {
+                    std::io::ErrorKind::WouldBlock => Ok(()),
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => Err(ConnFail::Io(e)),
+                };
+            }
+            self.last_tx = Instant::now();
+            let mut left = r as usize;
+            while left > 0 {
+                let Some(s) = self.sendq.front_mut() else { break };
+                let take = left.min(s.total() - s.off);
+                s.off += take;
+                left -= take;
+                if s.off == s.total() {
+                    if let Some(id) = s.id {
+                        ops.complete(id, s.len);
+                    }
+                    self.sendq.pop_front();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One read: straight into the destination for a large payload, else into the staging
+    /// buffer. Returns the bytes read, 0 when nothing is available.
+    fn read_some(&mut self) -> Result<usize, ConnFail> {
+        let direct = match &self.cur {
+            Some(f) if self.start == self.end && f.len - f.done >= DIRECT_MIN => match &f.dest {
+                // SAFETY: `done < len <= cap` of the posted buffer.
+                RxDest::Posted { buf, .. } => Some((unsafe { buf.0.add(f.done) }, f.len - f.done)),
+                _ => None,
+            },
+            _ => None,
+        };
+        let (ptr, room) = match direct {
+            Some(d) => d,
+            None => {
+                if self.end == self.stage.len() {
+                    return Ok(0);
+                }
+                // SAFETY: `end < stage.len()`.
+                (unsafe { self.stage.as_mut_ptr().add(self.end) }, self.stage.len() - self.end)
+            }
+        };
+        loop {
+            // SAFETY: `ptr..ptr+room` is writable (posted buffer remainder or staging space).
+            let r = unsafe { libc::recv(self.fd, ptr.cast(), room, libc::MSG_DONTWAIT) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.kind() {
+                    std::io::ErrorKind::WouldBlock => Ok(0),
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => Err(ConnFail::Io(e)),
+                };
+            }
+            if r == 0 {
+                return Err(ConnFail::Closed);
+            }
+            let r = r as usize;
+            if direct.is_some() {
+                if let Some(f) = self.cur.as_mut() {
+                    f.done += r;
+                }
+            } else {
+                self.end += r;
+            }
+            return Ok(r);
+        }
+    }
+}

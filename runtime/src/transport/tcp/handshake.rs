@@ -1,0 +1,247 @@
+//! The rank-to-rank connection handshake: who is calling, for which job, and proof of the key.
+//!
+//! ```text
+//! client (higher rank)                          server (lower rank)
+//!   Hello  48 B  magic "TUTTIHS1", version, world, from, to, job id, client nonce  ──►
+//!   ◄── Challenge 49 B  status, server nonce, HMAC(key, "srv" ‖ hello ‖ server nonce)
+//!   Proof  32 B  HMAC(key, "cli" ‖ hello ‖ server nonce)                          ──►
+//!   ◄── Ack 1 B  status
+//! ```
+//!
+//! Both sides prove they know the job key without sending it; the nonces make every proof
+//! single-use. A server that sees a bad magic, a wrong job id, world size or rank, or a wrong
+//! proof drops the connection with one `warn!` line. Parsing never panics and never allocates
+//! from what arrived.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use crate::auth::JobKey;
+
+/// Magic at the start of a handshake.
+pub(crate) const HS_MAGIC: &[u8; 8] = b"TUTTIHS1";
+/// Handshake protocol version.
+pub(crate) const HS_VERSION: u16 = 1;
+/// Length of a hello.
+pub(crate) const HELLO_LEN: usize = 48;
+
+/// What the client says first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub(crate) version: u16,
+    pub(crate) world: u32,
+    pub(crate) from: u32,
+    pub(crate) to: u32,
+    pub(crate) job: u64,
+    pub(crate) nonce: [u8; 16],
+}
+
+/// Status codes in the challenge and the ack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Status {
+    Ok = 0,
+    WrongJob = 1,
+    WrongWorld = 2,
+    WrongRank = 3,
+    Duplicate = 4,
+    BadVersion = 5,
+    BadProof = 6,
+}
+
+impl Status {
+    fn from_u8(v: u8) -> Option<Status> {
+        use Status::*;
+        [Ok, WrongJob, WrongWorld, WrongRank, Duplicate, BadVersion, BadProof]
+            .into_iter()
+            .find(|s| *s as u8 == v)
+    }
+
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::WrongJob => "it belongs to a different job (job id differs)",
+            Status::WrongWorld => "it has a different world size",
+            Status::WrongRank => "the rank numbers do not fit this server",
+            Status::Duplicate => "that rank is already connected (duplicate rank?)",
+            Status::BadVersion => "the protocol version differs",
+            Status::BadProof => "authentication failed (different TUTTI_TOKEN?)",
+        }
+    }
+}
+
+/// Why a handshake failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum HsError {
+    #[error("not a tutti handshake (bad magic)")]
+    Magic,
+    #[error("refused: {}", .0.describe())]
+    Refused(Status),
+    #[error("peer's proof of the job key is wrong (different TUTTI_TOKEN?)")]
+    Proof,
+    #[error("malformed handshake: {0}")]
+    Malformed(&'static str),
+    #[error("i/o during handshake: {0}")]
+    Io(String),
+}
+
+impl Hello {
+    pub(crate) fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..8].copy_from_slice(HS_MAGIC);
+        b[8..10].copy_from_slice(&self.version.to_le_bytes());
+        b[12..16].copy_from_slice(&self.world.to_le_bytes());
+        b[16..20].copy_from_slice(&self.from.to_le_bytes());
+        b[20..24].copy_from_slice(&self.to.to_le_bytes());
+        b[24..32].copy_from_slice(&self.job.to_le_bytes());
+        b[32..48].copy_from_slice(&self.nonce);
+        b
+    }
+
+    /// Parse a hello; never panics.
+    pub(crate) fn decode(b: &[u8]) -> Result<Hello, HsError> {
+        if b.len() < HELLO_LEN {
+            return Err(HsError::Malformed("short hello"));
+        }
+        if &b[0..8] != HS_MAGIC {
+            return Err(HsError::Magic);
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        if b[10] != 0 || b[11] != 0 {
+            return Err(HsError::Malformed("reserved bytes set"));
+        }
+        let mut job = [0u8; 8];
+        job.copy_from_slice(&b[24..32]);
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&b[32..48]);
+        Ok(Hello {
+            version: u16::from_le_bytes([b[8], b[9]]),
+            world: u32_at(12),
+            from: u32_at(16),
+            to: u32_at(20),
+            job: u64::from_le_bytes(job),
+            nonce,
+        })
+    }
+}
+
+fn io(e: std::io::Error) -> HsError {
+    HsError::Io(e.to_string())
+}
+
+/// Client side: returns once the server accepted us.
+pub(crate) fn client(
+    s: &mut TcpStream,
+    key: &JobKey,
+    hello: Hello,
+    timeout: Duration,
+) -> Result<(), HsError> {
+    s.set_read_timeout(Some(timeout)).map_err(io)?;
+    s.set_write_timeout(Some(timeout)).map_err(io)?;
+    let hb = hello.encode();
+    s.write_all(&hb).map_err(io)?;
+    let mut ch = [0u8; 49];
+    s.read_exact(&mut ch[..1]).map_err(io)?;
+    let status = Status::from_u8(ch[0]).ok_or(HsError::Malformed("unknown status"))?;
+    if status != Status::Ok {
+        return Err(HsError::Refused(status));
+    }
+    s.read_exact(&mut ch[1..]).map_err(io)?;
+    let nonce_s = &ch[1..17];
+    if !key.verify(&[b"srv", &hb, nonce_s], &ch[17..49]) {
+        return Err(HsError::Proof);
+    }
+    let proof = key.mac(&[b"cli", &hb, nonce_s]);
+    s.write_all(&proof).map_err(io)?;
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).map_err(io)?;
+    match Status::from_u8(ack[0]) {
+        Some(Status::Ok) => Ok(()),
+        Some(st) => Err(HsError::Refused(st)),
+        None => Err(HsError::Malformed("unknown ack")),
+    }
+}
+
+/// What the server expects of a client.
+pub(crate) struct Expect<'a> {
+    pub(crate) key: &'a JobKey,
+    pub(crate) job: u64,
+    pub(crate) world: u32,
+    pub(crate) me: u32,
+}
+
+/// Server side: returns the authenticated client's hello. `accept_rank` decides whether a
+/// client rank is welcome (not yet connected, higher than ours).
+pub(crate) fn server(
+    s: &mut TcpStream,
+    expect: &Expect<'_>,
+    nonce_s: [u8; 16],
+    accept_rank: impl FnOnce(u32) -> bool,
+    timeout: Duration,
+) -> Result<Hello, HsError> {
+    s.set_read_timeout(Some(timeout)).map_err(io)?;
+    s.set_write_timeout(Some(timeout)).map_err(io)?;
+    let mut hb = [0u8; HELLO_LEN];
+    // Read the magic first so junk is refused at once, without waiting for 48 bytes.
+    s.read_exact(&mut hb[..8]).map_err(io)?;
+    if &hb[..8] != HS_MAGIC {
+        return Err(HsError::Magic);
+    }
+    s.read_exact(&mut hb[8..]).map_err(io)?;
+    let hello = Hello::decode(&hb)?;
+    let refuse = |s: &mut TcpStream, st: Status| {
+        let _ = s.write_all(&[st as u8]);
+        Err(HsError::Refused(st))
+    };
+    if hello.version != HS_VERSION {
+        return refuse(s, Status::BadVersion);
+    }
+    if hello.job != expect.job {
+        return refuse(s, Status::WrongJob);
+    }
+    if hello.world != expect.world {
+        return refuse(s, Status::WrongWorld);
+    }
+    if hello.to != expect.me || hello.from >= expect.world || hello.from <= expect.me {
+        return refuse(s, Status::WrongRank);
+    }
+    let mut ch = [0u8; 49];
+    ch[1..17].copy_from_slice(&nonce_s);
+    ch[17..49].copy_from_slice(&expect.key.mac(&[b"srv", &hb, &nonce_s]));
+    s.write_all(&ch).map_err(io)?;
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).map_err(io)?;
+    if !expect.key.verify(&[b"cli", &hb, &nonce_s], &proof) {
+        return refuse(s, Status::BadProof);
+    }
+    if !accept_rank(hello.from) {
+        return refuse(s, Status::Duplicate);
+    }
+    s.write_all(&[Status::Ok as u8]).map_err(io)?;
+    Ok(hello)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn hello_roundtrip() {
+        let h = Hello { version: 1, world: 4, from: 3, to: 1, job: 99, nonce: [7; 16] };
+        assert_eq!(Hello::decode(&h.encode()), Ok(h));
+        assert_eq!(Hello::decode(b"GET / HTTP/1.1\r\n"), Err(HsError::Malformed("short hello")));
+        let mut junk = [0u8; 48];
+        junk[..4].copy_from_slice(b"GET ");
+        assert_eq!(Hello::decode(&junk), Err(HsError::Magic));
+    }
+
+    proptest! {
+        #[test]
+        fn hello_decode_never_panics(b in proptest::collection::vec(any::<u8>(), 0..100)) {
+            let _ = Hello::decode(&b);
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! TCP transport: one connection per peer pair, made eagerly at start-up.
+//!
+//! Rank `i` listens on one address (port chosen by the OS unless told otherwise), publishes it in
+//! the store, connects to every lower rank and accepts every higher one. Each connection is
+//! authenticated by the job key (see [`handshake`]). Eager set-up costs `world - 1` connections per
+//! rank up front but means a dead or missing rank is found at start-up, not in the middle of the
+//! first collective, and no collective ever pays a connect. The data path is [`engine`].
+
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::auth::{self, JobKey};
+use crate::error::{Error, Result};
+use crate::rendezvous::Store;
+use crate::transport::{OpId, Transport};
+use crate::wire::MsgDesc;
+
+mod engine;
+pub(crate) mod handshake;
+
+use engine::{Engine, EngineConfig};
+
+/// Settings of the TCP transport.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// Address to listen on and advertise. Default: chosen by rendezvous (the interface that
+    /// routes to `MASTER_ADDR`, or `TUTTI_SOCKET_IFNAME`). Hazard: a wildcard address would
+    /// listen on every interface; rendezvous never picks one.
+    pub bind_ip: IpAddr,
+    /// Port to listen on; 0 (the default) lets the OS pick.
+    pub port: u16,
+    /// How long start-up waits for every peer to publish its address and connect. Default 300 s
+    /// (like torchrun's rendezvous). Hazard: too short fails jobs whose ranks start slowly.
+    pub connect_timeout: Duration,
+    /// How long one handshake may take. Default 10 s. Hazard: too long lets a silent client hold
+    /// a handshake thread that long (it never blocks the group).
+    pub handshake_timeout: Duration,
+    /// How long a waiter spins (yielding) before blocking in the kernel. Default 50 µs. Hazard:
+    /// long spins waste CPU that oversubscribed ranks need; zero costs latency on slow-waking VMs.
+    pub spin: Duration,
+    /// Bytes of messages that may arrive before their receive is posted, per rank. Default 1 GiB.
+    /// Hazard: larger lets a runaway peer use that much memory here.
+    pub unexpected_limit: u64,
+    /// Idle time after which a keep-alive is sent on a connection. Default 1 s.
+    pub keepalive_interval: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> TcpConfig {
+        TcpConfig {
+            bind_ip: IpAddr::from([127, 0, 0, 1]),
+            port: 0,
+            connect_timeout: Duration::from_secs(300),
+            handshake_timeout: Duration::from_secs(10),
+            spin: Duration::from_micros(50),
+            unexpected_limit: 1 << 30,
+            keepalive_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Who this rank is within its job, for connection set-up.
+#[derive(Debug, Clone)]
+pub struct JobIdentity {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the job.
+    pub world: usize,
+    /// Random id shared by the ranks of one job (published by rank 0 through the store).
+    pub job: u64,
+    /// Key derived from the job token.
+    pub key: JobKey,
+}
+
+/// The TCP transport of one rank.
+pub struct TcpTransport {
+    rank: usize,
+    engine: Arc<Engine>,
+    local: SocketAddr,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("rank", &self.rank)
+            .field("local", &self.local)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Store key under which rank `r` publishes its listening address.
+pub fn addr_key(r: usize) -> String {
+    format!("tutti/addr/{r}")
+}
+
+impl TcpTransport {
+    /// Connect this rank to every other rank of the job, using `store` to exchange addresses.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the listener cannot be bound; [`Error::Rendezvous`] naming the ranks
+    /// that did not publish an address or connect within `connect_timeout`, or that refused us
+    /// (different job, world size, token, or a duplicate rank).
+    pub fn connect(id: &JobIdentity, store: &dyn Store, cfg: &TcpConfig) -> Result<TcpTransport> {
+        let (rank, world) = (id.rank, id.world);
+        let start = Instant::now();
+        let deadline = start + cfg.connect_timeout;
+        let listener = TcpListener::bind(SocketAddr::new(cfg.bind_ip, cfg.port))
+            .map_err(|e| Error::io(rank, format!("binding {}:{}", cfg.bind_ip, cfg.port), &e))?;
+        let local = listener.local_addr().map_err(|e| Error::io(rank, "listener address", &e))?;
+        listener.set_nonblocking(true).map_err(|e| Error::io(rank, "listener", &e))?;
+        store.set(&addr_key(rank), local.to_string().as_bytes())?;
+        debug!(rank, %local, "listening");
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let connected: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; world]));
+        let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
+        let acceptor = {
+            let (stop, connected, id, hs) =
+                (stop.clone(), connected.clone(), id.clone(), cfg.handshake_timeout);
+            std::thread::Builder::new()
+                .name(format!("tutti-accept-{rank}"))
+                .spawn(move || accept_loop(listener, id, hs, connected, tx, stop))
+                .map_err(|e| Error::io(rank, "spawning the acceptor", &e))?
+        };
+
+        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let result = (|| {
+            // Learn every lower rank's address first, so the store is not needed once connected.
+            let mut addrs = Vec::with_capacity(rank);
+            for j in 0..rank {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let raw = store.get(&addr_key(j), left).map_err(|_| Error::Rendezvous {
+                    rank,
+                    detail: format!(
+                        "rank {j} did not publish its address within {:?}: it never started, \
+                         crashed before rendezvous, or uses another store",
+                        cfg.connect_timeout
+                    ),
+                })?;
+                let text = String::from_utf8_lossy(&raw).into_owned();
+                let addr: SocketAddr = text.parse().map_err(|_| Error::Rendezvous {
+                    rank,
+                    detail: format!("rank {j} published an unparsable address {text:?}"),
+                })?;
+                addrs.push(addr);
+            }
+            for (j, addr) in addrs.into_iter().enumerate() {
+                streams[j] = Some(connect_one(id, j, addr, deadline, cfg)?);
+            }
+            let higher = world - rank - 1;
+            let mut got = 0;
+            while got < higher {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match rx.recv_timeout(left) {
+                    Ok((j, s)) => {
+                        streams[j] = Some(s);
+                        got += 1;
+                    }
+                    Err(_) => {
+                        let missing: Vec<usize> =
+                            (rank + 1..world).filter(|j| streams[*j].is_none()).collect();
+                        return Err(Error::Rendezvous {
+                            rank,
+                            detail: format!(
+                                "ranks {missing:?} did not connect within {:?}: they never \
+                                 started, died, or cannot reach {local}",
+                                cfg.connect_timeout
+                            ),
+                        });
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            stop.store(true, Ordering::SeqCst);
+            let _ = acceptor.join();
+            return Err(e);
+        }
+        let engine = Engine::new(
+            rank,
+            streams,
+            EngineConfig { spin: cfg.spin, unexpected_limit: cfg.unexpected_limit },
+        )
+        .map_err(|e| Error::io(rank, "configuring connections", &e))?;
+        let engine = Arc::new(engine);
+        let keepalive = {
+            let (engine, stop, every) = (engine.clone(), stop.clone(), cfg.keepalive_interval);
+            std::thread::Builder::new()
+                .name(format!("tutti-keepalive-{rank}"))
+                .spawn(move || {
+                    while !stop.load(Ordering::SeqCst) {
+                        std::thread::sleep(every.min(Duration::from_millis(100)));
+                        engine.send_keepalives(every);
+                        engine.poll_control();
+                    }
+                })
+                .map_err(|e| Error::io(rank, "spawning the keep-alive thread", &e))?
+        };
+        info!(rank, world, %local, elapsed = ?start.elapsed(), "tcp transport connected");
+        Ok(TcpTransport { rank, engine, local, stop, threads: vec![acceptor, keepalive] })
+    }
+
+    /// The address this rank listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+}
+
+fn connect_one(
+    id: &JobIdentity,
+    j: usize,
+    addr: SocketAddr,
+    deadline: Instant,
+    cfg: &TcpConfig,
+) -> Result<TcpStream> {
+    let rank = id.rank;
+    let mut backoff = Duration::from_millis(2);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Rendezvous {
+                rank,
+                detail: format!("could not connect to rank {j} at {addr} in time"),
+            });
+        }
+        let attempt = TcpStream::connect_timeout(&addr, left.min(cfg.handshake_timeout));
+        let mut s = match attempt {
+            Ok(s) => s,
+            Err(e) => {
+                debug!(rank, peer = j, %addr, "connect failed: {e}; retrying");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let _ = s.set_nodelay(true);
+        let nonce = auth::random::<16>().map_err(|e| Error::Rendezvous { rank, detail: e })?;
+        let hello = handshake::Hello {
+            version: handshake::HS_VERSION,
+            world: id.world as u32,
+            from: rank as u32,
+            to: j as u32,
+            job: id.job,
+            nonce,
+        };
+        match handshake::client(&mut s, &id.key, hello, cfg.handshake_timeout) {
+            Ok(()) => {
+                let _ = s.set_read_timeout(None);
+                let _ = s.set_write_timeout(None);
+                debug!(rank, peer = j, %addr, "connected");
+                return Ok(s);
+            }
+            Err(e) => {
+                return Err(Error::Rendezvous {
+                    rank,
+                    detail: format!("rank {j} at {addr} refused the connection: {e}"),
+                })
+            }
+        }
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    id: JobIdentity,
+    hs_timeout: Duration,
+    connected: Arc<Mutex<Vec<bool>>>,
+    tx: mpsc::Sender<(usize, TcpStream)>,
+    stop: Arc<AtomicBool>,
+) {
+    let rank = id.rank;
+    let id = Arc::new(id);
+    while !stop.load(Ordering::SeqCst) {
+        let (mut s, from) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                crate::util::wait_readable(listener.as_raw_fd(), Duration::from_millis(100));
+                continue;
+            }
+            Err(e) => {
+                warn!(rank, "accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+        };
+        let (id, connected, tx) = (id.clone(), connected.clone(), tx.clone());
+        let spawned =
+            std::thread::Builder::new().name(format!("tutti-hs-{rank}")).spawn(move || {
+                let _ = s.set_nonblocking(false);
+                let nonce = match auth::random::<16>() {
+                    Ok(n) => n,
+                    Err(e) => return warn!(rank, "refused connection from {from}: {e}"),
+                };
+                let expect = handshake::Expect {
+                    key: &id.key,
+                    job: id.job,
+                    world: id.world as u32,
+                    me: id.rank as u32,
+                };
+                let accept = |r: u32| {
+                    let mut c = connected.lock().unwrap_or_else(|p| p.into_inner());
+                    let slot = &mut c[r as usize];
+                    !std::mem::replace(slot, true)
+                };
+                match handshake::server(&mut s, &expect, nonce, accept, hs_timeout) {
+                    Ok(h) => {
+                        let _ = s.set_read_timeout(None);
+                        let _ = s.set_write_timeout(None);
+                        if tx.send((h.from as usize, s)).is_err() {
+                            warn!(rank, peer = h.from, "late connection after start-up; dropped");
+                        }
+                    }
+                    Err(e) => {
+                        warn!(rank, "refused connection from {from}: {e}");
+                        let _ = s.shutdown(std::net::Shutdown::Both);
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            warn!(rank, "could not spawn a handshake thread: {e}");
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.engine.world()
+    }
+
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    unsafe fn post_send(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) -> Result<OpId> {
+        // SAFETY: forwarded contract.
+        unsafe { self.engine.post_send(peer, desc, data, len) }
+    }
+
+    unsafe fn post_recv(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        buf: *mut u8,
+        cap: usize,
+    ) -> Result<OpId> {
+        // SAFETY: forwarded contract.
+        unsafe { self.engine.post_recv(peer, desc, buf, cap) }
+    }
+
+    fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
+        self.engine.wait(op, deadline)
+    }
+
+    fn test(&self, op: OpId) -> Result<Option<usize>> {
+        self.engine.test(op)
+    }
+
+    fn cancel(&self, op: OpId) {
+        self.engine.cancel(op)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.engine.abort(reason)
+    }
+
+    fn poisoned(&self) -> Option<Error> {
+        self.engine.poisoned()
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.engine.shutdown(Duration::from_secs(2));
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,389 @@
+//! One test body per transport: each `transport_test!` expands into `_mem` and `_tcp` tests.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::Error;
+use crate::testing::{world, Kind};
+use crate::transport::{Op, Transport, TransportExt};
+use crate::wire::{DType, Fingerprint, MsgDesc, OpKind, Tag};
+
+const T: Duration = Duration::from_secs(60);
+
+fn desc(seq: u64, step: u32, count: u64) -> MsgDesc {
+    MsgDesc {
+        tag: Tag { group: 0, seq, step },
+        fp: Fingerprint {
+            op: OpKind::Allreduce,
+            dtype: DType::U8,
+            redop: 0,
+            root: u32::MAX,
+            count,
+        },
+    }
+}
+
+/// Bytes that identify (src, dst, salt) at every position, so misplaced data is caught.
+fn pattern(len: usize, src: usize, dst: usize, salt: u64) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let x = (i as u64)
+                .wrapping_mul(0x9e37_79b9)
+                .wrapping_add(salt * 131 + (src * 31 + dst) as u64);
+            (x ^ (x >> 13)) as u8
+        })
+        .collect()
+}
+
+fn run_ranks<F>(ts: Vec<Arc<dyn Transport>>, f: F)
+where
+    F: Fn(&dyn Transport) + Sync,
+{
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = ts.iter().map(|t| s.spawn(move || f(t.as_ref()))).collect();
+        for h in hs {
+            if let Err(p) = h.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+    });
+}
+
+macro_rules! transport_test {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn mem() {
+                ($body)(Kind::Mem)
+            }
+            #[test]
+            fn tcp() {
+                ($body)(Kind::Tcp)
+            }
+        }
+    };
+}
+
+transport_test!(ping_pong_sizes, |kind| {
+    let ts = world(kind, 2).unwrap();
+    run_ranks(ts, |t| {
+        for (i, &len) in [0usize, 1, 4 << 10, 1 << 20, 64 << 20].iter().enumerate() {
+            let d = desc(i as u64, 0, len as u64);
+            let me = t.rank();
+            let peer = 1 - me;
+            let mine = pattern(len, me, peer, i as u64);
+            let mut got = vec![0u8; len];
+            if me == 0 {
+                t.send(peer, d, &mine, T).unwrap();
+                assert_eq!(t.recv(peer, d, &mut got, T).unwrap(), len);
+            } else {
+                assert_eq!(t.recv(peer, d, &mut got, T).unwrap(), len);
+                t.send(peer, d, &mine, T).unwrap();
+            }
+            assert!(got == pattern(len, peer, me, i as u64), "payload of {len} bytes differs");
+        }
+    });
+});
+
+transport_test!(interleaved_tags_arrive_by_tag, |kind| {
+    // Rank 0 sends tags 0..8 in order; rank 1 receives them in reverse order, so every message
+    // but the last waits in the unexpected queue.
+    let ts = world(kind, 2).unwrap();
+    run_ranks(ts, |t| {
+        let n = 8u32;
+        if t.rank() == 0 {
+            for step in 0..n {
+                let data = pattern(1000 + step as usize * 5000, 0, 1, step as u64);
+                t.send(1, desc(0, step, 0), &data, T).unwrap();
+            }
+        } else {
+            for step in (0..n).rev() {
+                let len = 1000 + step as usize * 5000;
+                let mut buf = vec![0u8; len];
+                assert_eq!(t.recv(0, desc(0, step, 0), &mut buf, T).unwrap(), len);
+                assert!(buf == pattern(len, 0, 1, step as u64));
+            }
+        }
+    });
+});
+
+transport_test!(same_tag_is_fifo, |kind| {
+    let ts = world(kind, 2).unwrap();
+    run_ranks(ts, |t| {
+        for i in 0..50u8 {
+            if t.rank() == 0 {
+                t.send(1, desc(0, 0, 0), &[i; 3], T).unwrap();
+            } else {
+                let mut b = [0u8; 3];
+                t.recv(0, desc(0, 0, 0), &mut b, T).unwrap();
+                assert_eq!(b, [i; 3]);
+            }
+        }
+    });
+});
+
+transport_test!(many_in_flight_full_mesh, |kind| {
+    // Every rank posts, all at once, 4 sends to and 4 receives from every peer, of mixed sizes,
+    // then waits for all of them: no deadlock and every byte in place.
+    let n = 5;
+    let ts = world(kind, n).unwrap();
+    run_ranks(ts, |t| {
+        let me = t.rank();
+        let sizes = [0usize, 100, 70_000, 300_000];
+        let sends: Vec<(usize, u32, Vec<u8>)> = (0..n)
+            .filter(|p| *p != me)
+            .flat_map(|p| sizes.iter().enumerate().map(move |(k, &s)| (p, k as u32, s)))
+            .map(|(p, k, s)| (p, k, pattern(s, me, p, k as u64)))
+            .collect();
+        let mut recvs: Vec<(usize, u32, Vec<u8>)> = (0..n)
+            .filter(|p| *p != me)
+            .flat_map(|p| sizes.iter().enumerate().map(move |(k, &s)| (p, k as u32, vec![0u8; s])))
+            .collect();
+        let mut ops: Vec<Op<'_>> = Vec::new();
+        for (p, k, data) in &sends {
+            ops.push(Op::Send { peer: *p, desc: desc(1, *k, 0), data });
+        }
+        for (p, k, buf) in recvs.iter_mut() {
+            ops.push(Op::Recv { peer: *p, desc: desc(1, *k, 0), buf, received: 0 });
+        }
+        t.exchange(&mut ops, T).unwrap();
+        drop(ops);
+        for (p, k, buf) in &recvs {
+            assert!(*buf == pattern(buf.len(), *p, me, *k as u64), "from {p} step {k}");
+        }
+    });
+});
+
+transport_test!(self_send, |kind| {
+    let ts = world(kind, 1).unwrap();
+    run_ranks(ts, |t| {
+        let data = pattern(5000, 0, 0, 9);
+        let mut buf = vec![0u8; 5000];
+        let mut ops = [
+            Op::Send { peer: 0, desc: desc(0, 0, 0), data: &data },
+            Op::Recv { peer: 0, desc: desc(0, 0, 0), buf: &mut buf, received: 0 },
+        ];
+        t.exchange(&mut ops, T).unwrap();
+        assert!(buf == data);
+    });
+});
+
+transport_test!(fingerprint_mismatch_names_both, |kind| {
+    let ts = world(kind, 2).unwrap();
+    run_ranks(ts, |t| {
+        if t.rank() == 0 {
+            t.send(1, desc(0, 0, 10), &[1u8; 10], T).unwrap();
+        } else {
+            let mut buf = [0u8; 16];
+            let e = t.recv(0, desc(0, 0, 16), &mut buf, T).unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, Error::Mismatch { peer: 0, .. }), "{msg}");
+            assert!(msg.contains("count 16") && msg.contains("count 10"), "{msg}");
+        }
+    });
+});
+
+transport_test!(too_long_is_refused, |kind| {
+    let ts = world(kind, 2).unwrap();
+    run_ranks(ts, |t| {
+        if t.rank() == 0 {
+            t.send(1, desc(0, 0, 0), &[1u8; 100], T).unwrap();
+            t.send(1, desc(0, 1, 0), &[2u8; 4], T).unwrap();
+        } else {
+            let mut small = [0u8; 10];
+            let e = t.recv(0, desc(0, 0, 0), &mut small, T).unwrap_err();
+            assert!(matches!(e, Error::TooLong { posted: 10, got: 100, .. }), "{e}");
+            assert_eq!(small, [0u8; 10], "nothing written into a too-short buffer");
+            // The stream stays in sync: the next message arrives intact.
+            let mut b = [0u8; 4];
+            t.recv(0, desc(0, 1, 0), &mut b, T).unwrap();
+            assert_eq!(b, [2u8; 4]);
+        }
+    });
+});
+
+transport_test!(stale_receive_fails_fast, |kind| {
+    // Rank 1 waits for seq 0 step 5, which rank 0 never sends: rank 0 moves on to seq 1. The
+    // receive must fail as a mismatch at once, not at the timeout.
+    let ts = world(kind, 2).unwrap();
+    run_ranks(ts, |t| {
+        if t.rank() == 0 {
+            t.send(1, desc(1, 0, 0), &[7u8; 8], T).unwrap();
+        } else {
+            let mut b = [0u8; 8];
+            let start = Instant::now();
+            let e = t.recv(0, desc(0, 5, 0), &mut b, T).unwrap_err();
+            assert!(matches!(e, Error::Mismatch { .. }), "{e}");
+            assert!(e.to_string().contains("moved on"), "{e}");
+            assert!(start.elapsed() < Duration::from_secs(20));
+        }
+    });
+});
+
+transport_test!(timeout_names_peer, |kind| {
+    let ts = world(kind, 2).unwrap();
+    run_ranks(ts, |t| {
+        if t.rank() == 1 {
+            let mut b = [0u8; 8];
+            let e = t.recv(0, desc(0, 0, 0), &mut b, Duration::from_millis(200)).unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, Error::Timeout { peer: 0, .. }), "{msg}");
+            assert!(msg.contains("timed out") && msg.contains("peer rank 0"), "{msg}");
+        }
+        // Both ranks stay alive until rank 1 has timed out (the other rank's exit would
+        // otherwise be reported first, as a lost peer).
+        std::thread::sleep(Duration::from_millis(400));
+    });
+});
+
+transport_test!(abort_fails_pending_and_future, |kind| {
+    let ts = world(kind, 2).unwrap();
+    let t1 = ts[1].clone();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            t1.abort("test abort");
+            t1.abort("again: idempotent");
+        });
+        let mut b = [0u8; 8];
+        let e = ts[1].recv(0, desc(0, 0, 0), &mut b, T).unwrap_err();
+        assert!(e.to_string().contains("test abort"), "{e}");
+        let e = ts[1].send(0, desc(0, 1, 0), &b, T).unwrap_err();
+        assert!(e.to_string().contains("test abort"), "{e}");
+        // The peer learns of the abort too.
+        let e = ts[0].recv(1, desc(0, 0, 0), &mut b, T).unwrap_err();
+        assert_eq!(e.peer(), Some(1), "{e}");
+    });
+    assert!(start.elapsed() < Duration::from_secs(10));
+});
+
+#[test]
+fn tcp_full_mesh_16_ranks() {
+    let n = 16;
+    let ts = world(Kind::Tcp, n).unwrap();
+    run_ranks(ts, |t| {
+        let me = t.rank();
+        let data: Vec<Vec<u8>> = (0..n).map(|p| pattern(1000, me, p, 3)).collect();
+        let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 1000]).collect();
+        let mut ops: Vec<Op<'_>> = Vec::new();
+        for (p, d) in data.iter().enumerate().filter(|(p, _)| *p != me) {
+            ops.push(Op::Send { peer: p, desc: desc(0, 0, 0), data: d });
+        }
+        for (p, b) in bufs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+            ops.push(Op::Recv { peer: p, desc: desc(0, 0, 0), buf: b, received: 0 });
+        }
+        t.exchange(&mut ops, T).unwrap();
+        drop(ops);
+        for (p, b) in bufs.iter().enumerate().filter(|(p, _)| *p != me) {
+            assert!(*b == pattern(1000, p, me, 3));
+        }
+    });
+}
+
+mod refused {
+    use super::*;
+    use crate::auth::JobKey;
+    use crate::transport::tcp::handshake::{self, Hello};
+    use crate::transport::tcp::{TcpConfig, TcpTransport};
+
+    fn junk(addr: SocketAddr, bytes: &[u8]) -> bool {
+        // Returns true when the server closed the connection on us promptly.
+        let mut s = TcpStream::connect(addr).unwrap();
+        let _ = s.write_all(bytes);
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut b = [0u8; 256];
+        loop {
+            match s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+
+    fn hello(job: u64, from: u32) -> Hello {
+        Hello { version: handshake::HS_VERSION, world: 2, from, to: 0, job, nonce: [3; 16] }
+    }
+
+    #[test]
+    fn junk_connections_are_refused_and_the_group_still_works() {
+        let cfg =
+            TcpConfig { handshake_timeout: Duration::from_millis(500), ..TcpConfig::default() };
+        let (ts, _server) = crate::testing::tcp_world(2, &cfg).unwrap();
+        let addr0 = ts[0].local_addr();
+        let job = 0x7475_7474_6900_0000 ^ _server.addr().port() as u64;
+        // Random bytes, an HTTP request, a TLS ClientHello prefix.
+        assert!(junk(addr0, &[0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4, 5, 6, 7, 8, 9]));
+        assert!(junk(addr0, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"));
+        assert!(junk(addr0, &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03]));
+        // A truncated handshake: the server gives up after the handshake timeout.
+        assert!(junk(addr0, &hello(job, 1).encode()[..20]));
+        // Another job (different job id), and a wrong token.
+        let other_job = {
+            let mut s = TcpStream::connect(addr0).unwrap();
+            handshake::client(&mut s, &JobKey::from_token("tutti-test"), hello(job ^ 1, 1), T)
+        };
+        assert_eq!(other_job, Err(handshake::HsError::Refused(handshake::Status::WrongJob)));
+        let wrong_token = {
+            let mut s = TcpStream::connect(addr0).unwrap();
+            handshake::client(&mut s, &JobKey::from_token("wrong"), hello(job, 1), T)
+        };
+        assert_eq!(wrong_token, Err(handshake::HsError::Proof));
+        // Right token, but rank 1 is already connected: a duplicate.
+        let dup = {
+            let mut s = TcpStream::connect(addr0).unwrap();
+            handshake::client(&mut s, &JobKey::from_token("tutti-test"), hello(job, 1), T)
+        };
+        assert_eq!(dup, Err(handshake::HsError::Refused(handshake::Status::Duplicate)));
+        // The group's next exchange still succeeds.
+        let ts: Vec<Arc<dyn Transport>> = ts.into_iter().map(|t| Arc::new(t) as _).collect();
+        run_ranks(ts, |t| {
+            let mut b = [0u8; 4];
+            if t.rank() == 0 {
+                t.send(1, desc(0, 0, 0), b"okay", T).unwrap();
+            } else {
+                t.recv(0, desc(0, 0, 0), &mut b, T).unwrap();
+                assert_eq!(&b, b"okay");
+            }
+        });
+    }
+
+    #[test]
+    fn missing_rank_is_named() {
+        // World of 3, rank 2 never starts: ranks 0 and 1 fail within the connect timeout,
+        // naming rank 2.
+        use crate::rendezvous::{Store, StoreServer, TcpStore};
+        let key = JobKey::from_token("k");
+        let server =
+            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
+                .unwrap();
+        let cfg =
+            TcpConfig { connect_timeout: Duration::from_millis(1500), ..TcpConfig::default() };
+        let start = Instant::now();
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (key, cfg, addr) = (key.clone(), cfg.clone(), server.addr());
+                    s.spawn(move || {
+                        let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
+                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 1, key };
+                        TcpTransport::connect(&id, &store as &dyn Store, &cfg)
+                            .unwrap_err()
+                            .to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for e in &errs {
+            assert!(e.contains("[2]") || e.contains("rank 2"), "{e}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(15));
+    }
+}
