@@ -3,7 +3,8 @@
 //! Recognised, in this order: torchrun/`tutti-run` (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`), Open MPI
 //! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`) and Slurm
 //! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`). The store is `TUTTI_STORE`
-//! (`tcp://host:port` or `file:///dir`) or else `MASTER_ADDR` + `MASTER_PORT`.
+//! (`tcp://host:port`, served by someone else such as `tutti-run`, or `file:///dir`) or else
+//! `MASTER_ADDR` + `MASTER_PORT`, served by rank 0.
 
 use crate::error::{Error, Result};
 
@@ -23,8 +24,15 @@ pub enum Launcher {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreSpec {
-    /// A TCP store served by rank 0 at host:port.
+    /// A TCP store served by rank 0 at host:port (`MASTER_ADDR`, `MASTER_PORT`).
     Tcp {
+        /// Host name or address.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+    /// A TCP store served by someone else, such as `tutti-run` (`TUTTI_STORE=tcp://host:port`).
+    Remote {
         /// Host name or address.
         host: String,
         /// Port.
@@ -145,7 +153,7 @@ fn parse_store(s: &str) -> Result<StoreSpec> {
             .filter(|p| *p != 0)
             .ok_or_else(|| Error::Config(format!("TUTTI_STORE={s:?}: bad port")))?;
         let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
-        return Ok(StoreSpec::Tcp { host, port });
+        return Ok(StoreSpec::Remote { host, port });
     }
     Err(Error::Config(format!("TUTTI_STORE={s:?}: expected tcp://host:port or file:///dir")))
 }
@@ -195,7 +203,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((e.rank, e.world, e.local_rank, e.launcher), (5, 6, 1, Launcher::Slurm));
-        assert_eq!(e.store, StoreSpec::Tcp { host: "::1".into(), port: 7000 });
+        assert_eq!(e.store, StoreSpec::Remote { host: "::1".into(), port: 7000 });
     }
 
     #[test]

@@ -117,9 +117,9 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
     let mut keep: Vec<Arc<dyn std::any::Any + Send + Sync>> = Vec::new();
     let (store, master_ip): (Arc<dyn Store>, Option<IpAddr>) = match &env.store {
         StoreSpec::File(dir) => (Arc::new(FileStore::new(dir)?), None),
-        StoreSpec::Tcp { host, port } => {
+        StoreSpec::Tcp { host, port } | StoreSpec::Remote { host, port } => {
             let addr = resolve(host, *port)?;
-            if rank == 0 {
+            if rank == 0 && matches!(env.store, StoreSpec::Tcp { .. }) {
                 keep.push(Arc::new(StoreServer::start(addr, world, key.clone())?));
             }
             let s = TcpStore::connect(addr, rank, world, key.as_ref(), deadline)?;

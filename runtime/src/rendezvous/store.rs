@@ -344,7 +344,7 @@ fn serve_conn(
 ) -> std::result::Result<(), String> {
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     s.set_nodelay(true).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
     let nonce = auth::random::<16>()?;
     s.write_all(&nonce).map_err(|e| e.to_string())?;
     let body = read_frame(&mut s, MAX_HELLO).map_err(|e| format!("no valid hello: {e}"))?;
@@ -682,5 +682,144 @@ impl Store for FileStore {
 
     fn describe(&self) -> String {
         format!("file://{}", self.dir.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(world: usize, key: Option<JobKey>) -> StoreServer {
+        StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), world, key).unwrap()
+    }
+
+    #[test]
+    fn sixty_four_concurrent_clients() {
+        let n = 64;
+        let key = JobKey::from_token("t");
+        let srv = server(n, Some(key.clone()));
+        let addr = srv.addr();
+        std::thread::scope(|s| {
+            for r in 0..n {
+                let key = key.clone();
+                s.spawn(move || {
+                    let c = TcpStore::connect(addr, r, n, Some(&key), Duration::from_secs(30)).unwrap();
+                    c.set(&format!("k{r}"), &[r as u8; 3]).unwrap();
+                    assert!(c.add("counter", 1).unwrap() >= 1);
+                    // Everyone waits for everyone's key.
+                    let other = (r * 7 + 1) % n;
+                    let v = c.get(&format!("k{other}"), Duration::from_secs(30)).unwrap();
+                    assert_eq!(v, vec![other as u8; 3]);
+                });
+            }
+        });
+        let c = TcpStore::connect(addr, 0, n, Some(&key), Duration::from_secs(5)).unwrap();
+        assert_eq!(c.add("counter", 0).unwrap(), n as i64);
+        let keys: Vec<String> = (0..n).map(|r| format!("k{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        assert!(c.check(&refs).unwrap());
+        c.wait(&refs, Duration::from_secs(1)).unwrap();
+    }
+
+    #[test]
+    fn missing_key_times_out_naming_it() {
+        let srv = server(1, None);
+        let c = TcpStore::connect(srv.addr(), 0, 1, None, Duration::from_secs(5)).unwrap();
+        let start = Instant::now();
+        let e = c.get("nope", Duration::from_millis(200)).unwrap_err().to_string();
+        assert!(e.contains("timed out") && e.contains("nope"), "{e}");
+        assert!(start.elapsed() >= Duration::from_millis(200));
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(!c.check(&["nope"]).unwrap());
+        assert!(!c.delete("nope").unwrap());
+        c.set("x", b"1").unwrap();
+        assert!(c.delete("x").unwrap());
+        c.set("s", b"text").unwrap();
+        assert!(c.add("s", 1).unwrap_err().to_string().contains("not an integer"));
+    }
+
+    #[test]
+    fn wait_is_woken_by_a_later_set() {
+        let srv = server(2, None);
+        let addr = srv.addr();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let c = TcpStore::connect(addr, 1, 2, None, Duration::from_secs(5)).unwrap();
+                c.wait(&["late"], Duration::from_secs(20)).unwrap();
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            let c = TcpStore::connect(addr, 0, 2, None, Duration::from_secs(5)).unwrap();
+            c.set("late", b"").unwrap();
+        });
+    }
+
+    #[test]
+    fn refuses_wrong_world_and_wrong_token() {
+        let key = JobKey::from_token("right");
+        let srv = server(4, Some(key.clone()));
+        let e = TcpStore::connect(srv.addr(), 1, 3, Some(&key), Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("WORLD_SIZE=3") && e.to_string().contains("WORLD_SIZE=4"), "{e}");
+        let bad = JobKey::from_token("wrong");
+        let e = TcpStore::connect(srv.addr(), 1, 4, Some(&bad), Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("TUTTI_TOKEN"), "{e}");
+        let e = TcpStore::connect(srv.addr(), 1, 4, None, Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("authentication"), "{e}");
+    }
+
+    #[test]
+    fn junk_on_the_store_port_is_dropped() {
+        let srv = server(1, None);
+        for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xff; 64][..], &[0x16, 0x03, 0x01][..]] {
+            let mut s = TcpStream::connect(srv.addr()).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+            let _ = s.write_all(junk);
+            let mut b = [0u8; 256];
+            let mut closed = false;
+            for _ in 0..10 {
+                match s.read(&mut b) {
+                    Ok(0) | Err(_) => {
+                        closed = true;
+                        break;
+                    }
+                    Ok(_) => {}
+                }
+            }
+            assert!(closed, "junk connection left open");
+        }
+        let c = TcpStore::connect(srv.addr(), 0, 1, None, Duration::from_secs(5)).unwrap();
+        c.set("still", b"fine").unwrap();
+        assert_eq!(c.get("still", Duration::from_secs(1)).unwrap(), b"fine");
+    }
+
+    #[test]
+    fn no_server_fails_in_time() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        drop(l);
+        let e = TcpStore::connect(addr, 1, 2, None, Duration::from_millis(300)).unwrap_err();
+        assert!(e.to_string().contains("rank 0"), "{e}");
+    }
+
+    #[test]
+    fn file_store() {
+        let dir = std::env::temp_dir().join(format!("tutti-fs-{}", std::process::id()));
+        let s = FileStore::new(&dir).unwrap();
+        s.set("a/b", b"v").unwrap();
+        assert_eq!(s.get("a/b", Duration::from_millis(10)).unwrap(), b"v");
+        assert!(s.get("zz", Duration::from_millis(30)).unwrap_err().to_string().contains("zz"));
+        std::thread::scope(|sc| {
+            for _ in 0..8 {
+                let s = s.clone();
+                sc.spawn(move || {
+                    for _ in 0..10 {
+                        s.add("n", 1).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(s.add("n", 0).unwrap(), 80);
+        assert!(s.check(&["a/b", "n"]).unwrap());
+        assert!(s.delete("a/b").unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
