@@ -1,1 +1,40 @@
-//! placeholder
+//! tutti-collectives: collectives built on point-to-point send and receive.
+//!
+//! Broadcast, reduce, allreduce, allgather(v), reduce-scatter(v), all-to-all(v), gather, scatter
+//! and barrier, each with the algorithms the best runtimes use (segmented pipelined ring,
+//! recursive doubling, Rabenseifner, binomial tree, pipelined chain, Bruck, pairwise exchange,
+//! dissemination), chosen by size and world size. Algorithms are pure schedules ([`plan`]) run by
+//! one executor over `tutti_runtime::Transport`; they never see a socket.
+//!
+//! ```
+//! use tutti_collectives::{Comm, ReduceOp};
+//!
+//! let comms = Comm::mem_world(4);
+//! std::thread::scope(|s| {
+//!     for c in comms {
+//!         s.spawn(move || {
+//!             let mut x = vec![c.rank() as f32 + 1.0; 1000];
+//!             c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+//!             assert!(x.iter().all(|v| *v == 10.0));
+//!         });
+//!     }
+//! });
+//! ```
+
+#![warn(missing_docs, unreachable_pub)]
+
+pub mod algo;
+mod comm;
+pub mod dtype;
+mod error;
+mod exec;
+pub mod kernel;
+pub mod plan;
+pub mod select;
+pub mod tensor;
+
+pub use comm::{Comm, Config, Stats, DEFAULT_SEGMENT};
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{Error, Result};
+pub use select::{Algo, Coll};
+pub use tutti_runtime::{Group, Transport};

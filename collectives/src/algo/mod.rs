@@ -1,0 +1,53 @@
+//! The algorithms, one file each. Every function here is pure: it returns the [`Plan`] one rank
+//! runs; `docs/algorithms.md` describes each with its cost.
+//!
+//! [`Plan`]: crate::plan::Plan
+
+pub mod alltoall;
+pub mod barrier;
+pub mod bruck;
+pub mod chain;
+pub mod halving_doubling;
+pub mod linear;
+pub mod recursive_doubling;
+pub mod ring;
+pub mod tree;
+
+/// Receives kept posted ahead of the one being processed in pipelined algorithms.
+pub const LOOKAHEAD: usize = 4;
+
+/// Who runs the plan and how big things are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Group rank.
+    pub rank: usize,
+    /// Group size.
+    pub n: usize,
+    /// Element size in bytes.
+    pub esize: usize,
+    /// Pipeline segment size in bytes.
+    pub seg: usize,
+    /// True when the call is in place (no separate input buffer).
+    pub in_place: bool,
+}
+
+impl Shape {
+    /// The buffer the local contribution is read from.
+    pub fn src(&self) -> crate::plan::Buf {
+        if self.in_place {
+            crate::plan::Buf::Data
+        } else {
+            crate::plan::Buf::Input
+        }
+    }
+
+    /// Rank at distance `d` to the right in the ring.
+    pub fn right(&self, d: usize) -> usize {
+        (self.rank + d) % self.n
+    }
+
+    /// Rank at distance `d` to the left in the ring.
+    pub fn left(&self, d: usize) -> usize {
+        (self.rank + self.n - d % self.n) % self.n
+    }
+}

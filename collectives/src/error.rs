@@ -1,0 +1,68 @@
+//! The collectives' error type.
+
+use std::time::Duration;
+
+/// Errors of the collectives layer. Transport and group failures arrive as
+/// [`Error::Runtime`]; see `docs/errors.md` for what to do about each.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A transport, rendezvous or group error (dead peer, timeout, mismatch, abort, poison).
+    #[error(transparent)]
+    Runtime(#[from] tutti_runtime::Error),
+
+    /// The call's arguments can never work: wrong buffer lengths, a root outside the group, a
+    /// dimension that does not divide. Nothing was sent; fix the call.
+    #[error("rank {rank}: invalid {op} call: {detail}")]
+    InvalidArgument {
+        /// Local (group) rank.
+        rank: usize,
+        /// Operation called.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+
+    /// An algorithm was forced that cannot run this call (e.g. a power-of-two-only algorithm on
+    /// 6 ranks). Nothing was sent; choose another algorithm or let tutti choose.
+    #[error("rank {rank}: algorithm {algo} cannot run {op} here: {detail}")]
+    Unsupported {
+        /// Local (group) rank.
+        rank: usize,
+        /// Operation called.
+        op: &'static str,
+        /// The algorithm asked for.
+        algo: &'static str,
+        /// Why not.
+        detail: String,
+    },
+
+    /// A schedule broke an executor invariant (a bug in tutti; please report it with the
+    /// message). The group is poisoned.
+    #[error("rank {rank}: internal error in {op} (seq {seq}) after {elapsed:?}: {detail}")]
+    Internal {
+        /// Local (group) rank.
+        rank: usize,
+        /// Operation.
+        op: &'static str,
+        /// Sequence number.
+        seq: u64,
+        /// Elapsed.
+        elapsed: Duration,
+        /// What broke.
+        detail: String,
+    },
+}
+
+impl Error {
+    /// The peer rank this error blames, when it names one.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            Error::Runtime(e) => e.peer(),
+            _ => None,
+        }
+    }
+}
+
+/// Result alias for the collectives.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

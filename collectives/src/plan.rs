@@ -1,0 +1,210 @@
+//! Schedules: an algorithm is a pure function from (rank, world, sizes) to a [`Plan`], a list of
+//! sends, receives, waits and local reductions over byte regions. One executor runs every plan
+//! over the transport (see `exec.rs`); tests run plans symbolically to count bytes and steps and
+//! to prove that every send has its receive.
+
+/// Which buffer a region lies in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Buf {
+    /// The user's output (or in-place) buffer.
+    Data,
+    /// The user's separate input buffer (read-only); only in out-of-place calls.
+    Input,
+    /// Executor-allocated scratch buffer number `k`.
+    Scratch(u16),
+}
+
+/// A byte range of a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// The buffer.
+    pub buf: Buf,
+    /// Offset in bytes.
+    pub off: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+impl Region {
+    /// A region of `buf`.
+    pub fn new(buf: Buf, off: usize, len: usize) -> Region {
+        Region { buf, off, len }
+    }
+
+    /// Do two regions share a byte?
+    pub fn overlaps(&self, o: &Region) -> bool {
+        self.buf == o.buf && self.len > 0 && o.len > 0 && self.off < o.off + o.len && o.off < self.off + self.len
+    }
+
+    /// The sub-range `[off, off+len)` of this region.
+    pub fn sub(&self, off: usize, len: usize) -> Region {
+        Region { buf: self.buf, off: self.off + off, len }
+    }
+}
+
+/// One step of a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Post a send of `region` to group rank `peer` under tag step `tag`.
+    Send {
+        /// Destination (group rank).
+        peer: usize,
+        /// Tag step.
+        tag: u32,
+        /// What to send.
+        region: Region,
+    },
+    /// Post a receive into `region` from `peer` under `tag`.
+    Recv {
+        /// Source (group rank).
+        peer: usize,
+        /// Tag step.
+        tag: u32,
+        /// Where it lands.
+        region: Region,
+    },
+    /// Wait for the send or receive with this handle (its index among posts).
+    Wait(usize),
+    /// Wait for every outstanding send and receive.
+    WaitAll,
+    /// `dst = a op b`, elementwise.
+    Reduce {
+        /// Destination.
+        dst: Region,
+        /// Left operand (may equal `dst`).
+        a: Region,
+        /// Right operand.
+        b: Region,
+    },
+    /// `dst = src`.
+    Copy {
+        /// Destination.
+        dst: Region,
+        /// Source.
+        src: Region,
+    },
+}
+
+/// A schedule for one rank.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Steps in program order.
+    pub steps: Vec<Step>,
+    /// Sizes of the scratch buffers, in bytes.
+    pub scratch: Vec<usize>,
+    /// Number of posts (sends plus receives) = number of handles.
+    pub posts: usize,
+}
+
+impl Plan {
+    /// An empty plan.
+    pub fn new() -> Plan {
+        Plan::default()
+    }
+
+    /// Declare a scratch buffer of `len` bytes.
+    pub fn scratch(&mut self, len: usize) -> Buf {
+        self.scratch.push(len);
+        Buf::Scratch((self.scratch.len() - 1) as u16)
+    }
+
+    /// Post a send; returns its handle. Empty regions are skipped (both sides skip them).
+    pub fn send(&mut self, peer: usize, tag: u32, region: Region) -> Option<usize> {
+        if region.len == 0 {
+            return None;
+        }
+        self.steps.push(Step::Send { peer, tag, region });
+        self.posts += 1;
+        Some(self.posts - 1)
+    }
+
+    /// Post a receive; returns its handle. Empty regions are skipped.
+    pub fn recv(&mut self, peer: usize, tag: u32, region: Region) -> Option<usize> {
+        if region.len == 0 {
+            return None;
+        }
+        self.steps.push(Step::Recv { peer, tag, region });
+        self.posts += 1;
+        Some(self.posts - 1)
+    }
+
+    /// Wait for a handle (nothing for a skipped post).
+    pub fn wait(&mut self, h: Option<usize>) {
+        if let Some(h) = h {
+            self.steps.push(Step::Wait(h));
+        }
+    }
+
+    /// Wait for everything outstanding.
+    pub fn wait_all(&mut self) {
+        self.steps.push(Step::WaitAll);
+    }
+
+    /// `dst = a op b`.
+    pub fn reduce(&mut self, dst: Region, a: Region, b: Region) {
+        if dst.len > 0 {
+            self.steps.push(Step::Reduce { dst, a, b });
+        }
+    }
+
+    /// `dst = src` (nothing when they are the same region).
+    pub fn copy(&mut self, dst: Region, src: Region) {
+        if dst.len > 0 && dst != src {
+            self.steps.push(Step::Copy { dst, src });
+        }
+    }
+
+    /// Total bytes this plan sends.
+    pub fn bytes_sent(&self) -> u64 {
+        self.steps
+            .iter()
+            .map(|s| match s {
+                Step::Send { region, .. } => region.len as u64,
+                _ => 0,
+            })
+            .sum()
+    }
+}
+
+/// Split `count` elements of `esize` bytes into `n` nearly equal blocks; returns byte (offset,
+/// length) per block. The first `count % n` blocks have one element more.
+pub fn split(count: usize, n: usize, esize: usize) -> Vec<(usize, usize)> {
+    let base = count / n;
+    let extra = count % n;
+    let mut off = 0;
+    (0..n)
+        .map(|i| {
+            let len = (base + usize::from(i < extra)) * esize;
+            let r = (off, len);
+            off += len;
+            r
+        })
+        .collect()
+}
+
+/// Byte (offset, length) blocks from per-rank element counts.
+pub fn blocks_from_counts(counts: &[usize], esize: usize) -> Vec<(usize, usize)> {
+    let mut off = 0;
+    counts
+        .iter()
+        .map(|c| {
+            let r = (off, c * esize);
+            off += c * esize;
+            r
+        })
+        .collect()
+}
+
+/// Segments of `len` bytes: (offset, length) pieces of at most `seg` bytes, element aligned.
+pub fn segments(len: usize, seg: usize, esize: usize) -> Vec<(usize, usize)> {
+    let seg = (seg / esize).max(1) * esize;
+    if len == 0 {
+        return Vec::new();
+    }
+    (0..len.div_ceil(seg)).map(|i| (i * seg, seg.min(len - i * seg))).collect()
+}
+
+/// Largest power of two not above `n` (n ≥ 1).
+pub fn pow2_floor(n: usize) -> usize {
+    1 << (usize::BITS - 1 - n.leading_zeros())
+}

@@ -1,0 +1,275 @@
+//! Algorithm choice: by collective, message size and world size, from a table measured with
+//! collbench (`docs/algorithms.md`), overridable per call and with `TUTTI_ALGO`.
+
+use std::collections::HashMap;
+use std::fmt;
+
+/// The collectives, for algorithm overrides and statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Coll {
+    /// Allreduce.
+    Allreduce,
+    /// Broadcast.
+    Broadcast,
+    /// Reduce.
+    Reduce,
+    /// Allgather(v).
+    Allgather,
+    /// Reduce-scatter(v).
+    ReduceScatter,
+    /// All-to-all(v).
+    AllToAll,
+    /// Gather.
+    Gather,
+    /// Scatter.
+    Scatter,
+    /// Barrier.
+    Barrier,
+}
+
+impl Coll {
+    /// All collectives.
+    pub const ALL: [Coll; 9] = [
+        Coll::Allreduce,
+        Coll::Broadcast,
+        Coll::Reduce,
+        Coll::Allgather,
+        Coll::ReduceScatter,
+        Coll::AllToAll,
+        Coll::Gather,
+        Coll::Scatter,
+        Coll::Barrier,
+    ];
+
+    /// Name as in `TUTTI_ALGO` and collbench.
+    pub fn name(self) -> &'static str {
+        match self {
+            Coll::Allreduce => "allreduce",
+            Coll::Broadcast => "broadcast",
+            Coll::Reduce => "reduce",
+            Coll::Allgather => "allgather",
+            Coll::ReduceScatter => "reduce_scatter",
+            Coll::AllToAll => "alltoall",
+            Coll::Gather => "gather",
+            Coll::Scatter => "scatter",
+            Coll::Barrier => "barrier",
+        }
+    }
+
+    /// Parse a name.
+    pub fn parse(s: &str) -> Option<Coll> {
+        Coll::ALL.into_iter().find(|c| c.name() == s)
+    }
+
+    /// The algorithms that implement this collective.
+    pub fn algos(self) -> &'static [Algo] {
+        use Algo::*;
+        match self {
+            Coll::Allreduce => &[Ring, RecursiveDoubling, Rabenseifner, Tree],
+            Coll::Broadcast => &[Tree, Chain],
+            Coll::Reduce => &[Tree],
+            Coll::Allgather => &[Ring, RecursiveDoubling, Bruck],
+            Coll::ReduceScatter => &[Ring, RecursiveHalving],
+            Coll::AllToAll => &[Pairwise, PostAll],
+            Coll::Gather | Coll::Scatter => &[Linear],
+            Coll::Barrier => &[Dissemination],
+        }
+    }
+}
+
+impl fmt::Display for Coll {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Algorithms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Algo {
+    /// Segmented pipelined ring.
+    Ring,
+    /// Recursive doubling.
+    RecursiveDoubling,
+    /// Rabenseifner: recursive halving reduce-scatter + recursive doubling allgather.
+    Rabenseifner,
+    /// Recursive halving reduce-scatter.
+    RecursiveHalving,
+    /// Binomial tree (reduce + broadcast for allreduce).
+    Tree,
+    /// Pipelined chain.
+    Chain,
+    /// Bruck.
+    Bruck,
+    /// Pairwise exchange.
+    Pairwise,
+    /// Post every send and receive at once.
+    PostAll,
+    /// Root talks to every rank directly.
+    Linear,
+    /// Dissemination.
+    Dissemination,
+}
+
+impl Algo {
+    /// Every algorithm.
+    pub const ALL: [Algo; 11] = [
+        Algo::Ring,
+        Algo::RecursiveDoubling,
+        Algo::Rabenseifner,
+        Algo::RecursiveHalving,
+        Algo::Tree,
+        Algo::Chain,
+        Algo::Bruck,
+        Algo::Pairwise,
+        Algo::PostAll,
+        Algo::Linear,
+        Algo::Dissemination,
+    ];
+
+    /// Short name (collbench's algorithm column, `TUTTI_ALGO`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::RecursiveDoubling => "rd",
+            Algo::Rabenseifner => "rabenseifner",
+            Algo::RecursiveHalving => "halving",
+            Algo::Tree => "tree",
+            Algo::Chain => "chain",
+            Algo::Bruck => "bruck",
+            Algo::Pairwise => "pairwise",
+            Algo::PostAll => "postall",
+            Algo::Linear => "linear",
+            Algo::Dissemination => "dissemination",
+        }
+    }
+
+    /// Parse a name or a common alias (`binomial`, `recursive_doubling`, `halving_doubling`).
+    pub fn parse(s: &str) -> Option<Algo> {
+        let s = s.trim().to_ascii_lowercase();
+        let alias = match s.as_str() {
+            "binomial" => "tree",
+            "recursive_doubling" | "recursive-doubling" => "rd",
+            "halving_doubling" | "halving-doubling" => "rabenseifner",
+            "recursive_halving" | "recursive-halving" => "halving",
+            "post_all" | "post-all" => "postall",
+            other => other,
+        };
+        Algo::ALL.into_iter().find(|a| a.name() == alias)
+    }
+}
+
+impl fmt::Display for Algo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Per-collective algorithm overrides, e.g. from `TUTTI_ALGO=allreduce:ring,broadcast:chain`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Overrides(pub HashMap<Coll, Algo>);
+
+impl Overrides {
+    /// Parse `coll:algo[,coll:algo…]`.
+    ///
+    /// # Errors
+    /// A message naming the unknown collective or algorithm, or an algorithm that does not
+    /// implement the collective.
+    pub fn parse(s: &str) -> Result<Overrides, String> {
+        let mut m = HashMap::new();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (c, a) = item.split_once(':').ok_or_else(|| format!("TUTTI_ALGO item {item:?} is not coll:algo"))?;
+            let coll = Coll::parse(c.trim()).ok_or_else(|| format!("TUTTI_ALGO: unknown collective {c:?}"))?;
+            let algo = Algo::parse(a).ok_or_else(|| format!("TUTTI_ALGO: unknown algorithm {a:?}"))?;
+            if !coll.algos().contains(&algo) {
+                let names: Vec<&str> = coll.algos().iter().map(|a| a.name()).collect();
+                return Err(format!("TUTTI_ALGO: {coll} has no algorithm {algo} (choose from {})", names.join(", ")));
+            }
+            m.insert(coll, algo);
+        }
+        Ok(Overrides(m))
+    }
+}
+
+/// The automatic choice. `bytes` is the collective's S as nccl-tests defines it (one rank's
+/// buffer for allreduce/broadcast/reduce, the whole gathered or scattered buffer otherwise).
+/// Thresholds come from collbench runs on the reference machine (`docs/algorithms.md`).
+pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
+    match coll {
+        Coll::Allreduce => {
+            if bytes <= 16 << 10 || n == 1 {
+                Algo::RecursiveDoubling
+            } else if bytes <= 512 << 10 && n > 2 {
+                Algo::Rabenseifner
+            } else {
+                Algo::Ring
+            }
+        }
+        Coll::Broadcast => {
+            if bytes <= 256 << 10 || n <= 2 {
+                Algo::Tree
+            } else {
+                Algo::Chain
+            }
+        }
+        Coll::Reduce => Algo::Tree,
+        Coll::Allgather => {
+            if bytes <= 64 << 10 && uniform {
+                if n.is_power_of_two() {
+                    Algo::RecursiveDoubling
+                } else {
+                    Algo::Bruck
+                }
+            } else {
+                Algo::Ring
+            }
+        }
+        Coll::ReduceScatter => {
+            if bytes <= 64 << 10 && n.is_power_of_two() {
+                Algo::RecursiveHalving
+            } else {
+                Algo::Ring
+            }
+        }
+        Coll::AllToAll => {
+            if bytes / n.max(1) <= 8 << 10 {
+                Algo::PostAll
+            } else {
+                Algo::Pairwise
+            }
+        }
+        Coll::Gather | Coll::Scatter => Algo::Linear,
+        Coll::Barrier => Algo::Dissemination,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_overrides() {
+        let o = Overrides::parse("allreduce:ring, broadcast:binomial").unwrap();
+        assert_eq!(o.0[&Coll::Allreduce], Algo::Ring);
+        assert_eq!(o.0[&Coll::Broadcast], Algo::Tree);
+        assert!(Overrides::parse("allreduce:bruck").unwrap_err().contains("no algorithm bruck"));
+        assert!(Overrides::parse("nope:ring").unwrap_err().contains("unknown collective"));
+        assert!(Overrides::parse("allreduce").is_err());
+        assert_eq!(Overrides::parse("").unwrap(), Overrides::default());
+    }
+
+    #[test]
+    fn every_choice_is_valid() {
+        for c in Coll::ALL {
+            for n in [1, 2, 3, 4, 7, 8, 16] {
+                for b in [0, 8, 1 << 12, 1 << 20, 1 << 28] {
+                    let a = choose(c, b, n, true);
+                    assert!(c.algos().contains(&a), "{c} {a}");
+                    let a = choose(c, b, n, false);
+                    assert!(c.algos().contains(&a), "{c} {a}");
+                }
+            }
+        }
+    }
+}
