@@ -53,17 +53,15 @@ impl Config {
     /// [`Error::InvalidArgument`] naming the malformed variable.
     pub fn from_env() -> Result<Config> {
         let mut c = Config::default();
-        let bad = |detail: String| Error::InvalidArgument { rank: usize::MAX, op: "config", detail };
+        let bad =
+            |detail: String| Error::InvalidArgument { rank: usize::MAX, op: "config", detail };
         if let Ok(v) = std::env::var("TUTTI_ALGO") {
             c.overrides = Overrides::parse(&v).map_err(bad)?;
         }
         if let Ok(v) = std::env::var("TUTTI_SEGMENT_BYTES") {
-            c.segment = v
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|s| *s > 0)
-                .ok_or_else(|| bad(format!("TUTTI_SEGMENT_BYTES={v:?} is not a positive integer")))?;
+            c.segment = v.trim().parse::<usize>().ok().filter(|s| *s > 0).ok_or_else(|| {
+                bad(format!("TUTTI_SEGMENT_BYTES={v:?} is not a positive integer"))
+            })?;
         }
         Ok(c)
     }
@@ -87,7 +85,10 @@ pub struct Comm {
 
 impl std::fmt::Debug for Comm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Comm").field("group", &self.group).field("force", &self.force).finish_non_exhaustive()
+        f.debug_struct("Comm")
+            .field("group", &self.group)
+            .field("force", &self.force)
+            .finish_non_exhaustive()
     }
 }
 
@@ -114,7 +115,12 @@ impl Comm {
 
     /// A communicator with explicit settings.
     pub fn with_config(group: Group, cfg: Config) -> Comm {
-        Comm { group, cfg: Arc::new(cfg), force: None, scratch: Arc::new(Mutex::new(Scratch::default())) }
+        Comm {
+            group,
+            cfg: Arc::new(cfg),
+            force: None,
+            scratch: Arc::new(Mutex::new(Scratch::default())),
+        }
     }
 
     /// Rendezvous from the environment (see `tutti_runtime::init_from_env`) and apply `TUTTI_ALGO`
@@ -231,7 +237,10 @@ impl Comm {
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
         if root >= self.size() {
-            return Err(self.invalid(op, format!("root {root} is outside the group of {} ranks", self.size())));
+            return Err(self.invalid(
+                op,
+                format!("root {root} is outside the group of {} ranks", self.size()),
+            ));
         }
         Ok(())
     }
@@ -245,7 +254,12 @@ impl Comm {
         }
     }
 
-    fn allreduce_impl<T: Element>(&self, input: Option<&[T]>, out: &mut [T], op: ReduceOp) -> Result<Stats> {
+    fn allreduce_impl<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        op: ReduceOp,
+    ) -> Result<Stats> {
         let count = out.len();
         let bytes = count * std::mem::size_of::<T>();
         let req = Req {
@@ -292,9 +306,17 @@ impl Comm {
     ///
     /// # Errors
     /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] when the lengths differ.
-    pub fn allreduce_from<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<Stats> {
+    pub fn allreduce_from<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<Stats> {
         if input.len() != output.len() {
-            return Err(self.invalid("allreduce", format!("input has {} elements, output {}", input.len(), output.len())));
+            return Err(self.invalid(
+                "allreduce",
+                format!("input has {} elements, output {}", input.len(), output.len()),
+            ));
         }
         self.allreduce_impl(Some(input), output, op)
     }
@@ -318,15 +340,28 @@ impl Comm {
     ///
     /// # Errors
     /// As [`Comm::broadcast`].
-    pub fn broadcast_from<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<Stats> {
+    pub fn broadcast_from<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<Stats> {
         if self.rank() == root && input.len() != output.len() {
-            return Err(self.invalid("broadcast", format!("input has {} elements, output {}", input.len(), output.len())));
+            return Err(self.invalid(
+                "broadcast",
+                format!("input has {} elements, output {}", input.len(), output.len()),
+            ));
         }
         let input = if self.rank() == root { Some(input) } else { None };
         self.broadcast_impl(input, output, root)
     }
 
-    fn broadcast_impl<T: Element>(&self, input: Option<&[T]>, out: &mut [T], root: usize) -> Result<Stats> {
+    fn broadcast_impl<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        root: usize,
+    ) -> Result<Stats> {
         self.check_root("broadcast", root)?;
         let len = std::mem::size_of_val(out);
         let req = Req {
@@ -370,14 +405,29 @@ impl Comm {
     ///
     /// # Errors
     /// As [`Comm::reduce`].
-    pub fn reduce_from<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp, root: usize) -> Result<Stats> {
+    pub fn reduce_from<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<Stats> {
         if input.len() != output.len() {
-            return Err(self.invalid("reduce", format!("input has {} elements, output {}", input.len(), output.len())));
+            return Err(self.invalid(
+                "reduce",
+                format!("input has {} elements, output {}", input.len(), output.len()),
+            ));
         }
         self.reduce_impl(Some(input), output, op, root)
     }
 
-    fn reduce_impl<T: Element>(&self, input: Option<&[T]>, out: &mut [T], op: ReduceOp, root: usize) -> Result<Stats> {
+    fn reduce_impl<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<Stats> {
         self.check_root("reduce", root)?;
         let len = std::mem::size_of_val(out);
         let req = Req {
@@ -413,7 +463,12 @@ impl Comm {
         if output.len() != input.len() * n {
             return Err(self.invalid(
                 "allgather",
-                format!("output has {} elements, expected {} x {} ranks", output.len(), input.len(), n),
+                format!(
+                    "output has {} elements, expected {} x {} ranks",
+                    output.len(),
+                    input.len(),
+                    n
+                ),
             ));
         }
         let counts = vec![input.len(); n];
@@ -430,7 +485,10 @@ impl Comm {
     pub fn allgather_inplace<T: Element>(&self, buf: &mut [T]) -> Result<Stats> {
         let n = self.size();
         if buf.len() % n != 0 {
-            return Err(self.invalid("allgather", format!("{} elements do not divide by {n} ranks", buf.len())));
+            return Err(self.invalid(
+                "allgather",
+                format!("{} elements do not divide by {n} ranks", buf.len()),
+            ));
         }
         let counts = vec![buf.len() / n; n];
         self.allgather_impl(None, buf, &counts)
@@ -444,26 +502,47 @@ impl Comm {
     ///
     /// # Errors
     /// As [`Comm::allgather`].
-    pub fn allgatherv<T: Element>(&self, input: &[T], output: &mut [T], counts: &[usize]) -> Result<Stats> {
+    pub fn allgatherv<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+    ) -> Result<Stats> {
         self.check_counts("allgatherv", counts, output.len())?;
         if input.len() != counts[self.rank()] {
-            return Err(self.invalid("allgatherv", format!("input has {} elements, counts[{}] = {}", input.len(), self.rank(), counts[self.rank()])));
+            return Err(self.invalid(
+                "allgatherv",
+                format!(
+                    "input has {} elements, counts[{}] = {}",
+                    input.len(),
+                    self.rank(),
+                    counts[self.rank()]
+                ),
+            ));
         }
         self.allgather_impl(Some(input), output, counts)
     }
 
     fn check_counts(&self, op: &'static str, counts: &[usize], total: usize) -> Result<()> {
         if counts.len() != self.size() {
-            return Err(self.invalid(op, format!("{} counts for {} ranks", counts.len(), self.size())));
+            return Err(
+                self.invalid(op, format!("{} counts for {} ranks", counts.len(), self.size()))
+            );
         }
         let sum: usize = counts.iter().sum();
         if sum != total {
-            return Err(self.invalid(op, format!("counts sum to {sum} but the buffer has {total} elements")));
+            return Err(self
+                .invalid(op, format!("counts sum to {sum} but the buffer has {total} elements")));
         }
         Ok(())
     }
 
-    fn allgather_impl<T: Element>(&self, input: Option<&[T]>, out: &mut [T], counts: &[usize]) -> Result<Stats> {
+    fn allgather_impl<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        counts: &[usize],
+    ) -> Result<Stats> {
         let es = std::mem::size_of::<T>();
         let blocks = blocks_from_counts(counts, es);
         let uniform = counts.windows(2).all(|w| w[0] == w[1]);
@@ -483,7 +562,9 @@ impl Comm {
         };
         let rank = self.rank();
         self.run(req, |sh, algo| match algo {
-            Algo::RecursiveDoubling if sh.n.is_power_of_two() => Ok(algo::recursive_doubling::allgather(sh, &blocks)),
+            Algo::RecursiveDoubling if sh.n.is_power_of_two() => {
+                Ok(algo::recursive_doubling::allgather(sh, &blocks))
+            }
             Algo::Bruck if uniform => Ok(algo::bruck::allgather(sh, blocks[0].1)),
             Algo::Ring => Ok(algo::ring::allgather(sh, &blocks)),
             other => Err(Error::Unsupported {
@@ -503,10 +584,22 @@ impl Comm {
     ///
     /// # Errors
     /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] for wrong lengths.
-    pub fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<Stats> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<Stats> {
         let n = self.size();
         if input.len() != output.len() * n {
-            return Err(self.invalid("reduce_scatter", format!("input has {} elements, expected {} x {n} ranks", input.len(), output.len())));
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!(
+                    "input has {} elements, expected {} x {n} ranks",
+                    input.len(),
+                    output.len()
+                ),
+            ));
         }
         let counts = vec![output.len(); n];
         self.reduce_scatter_impl(Some(input), output, &counts, op)
@@ -523,7 +616,10 @@ impl Comm {
     pub fn reduce_scatter_inplace<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<Stats> {
         let n = self.size();
         if buf.len() % n != 0 {
-            return Err(self.invalid("reduce_scatter", format!("{} elements do not divide by {n} ranks", buf.len())));
+            return Err(self.invalid(
+                "reduce_scatter",
+                format!("{} elements do not divide by {n} ranks", buf.len()),
+            ));
         }
         let counts = vec![buf.len() / n; n];
         self.reduce_scatter_impl(None, buf, &counts, op)
@@ -537,15 +633,35 @@ impl Comm {
     ///
     /// # Errors
     /// As [`Comm::reduce_scatter`].
-    pub fn reduce_scatter_v<T: Element>(&self, input: &[T], output: &mut [T], counts: &[usize], op: ReduceOp) -> Result<Stats> {
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Stats> {
         self.check_counts("reduce_scatter_v", counts, input.len())?;
         if output.len() != counts[self.rank()] {
-            return Err(self.invalid("reduce_scatter_v", format!("output has {} elements, counts[{}] = {}", output.len(), self.rank(), counts[self.rank()])));
+            return Err(self.invalid(
+                "reduce_scatter_v",
+                format!(
+                    "output has {} elements, counts[{}] = {}",
+                    output.len(),
+                    self.rank(),
+                    counts[self.rank()]
+                ),
+            ));
         }
         self.reduce_scatter_impl(Some(input), output, counts, op)
     }
 
-    fn reduce_scatter_impl<T: Element>(&self, input: Option<&[T]>, out: &mut [T], counts: &[usize], op: ReduceOp) -> Result<Stats> {
+    fn reduce_scatter_impl<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Stats> {
         let es = std::mem::size_of::<T>();
         let blocks = blocks_from_counts(counts, es);
         let total: usize = counts.iter().sum();
@@ -566,7 +682,9 @@ impl Comm {
         };
         let in_place = input.is_none();
         let st = self.run(req, |sh, algo| match algo {
-            Algo::RecursiveHalving if sh.n.is_power_of_two() => Ok(algo::halving_doubling::reduce_scatter(sh, &blocks)),
+            Algo::RecursiveHalving if sh.n.is_power_of_two() => {
+                Ok(algo::halving_doubling::reduce_scatter(sh, &blocks))
+            }
             Algo::Ring => Ok(algo::ring::reduce_scatter(sh, &blocks)),
             other => Err(Error::Unsupported {
                 rank,
@@ -596,7 +714,14 @@ impl Comm {
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<Stats> {
         let n = self.size();
         if input.len() != output.len() || input.len() % n != 0 {
-            return Err(self.invalid("all_to_all", format!("input {} and output {} elements must be equal and divide by {n}", input.len(), output.len())));
+            return Err(self.invalid(
+                "all_to_all",
+                format!(
+                    "input {} and output {} elements must be equal and divide by {n}",
+                    input.len(),
+                    output.len()
+                ),
+            ));
         }
         let c = input.len() / n;
         let counts = vec![c; n];
@@ -613,7 +738,10 @@ impl Comm {
     pub fn all_to_all_inplace<T: Element>(&self, buf: &mut [T]) -> Result<Stats> {
         let n = self.size();
         if buf.len() % n != 0 {
-            return Err(self.invalid("all_to_all", format!("{} elements do not divide by {n} ranks", buf.len())));
+            return Err(self.invalid(
+                "all_to_all",
+                format!("{} elements do not divide by {n} ranks", buf.len()),
+            ));
         }
         let counts = vec![buf.len() / n; n];
         self.all_to_all_impl(None, buf, &counts, &counts, true)
@@ -627,13 +755,26 @@ impl Comm {
     ///
     /// # Errors
     /// As [`Comm::all_to_all`]; a count disagreement between ranks is reported as a mismatch.
-    pub fn all_to_all_v<T: Element>(&self, input: &[T], send_counts: &[usize], output: &mut [T], recv_counts: &[usize]) -> Result<Stats> {
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<Stats> {
         self.check_counts("all_to_all_v", send_counts, input.len())?;
         self.check_counts("all_to_all_v", recv_counts, output.len())?;
         self.all_to_all_impl(Some(input), output, send_counts, recv_counts, false)
     }
 
-    fn all_to_all_impl<T: Element>(&self, input: Option<&[T]>, out: &mut [T], sc: &[usize], rc: &[usize], uniform: bool) -> Result<Stats> {
+    fn all_to_all_impl<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        sc: &[usize],
+        rc: &[usize],
+        uniform: bool,
+    ) -> Result<Stats> {
         let es = std::mem::size_of::<T>();
         let send = blocks_from_counts(sc, es);
         let recv = blocks_from_counts(rc, es);
@@ -659,16 +800,18 @@ impl Comm {
             let mut p = Plan::new();
             let src = if in_place {
                 let s = p.scratch(total_bytes);
-                p.copy(crate::plan::Region::new(s, 0, total_bytes), crate::plan::Region::new(Buf::Data, 0, total_bytes));
+                p.copy(
+                    crate::plan::Region::new(s, 0, total_bytes),
+                    crate::plan::Region::new(Buf::Data, 0, total_bytes),
+                );
                 s
             } else {
                 Buf::Input
             };
-            let body = match algo {
-                Algo::PostAll => algo::alltoall::post_all(sh, src, &send, &recv),
-                _ => algo::alltoall::pairwise(sh, src, &send, &recv),
-            };
-            algo::tree::append_shifted(&mut p, body, 0);
+            match algo {
+                Algo::PostAll => algo::alltoall::post_all(&mut p, sh, src, &send, &recv),
+                _ => algo::alltoall::pairwise(&mut p, sh, src, &send, &recv),
+            }
             Ok(p)
         })
     }
@@ -685,7 +828,14 @@ impl Comm {
         self.check_root("gather", root)?;
         let n = self.size();
         if self.rank() == root && output.len() != input.len() * n {
-            return Err(self.invalid("gather", format!("root output has {} elements, expected {} x {n}", output.len(), input.len())));
+            return Err(self.invalid(
+                "gather",
+                format!(
+                    "root output has {} elements, expected {} x {n}",
+                    output.len(),
+                    input.len()
+                ),
+            ));
         }
         let es = std::mem::size_of::<T>();
         let blocks = split(input.len() * n, n, es);
@@ -717,7 +867,10 @@ impl Comm {
         self.check_root("scatter", root)?;
         let n = self.size();
         if self.rank() == root && input.len() != output.len() * n {
-            return Err(self.invalid("scatter", format!("root input has {} elements, expected {} x {n}", input.len(), output.len())));
+            return Err(self.invalid(
+                "scatter",
+                format!("root input has {} elements, expected {} x {n}", input.len(), output.len()),
+            ));
         }
         let es = std::mem::size_of::<T>();
         let blocks = split(output.len() * n, n, es);

@@ -68,7 +68,11 @@ pub(crate) fn execute(
         data: data.as_mut_ptr(),
         data_len: data.len(),
         input: input.map(|i| (i.as_ptr(), i.len())),
-        scratch: scratch.bufs.iter_mut().map(|b| (b.as_mut_ptr().cast::<u8>(), b.len() * 8)).collect(),
+        scratch: scratch
+            .bufs
+            .iter_mut()
+            .map(|b| (b.as_mut_ptr().cast::<u8>(), b.len() * 8))
+            .collect(),
         handles: Vec::with_capacity(plan.posts),
         outstanding: Vec::new(),
         start: Instant::now(),
@@ -122,7 +126,11 @@ impl Exec<'_> {
                 }
                 match self.input {
                     Some((p, l)) => (p.cast_mut(), l),
-                    None => return Err(self.internal("plan reads an input buffer the call lacks".into())),
+                    None => {
+                        return Err(
+                            self.internal("plan reads an input buffer the call lacks".into())
+                        )
+                    }
                 }
             }
             Buf::Scratch(k) => match self.scratch.get(k as usize) {
@@ -132,7 +140,9 @@ impl Exec<'_> {
         };
         match r.off.checked_add(r.len) {
             Some(end) if end <= len => {}
-            _ => return Err(self.internal(format!("region {r:?} outside its buffer of {len} bytes"))),
+            _ => {
+                return Err(self.internal(format!("region {r:?} outside its buffer of {len} bytes")))
+            }
         }
         // SAFETY: `off + len <= buffer length` was checked just above.
         Ok(unsafe { base.add(r.off) })
@@ -155,7 +165,10 @@ impl Exec<'_> {
     }
 
     fn desc(&self, tag: u32) -> MsgDesc {
-        MsgDesc { tag: Tag { group: self.call.group.id(), seq: self.seq, step: tag }, fp: self.call.fp }
+        MsgDesc {
+            tag: Tag { group: self.call.group.id(), seq: self.seq, step: tag },
+            fp: self.call.fp,
+        }
     }
 
     fn wait(&mut self, h: usize) -> Result<()> {
@@ -214,7 +227,9 @@ impl Exec<'_> {
                 }
                 Step::Reduce { dst, a, b } => {
                     if a.len != dst.len || b.len != dst.len {
-                        return Err(self.internal(format!("reduce of unequal regions {dst:?} {a:?} {b:?}")));
+                        return Err(
+                            self.internal(format!("reduce of unequal regions {dst:?} {a:?} {b:?}"))
+                        );
                     }
                     if (a != dst && a.overlaps(dst)) || b.overlaps(dst) {
                         return Err(self.internal(format!("reduce into overlapping {dst:?}")));
@@ -228,7 +243,9 @@ impl Exec<'_> {
                     // SAFETY: all three regions are inside live buffers (checked), no outstanding
                     // post touches them (checked), and dst is either `a` exactly or disjoint
                     // from both operands (checked).
-                    unsafe { kernel::reduce_raw(self.call.dtype, self.call.redop, d, pa, pb, dst.len) };
+                    unsafe {
+                        kernel::reduce_raw(self.call.dtype, self.call.redop, d, pa, pb, dst.len)
+                    };
                 }
                 Step::Copy { dst, src } => {
                     if src.len != dst.len || src.overlaps(dst) {

@@ -179,12 +179,19 @@ impl Overrides {
     pub fn parse(s: &str) -> Result<Overrides, String> {
         let mut m = HashMap::new();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (c, a) = item.split_once(':').ok_or_else(|| format!("TUTTI_ALGO item {item:?} is not coll:algo"))?;
-            let coll = Coll::parse(c.trim()).ok_or_else(|| format!("TUTTI_ALGO: unknown collective {c:?}"))?;
-            let algo = Algo::parse(a).ok_or_else(|| format!("TUTTI_ALGO: unknown algorithm {a:?}"))?;
+            let (c, a) = item
+                .split_once(':')
+                .ok_or_else(|| format!("TUTTI_ALGO item {item:?} is not coll:algo"))?;
+            let coll = Coll::parse(c.trim())
+                .ok_or_else(|| format!("TUTTI_ALGO: unknown collective {c:?}"))?;
+            let algo =
+                Algo::parse(a).ok_or_else(|| format!("TUTTI_ALGO: unknown algorithm {a:?}"))?;
             if !coll.algos().contains(&algo) {
                 let names: Vec<&str> = coll.algos().iter().map(|a| a.name()).collect();
-                return Err(format!("TUTTI_ALGO: {coll} has no algorithm {algo} (choose from {})", names.join(", ")));
+                return Err(format!(
+                    "TUTTI_ALGO: {coll} has no algorithm {algo} (choose from {})",
+                    names.join(", ")
+                ));
             }
             m.insert(coll, algo);
         }

@@ -27,11 +27,25 @@ impl Comm {
     /// [`Error::InvalidArgument`] when `shape[scatter_dim]` does not divide by the group size, a
     /// dim is out of range, or a buffer length does not match the shape; otherwise as
     /// [`Comm::all_to_all`].
-    pub fn all_to_all_tensor<T: Element>(&self, input: &[T], shape: &[usize], scatter_dim: usize, gather_dim: usize, output: &mut [T]) -> Result<Stats> {
+    pub fn all_to_all_tensor<T: Element>(
+        &self,
+        input: &[T],
+        shape: &[usize],
+        scatter_dim: usize,
+        gather_dim: usize,
+        output: &mut [T],
+    ) -> Result<Stats> {
         let n = self.size();
-        let bad = |detail: String| Error::InvalidArgument { rank: self.rank(), op: "all_to_all_tensor", detail };
+        let bad = |detail: String| Error::InvalidArgument {
+            rank: self.rank(),
+            op: "all_to_all_tensor",
+            detail,
+        };
         if scatter_dim >= shape.len() || gather_dim >= shape.len() {
-            return Err(bad(format!("dims {scatter_dim}, {gather_dim} outside a {}-d shape", shape.len())));
+            return Err(bad(format!(
+                "dims {scatter_dim}, {gather_dim} outside a {}-d shape",
+                shape.len()
+            )));
         }
         if shape[scatter_dim] % n != 0 {
             return Err(bad(format!(
@@ -41,7 +55,11 @@ impl Comm {
         }
         let total: usize = shape.iter().product();
         if input.len() != total || output.len() != total {
-            return Err(bad(format!("shape {shape:?} holds {total} elements; input has {}, output {}", input.len(), output.len())));
+            return Err(bad(format!(
+                "shape {shape:?} holds {total} elements; input has {}, output {}",
+                input.len(),
+                output.len()
+            )));
         }
         // Pack: block j = input restricted to part j of scatter_dim, row-major.
         let (so, sm, si) = around(shape, scatter_dim);

@@ -11,10 +11,15 @@ use crate::plan::{Buf, Plan, Region};
 /// Rounds of the pairwise exchange kept in flight.
 const WINDOW: usize = 4;
 
-/// Pairwise all-to-all. `send` and `recv` give per-peer byte (offset, length) in the source
-/// and destination buffers; `src` is the buffer the blocks are read from.
-pub fn pairwise(sh: &Shape, src: Buf, send: &[(usize, usize)], recv: &[(usize, usize)]) -> Plan {
-    let mut p = Plan::new();
+/// Append a pairwise all-to-all to `p`. `send` and `recv` give per-peer byte (offset, length)
+/// in the source and destination buffers; `src` is the buffer the blocks are read from.
+pub fn pairwise(
+    p: &mut Plan,
+    sh: &Shape,
+    src: Buf,
+    send: &[(usize, usize)],
+    recv: &[(usize, usize)],
+) {
     let (n, r) = (sh.n, sh.rank);
     p.copy(Region::new(Buf::Data, recv[r].0, recv[r].1), Region::new(src, send[r].0, send[r].1));
     let mut inflight: Vec<(Option<usize>, Option<usize>)> = Vec::new();
@@ -31,12 +36,16 @@ pub fn pairwise(sh: &Shape, src: Buf, send: &[(usize, usize)], recv: &[(usize, u
         }
     }
     p.wait_all();
-    p
 }
 
-/// Post-all all-to-all (same layout arguments as [`pairwise`]).
-pub fn post_all(sh: &Shape, src: Buf, send: &[(usize, usize)], recv: &[(usize, usize)]) -> Plan {
-    let mut p = Plan::new();
+/// Append a post-all all-to-all (same arguments as [`pairwise`]).
+pub fn post_all(
+    p: &mut Plan,
+    sh: &Shape,
+    src: Buf,
+    send: &[(usize, usize)],
+    recv: &[(usize, usize)],
+) {
     let (n, r) = (sh.n, sh.rank);
     for i in 1..n {
         let from = (r + n - i) % n;
@@ -48,5 +57,4 @@ pub fn post_all(sh: &Shape, src: Buf, send: &[(usize, usize)], recv: &[(usize, u
     }
     p.copy(Region::new(Buf::Data, recv[r].0, recv[r].1), Region::new(src, send[r].0, send[r].1));
     p.wait_all();
-    p
 }

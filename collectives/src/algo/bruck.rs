@@ -10,7 +10,11 @@ use crate::plan::{Buf, Plan, Region};
 pub fn allgather(sh: &Shape, blk: usize) -> Plan {
     let mut p = Plan::new();
     let (n, r) = (sh.n, sh.rank);
-    let own = if sh.in_place { Region::new(Buf::Data, r * blk, blk) } else { Region::new(Buf::Input, 0, blk) };
+    let own = if sh.in_place {
+        Region::new(Buf::Data, r * blk, blk)
+    } else {
+        Region::new(Buf::Input, 0, blk)
+    };
     if n == 1 {
         p.copy(Region::new(Buf::Data, 0, blk), own);
         return p;

@@ -33,7 +33,8 @@ fn halving(
     while d >= 1 {
         let partner = fold.real_rank(nr ^ d);
         let mid = lo + d;
-        let (keep, give) = if nr & d == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
+        let (keep, give) =
+            if nr & d == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
         let keep_r = range(blocks, keep.0, keep.1);
         let give_r = range(blocks, give.0, give.1);
         let t = Region::new(tmp, 0, keep_r.len);

@@ -10,7 +10,11 @@ use crate::plan::{Buf, Plan, Region};
 pub fn gather(sh: &Shape, blocks: &[(usize, usize)], root: usize) -> Plan {
     let mut p = Plan::new();
     let r = sh.rank;
-    let own = if sh.in_place { Region::new(Buf::Data, blocks[r].0, blocks[r].1) } else { Region::new(Buf::Input, 0, blocks[r].1) };
+    let own = if sh.in_place {
+        Region::new(Buf::Data, blocks[r].0, blocks[r].1)
+    } else {
+        Region::new(Buf::Input, 0, blocks[r].1)
+    };
     if r == root {
         for (i, &(off, len)) in blocks.iter().enumerate() {
             if i != root {
@@ -30,7 +34,11 @@ pub fn gather(sh: &Shape, blocks: &[(usize, usize)], root: usize) -> Plan {
 pub fn scatter(sh: &Shape, blocks: &[(usize, usize)], root: usize) -> Plan {
     let mut p = Plan::new();
     let r = sh.rank;
-    let mine = if sh.in_place { Region::new(Buf::Data, blocks[r].0, blocks[r].1) } else { Region::new(Buf::Data, 0, blocks[r].1) };
+    let mine = if sh.in_place {
+        Region::new(Buf::Data, blocks[r].0, blocks[r].1)
+    } else {
+        Region::new(Buf::Data, 0, blocks[r].1)
+    };
     if r == root {
         let src = sh.src();
         for (i, &(off, len)) in blocks.iter().enumerate() {

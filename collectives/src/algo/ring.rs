@@ -23,7 +23,13 @@ pub enum Acc {
 
 /// Append a ring reduce-scatter over `blocks` (byte offset and length per rank, in the source
 /// layout) to `p`. Tags start at `tag0`; returns the first unused tag.
-pub fn reduce_scatter_phase(p: &mut Plan, sh: &Shape, blocks: &[(usize, usize)], acc: Acc, tag0: u32) -> u32 {
+pub fn reduce_scatter_phase(
+    p: &mut Plan,
+    sh: &Shape,
+    blocks: &[(usize, usize)],
+    acc: Acc,
+    tag0: u32,
+) -> u32 {
     let n = sh.n;
     if n == 1 {
         return tag0;
@@ -31,7 +37,8 @@ pub fn reduce_scatter_phase(p: &mut Plan, sh: &Shape, blocks: &[(usize, usize)],
     let (r, right, left) = (sh.rank, sh.right(1), sh.left(1));
     let sb = |s: usize| (r + 2 * n - s - 1) % n;
     let rb = |s: usize| (r + 2 * n - s - 2) % n;
-    let segs: Vec<Vec<(usize, usize)>> = blocks.iter().map(|b| segments(b.1, sh.seg, sh.esize)).collect();
+    let segs: Vec<Vec<(usize, usize)>> =
+        blocks.iter().map(|b| segments(b.1, sh.seg, sh.esize)).collect();
     let stride = segs.iter().map(Vec::len).max().unwrap_or(0).max(1) as u32;
     let max_block = blocks.iter().map(|b| b.1).max().unwrap_or(0);
     let slot_len = max_block.min((sh.seg / sh.esize).max(1) * sh.esize);
@@ -50,35 +57,41 @@ pub fn reduce_scatter_phase(p: &mut Plan, sh: &Shape, blocks: &[(usize, usize)],
             Acc::Own => Region::new(accs[s % 2], off, len),
         }
     };
-    let units: Vec<(usize, usize)> = (0..n - 1).flat_map(|s| (0..segs[rb(s)].len()).map(move |k| (s, k))).collect();
+    let units: Vec<(usize, usize)> =
+        (0..n - 1).flat_map(|s| (0..segs[rb(s)].len()).map(move |k| (s, k))).collect();
     let mut recv_h = vec![None; units.len()];
-    let mut send_h: Vec<Vec<Option<usize>>> = vec![Vec::new(); n];
+    // For `Acc::Own`: the last send that read segment k of accumulator j, to wait for before
+    // the accumulator is overwritten.
+    let max_segs = segs.iter().map(Vec::len).max().unwrap_or(0);
+    let mut readers: [Vec<Option<usize>>; 2] = [vec![None; max_segs], vec![None; max_segs]];
     for (i, &(s, k)) in units.iter().take(LOOKAHEAD).enumerate() {
         let len = segs[rb(s)][k].1;
         recv_h[i] = p.recv(left, tag(s, k), Region::new(slots[i % LOOKAHEAD], 0, len));
     }
     for (k, &(off, len)) in segs[sb(0)].iter().enumerate() {
-        let h = p.send(right, tag(0, k), Region::new(src, blocks[sb(0)].0 + off, len));
-        send_h[0].push(h);
+        p.send(right, tag(0, k), Region::new(src, blocks[sb(0)].0 + off, len));
     }
     for (i, &(s, k)) in units.iter().enumerate() {
         let b = rb(s);
         let (off, len) = segs[b][k];
         p.wait(recv_h[i]);
-        if matches!(acc, Acc::Own) && s >= 2 && s < n - 2 {
-            // The send of step s-1 read the accumulator this reduction overwrites.
-            p.wait(send_h[s - 1].get(k).copied().flatten());
+        if matches!(acc, Acc::Own) && s < n - 2 {
+            // A send of an earlier step may still read this accumulator segment.
+            p.wait(readers[s % 2][k].take());
         }
         let dst = acc_region(s, b, off, len);
         let a = Region::new(src, blocks[b].0 + off, len);
         p.reduce(dst, a, Region::new(slots[i % LOOKAHEAD], 0, len));
         if let Some(&(s2, k2)) = units.get(i + LOOKAHEAD) {
             let len2 = segs[rb(s2)][k2].1;
-            recv_h[i + LOOKAHEAD] = p.recv(left, tag(s2, k2), Region::new(slots[i % LOOKAHEAD], 0, len2));
+            recv_h[i + LOOKAHEAD] =
+                p.recv(left, tag(s2, k2), Region::new(slots[i % LOOKAHEAD], 0, len2));
         }
         if s + 1 < n - 1 {
             let h = p.send(right, tag(s + 1, k), dst);
-            send_h[s + 1].push(h);
+            if matches!(acc, Acc::Own) {
+                readers[s % 2][k] = h;
+            }
         }
     }
     tag0 + (n as u32 - 1) * stride
@@ -86,7 +99,13 @@ pub fn reduce_scatter_phase(p: &mut Plan, sh: &Shape, blocks: &[(usize, usize)],
 
 /// Append a ring allgather over `blocks` of the data buffer. Rank `r`'s own block is read from
 /// `own` (its place in the data buffer, or the input buffer). Returns the first unused tag.
-pub fn allgather_phase(p: &mut Plan, sh: &Shape, blocks: &[(usize, usize)], own: Region, tag0: u32) -> u32 {
+pub fn allgather_phase(
+    p: &mut Plan,
+    sh: &Shape,
+    blocks: &[(usize, usize)],
+    own: Region,
+    tag0: u32,
+) -> u32 {
     let n = sh.n;
     if n == 1 {
         return tag0;
@@ -94,11 +113,13 @@ pub fn allgather_phase(p: &mut Plan, sh: &Shape, blocks: &[(usize, usize)], own:
     let (r, right, left) = (sh.rank, sh.right(1), sh.left(1));
     let sb = |s: usize| (r + n - s % n) % n;
     let rb = |s: usize| (r + 2 * n - s - 1) % n;
-    let segs: Vec<Vec<(usize, usize)>> = blocks.iter().map(|b| segments(b.1, sh.seg, sh.esize)).collect();
+    let segs: Vec<Vec<(usize, usize)>> =
+        blocks.iter().map(|b| segments(b.1, sh.seg, sh.esize)).collect();
     let stride = segs.iter().map(Vec::len).max().unwrap_or(0).max(1) as u32;
     let tag = |s: usize, k: usize| tag0 + s as u32 * stride + k as u32;
     let at = |b: usize, off: usize, len: usize| Region::new(Buf::Data, blocks[b].0 + off, len);
-    let units: Vec<(usize, usize)> = (0..n - 1).flat_map(|s| (0..segs[rb(s)].len()).map(move |k| (s, k))).collect();
+    let units: Vec<(usize, usize)> =
+        (0..n - 1).flat_map(|s| (0..segs[rb(s)].len()).map(move |k| (s, k))).collect();
     let depth = 2 * LOOKAHEAD;
     let mut recv_h = vec![None; units.len()];
     for (i, &(s, k)) in units.iter().take(depth).enumerate() {
@@ -163,7 +184,11 @@ pub fn reduce_scatter(sh: &Shape, blocks: &[(usize, usize)]) -> Plan {
 pub fn allgather(sh: &Shape, blocks: &[(usize, usize)]) -> Plan {
     let mut p = Plan::new();
     let (off, len) = blocks[sh.rank];
-    let own = if sh.in_place { Region::new(Buf::Data, off, len) } else { Region::new(Buf::Input, 0, len) };
+    let own = if sh.in_place {
+        Region::new(Buf::Data, off, len)
+    } else {
+        Region::new(Buf::Input, 0, len)
+    };
     allgather_phase(&mut p, sh, blocks, own, 0);
     p.copy(Region::new(Buf::Data, off, len), own);
     p

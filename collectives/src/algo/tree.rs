@@ -82,14 +82,21 @@ pub fn reduce(sh: &Shape, len: usize, root: usize) -> Plan {
     let slots: Vec<Buf> = (0..2 * nk).map(|_| p.scratch(slot_len)).collect();
     let post = |p: &mut Plan, k: usize| -> Vec<Option<usize>> {
         let l = segs[k].1;
-        kids.iter().enumerate().map(|(i, &c)| p.recv(c, k as u32, Region::new(slots[(k % 2) * nk + i], 0, l))).collect()
+        kids.iter()
+            .enumerate()
+            .map(|(i, &c)| p.recv(c, k as u32, Region::new(slots[(k % 2) * nk + i], 0, l)))
+            .collect()
     };
     let mut pending = if segs.is_empty() { Vec::new() } else { post(&mut p, 0) };
     for (k, &(off, l)) in segs.iter().enumerate() {
         let next = if k + 1 < segs.len() { post(&mut p, k + 1) } else { Vec::new() };
         for (i, h) in pending.iter().enumerate() {
             p.wait(*h);
-            p.reduce(data.sub(off, l), data.sub(off, l), Region::new(slots[(k % 2) * nk + i], 0, l));
+            p.reduce(
+                data.sub(off, l),
+                data.sub(off, l),
+                Region::new(slots[(k % 2) * nk + i], 0, l),
+            );
         }
         if let Some(par) = parent(v).map(real) {
             p.send(par, k as u32, data.sub(off, l));
@@ -121,8 +128,12 @@ pub fn append_shifted(p: &mut Plan, q: Plan, tag_base: u32) {
     };
     for st in q.steps {
         p.steps.push(match st {
-            Step::Send { peer, tag, region } => Step::Send { peer, tag: tag + tag_base, region: fix(region) },
-            Step::Recv { peer, tag, region } => Step::Recv { peer, tag: tag + tag_base, region: fix(region) },
+            Step::Send { peer, tag, region } => {
+                Step::Send { peer, tag: tag + tag_base, region: fix(region) }
+            }
+            Step::Recv { peer, tag, region } => {
+                Step::Recv { peer, tag: tag + tag_base, region: fix(region) }
+            }
             Step::Wait(h) => Step::Wait(h + h0),
             Step::WaitAll => Step::WaitAll,
             Step::Reduce { dst, a, b } => Step::Reduce { dst: fix(dst), a: fix(a), b: fix(b) },

@@ -703,7 +703,8 @@ mod tests {
             for r in 0..n {
                 let key = key.clone();
                 s.spawn(move || {
-                    let c = TcpStore::connect(addr, r, n, Some(&key), Duration::from_secs(30)).unwrap();
+                    let c =
+                        TcpStore::connect(addr, r, n, Some(&key), Duration::from_secs(30)).unwrap();
                     c.set(&format!("k{r}"), &[r as u8; 3]).unwrap();
                     assert!(c.add("counter", 1).unwrap() >= 1);
                     // Everyone waits for everyone's key.
@@ -757,10 +758,15 @@ mod tests {
     fn refuses_wrong_world_and_wrong_token() {
         let key = JobKey::from_token("right");
         let srv = server(4, Some(key.clone()));
-        let e = TcpStore::connect(srv.addr(), 1, 3, Some(&key), Duration::from_secs(5)).unwrap_err();
-        assert!(e.to_string().contains("WORLD_SIZE=3") && e.to_string().contains("WORLD_SIZE=4"), "{e}");
+        let e =
+            TcpStore::connect(srv.addr(), 1, 3, Some(&key), Duration::from_secs(5)).unwrap_err();
+        assert!(
+            e.to_string().contains("WORLD_SIZE=3") && e.to_string().contains("WORLD_SIZE=4"),
+            "{e}"
+        );
         let bad = JobKey::from_token("wrong");
-        let e = TcpStore::connect(srv.addr(), 1, 4, Some(&bad), Duration::from_secs(5)).unwrap_err();
+        let e =
+            TcpStore::connect(srv.addr(), 1, 4, Some(&bad), Duration::from_secs(5)).unwrap_err();
         assert!(e.to_string().contains("TUTTI_TOKEN"), "{e}");
         let e = TcpStore::connect(srv.addr(), 1, 4, None, Duration::from_secs(5)).unwrap_err();
         assert!(e.to_string().contains("authentication"), "{e}");

@@ -1,0 +1,84 @@
+//! Exact test data (GUIDE §4): small integers every dtype stores exactly, kept inside the exact
+//! range after reduction, so any summation order gives the same bits. Each rank computes the
+//! expected output locally from (seed, rank, world, op).
+
+#![allow(dead_code)]
+
+use tutti_collectives::{Comm, Config, Element, ReduceOp};
+
+/// Value of element `i` on rank `r` for `op`.
+pub(crate) fn val<T: Element>(seed: u64, r: usize, i: usize, op: ReduceOp) -> T {
+    let h = (seed as usize)
+        .wrapping_mul(31)
+        .wrapping_add(r.wrapping_mul(7))
+        .wrapping_add(i.wrapping_mul(3));
+    let v: i64 = match op {
+        // |sum| <= 4 * 32 = 128: exact in bf16 (256) and every wider type.
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Min | ReduceOp::Max => (h % 9) as i64 - 4,
+        // Products of ±1 with at most one 2 per 8 ranks: powers of two up to 2^4.
+        _ => {
+            let s = if (h / 9) % 2 == 0 { 1 } else { -1 };
+            if (r + i) % 8 == 0 {
+                2 * s
+            } else {
+                s
+            }
+        }
+    };
+    T::from_i64(v)
+}
+
+/// Input vector of rank `r`.
+pub(crate) fn input<T: Element>(seed: u64, r: usize, count: usize, op: ReduceOp) -> Vec<T> {
+    (0..count).map(|i| val(seed, r, i, op)).collect()
+}
+
+/// Expected reduction over ranks `0..n` of element `i`.
+pub(crate) fn reduced<T: Element>(seed: u64, n: usize, i: usize, op: ReduceOp) -> T {
+    let mut acc = val::<T>(seed, 0, i, op);
+    for r in 1..n {
+        acc = T::combine(op, acc, val(seed, r, i, op));
+    }
+    if op == ReduceOp::Avg {
+        acc = acc.div_n(n);
+    }
+    acc
+}
+
+/// Bitwise equality of two slices of elements.
+pub(crate) fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {
+    tutti_collectives::dtype::as_bytes(a) == tutti_collectives::dtype::as_bytes(b)
+}
+
+/// Run `f` on every rank of an in-memory world of `n` with segment size `seg`.
+pub(crate) fn world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
+    let groups = tutti_runtime::Group::mem_world(n);
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                g.set_timeout(std::time::Duration::from_secs(60));
+                let c = Comm::with_config(g, Config { segment: seg, ..Config::default() });
+                s.spawn(move || f(c))
+            })
+            .collect();
+        for h in hs {
+            if let Err(p) = h.join() {
+                std::panic::resume_unwind(p);
+            }
+        }
+    });
+}
+
+/// The element counts of the grid for world `n`.
+pub(crate) fn counts(n: usize) -> Vec<usize> {
+    let mut c = vec![0, 1, n.saturating_sub(1), n, n + 1, 1000, 10007];
+    c.sort_unstable();
+    c.dedup();
+    c
+}
+
+/// The world sizes of the grid.
+pub(crate) const WORLDS: [usize; 18] =
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24, 32];

@@ -1,0 +1,211 @@
+//! Cost tests: each algorithm's plans, run symbolically for every rank, must match (every send
+//! has its receive, nothing deadlocks) and send the bytes and take the critical-path steps that
+//! docs/algorithms.md states.
+
+use tutti_collectives::algo::{self, Shape};
+use tutti_collectives::plan::{blocks_from_counts, simulate, Buf, Plan, SimResult};
+
+const BIG_SEG: usize = 1 << 40;
+
+fn shape(rank: usize, n: usize, seg: usize) -> Shape {
+    Shape { rank, n, esize: 4, seg, in_place: true }
+}
+
+fn sim(n: usize, f: impl Fn(&Shape) -> Plan, seg: usize) -> SimResult {
+    let plans: Vec<Plan> = (0..n).map(|r| f(&shape(r, n, seg))).collect();
+    simulate(&plans).unwrap_or_else(|e| panic!("n={n}: {e}"))
+}
+
+fn log2_ceil(n: usize) -> u64 {
+    (usize::BITS - (n.max(1) - 1).leading_zeros()) as u64
+}
+
+#[test]
+fn ring_allreduce_cost() {
+    for n in 2..=16 {
+        let count = 1024 * n; // divisible: every block is S/n
+        let s = (count * 4) as u64;
+        let r = sim(n, |sh| algo::ring::allreduce(sh, count), BIG_SEG);
+        for b in &r.bytes_sent {
+            assert_eq!(*b, 2 * (n as u64 - 1) * s / n as u64, "n={n}");
+        }
+        assert_eq!(r.critical_steps, 2 * (n as u64 - 1), "n={n}");
+        // Pipelined: k segments per block add k-1 steps, not k times the steps.
+        let k = 8;
+        let seg = s as usize / n / k;
+        let r = sim(n, |sh| algo::ring::allreduce(sh, count), seg);
+        assert!(
+            r.critical_steps <= 2 * (n as u64 - 1) + 2 * (k as u64 - 1),
+            "n={n}: {}",
+            r.critical_steps
+        );
+    }
+}
+
+#[test]
+fn ring_allgather_and_reduce_scatter_cost() {
+    for n in 2..=16 {
+        let blocks = blocks_from_counts(&vec![256; n], 4);
+        let total = (256 * 4 * n) as u64;
+        let r = sim(n, |sh| algo::ring::allgather(sh, &blocks), BIG_SEG);
+        assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * total / n as u64));
+        assert_eq!(r.critical_steps, n as u64 - 1);
+        let r = sim(
+            n,
+            |sh| algo::ring::reduce_scatter(&Shape { in_place: false, ..*sh }, &blocks),
+            BIG_SEG,
+        );
+        assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * total / n as u64));
+        assert_eq!(r.critical_steps, n as u64 - 1);
+    }
+}
+
+#[test]
+fn recursive_doubling_and_rabenseifner_cost() {
+    for n in [2usize, 4, 8, 16, 32] {
+        let count = 64 * n;
+        let s = (count * 4) as u64;
+        let lg = n.trailing_zeros() as u64;
+        let r = sim(n, |sh| algo::recursive_doubling::allreduce(sh, count), BIG_SEG);
+        assert!(r.bytes_sent.iter().all(|b| *b == lg * s), "rd n={n}");
+        assert_eq!(r.critical_steps, lg);
+        let r = sim(n, |sh| algo::halving_doubling::allreduce(sh, count), BIG_SEG);
+        assert!(r.bytes_sent.iter().all(|b| *b == 2 * (n as u64 - 1) * s / n as u64), "rab n={n}");
+        assert_eq!(r.critical_steps, 2 * lg);
+        let blocks = blocks_from_counts(&vec![64; n], 4);
+        let r = sim(n, |sh| algo::halving_doubling::reduce_scatter(sh, &blocks), BIG_SEG);
+        let total = (64 * 4 * n) as u64;
+        assert!(
+            r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * total / n as u64),
+            "halving n={n}"
+        );
+        assert_eq!(r.critical_steps, lg);
+        let r = sim(n, |sh| algo::recursive_doubling::allgather(sh, &blocks), BIG_SEG);
+        assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * total / n as u64));
+        assert_eq!(r.critical_steps, lg);
+    }
+    // Non-powers of two fold: at most two extra steps (the fold-in can overlap the first round
+    // of ranks that did not fold).
+    for n in [3usize, 5, 6, 7, 12, 24] {
+        let lg = (n.next_power_of_two() / 2).trailing_zeros() as u64;
+        let r = sim(n, |sh| algo::recursive_doubling::allreduce(sh, 100), BIG_SEG);
+        assert!((lg + 1..=lg + 2).contains(&r.critical_steps), "rd n={n}: {}", r.critical_steps);
+        let r = sim(n, |sh| algo::halving_doubling::allreduce(sh, 100), BIG_SEG);
+        assert!(
+            (2 * lg + 1..=2 * lg + 2).contains(&r.critical_steps),
+            "rab n={n}: {}",
+            r.critical_steps
+        );
+    }
+}
+
+#[test]
+fn tree_chain_bruck_barrier_cost() {
+    for n in 2..=33 {
+        let len = 4096;
+        // Depth of the binomial tree: the most set bits of any relative rank below n.
+        let depth = (0..n).map(|v: usize| v.count_ones() as u64).max().unwrap_or(0);
+        let r = sim(n, |sh| algo::tree::broadcast(sh, len, 0), BIG_SEG);
+        assert_eq!(r.critical_steps, depth, "tree bcast n={n}");
+        assert_eq!(r.bytes_sent[0], log2_ceil(n) * len as u64, "root sends one copy per child");
+        assert_eq!(r.bytes_sent.iter().sum::<u64>(), (n as u64 - 1) * len as u64);
+        let r = sim(n, |sh| algo::tree::reduce(sh, len, n / 2), BIG_SEG);
+        assert_eq!(r.critical_steps, depth, "tree reduce n={n}");
+        assert_eq!(r.bytes_sent.iter().sum::<u64>(), (n as u64 - 1) * len as u64);
+        let r = sim(n, |sh| algo::tree::allreduce(sh, len / 4), BIG_SEG);
+        assert_eq!(r.critical_steps, 2 * depth, "tree allreduce n={n}");
+        let r = sim(n, |sh| algo::chain::broadcast(sh, len, 1), BIG_SEG);
+        assert_eq!(r.critical_steps, n as u64 - 1, "chain n={n}");
+        // Segments add bandwidth time, not hops: 16 segments still take n-1 hops of latency.
+        let r = sim(n, |sh| algo::chain::broadcast(sh, len, 1), len / 16);
+        assert_eq!(r.critical_steps, n as u64 - 1, "pipelined chain n={n}");
+        assert_eq!(r.messages.iter().sum::<usize>(), (n - 1) * 16);
+        let r = sim(n, |sh| algo::bruck::allgather(sh, 400), BIG_SEG);
+        assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * 400), "bruck n={n}");
+        assert_eq!(r.critical_steps, log2_ceil(n), "bruck n={n}");
+        let r = sim(n, algo::barrier::dissemination, BIG_SEG);
+        assert_eq!(r.critical_steps, log2_ceil(n), "barrier n={n}");
+        assert!(r.messages.iter().all(|m| *m as u64 == log2_ceil(n)));
+    }
+}
+
+#[test]
+fn alltoall_gather_scatter_cost() {
+    for n in 1..=17 {
+        let blocks = blocks_from_counts(&vec![10; n], 4);
+        let pw = |sh: &Shape| {
+            let mut p = Plan::new();
+            algo::alltoall::pairwise(
+                &mut p,
+                &Shape { in_place: false, ..*sh },
+                Buf::Input,
+                &blocks,
+                &blocks,
+            );
+            p
+        };
+        let r = sim(n, pw, BIG_SEG);
+        assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * 40));
+        let pa = |sh: &Shape| {
+            let mut p = Plan::new();
+            algo::alltoall::post_all(
+                &mut p,
+                &Shape { in_place: false, ..*sh },
+                Buf::Input,
+                &blocks,
+                &blocks,
+            );
+            p
+        };
+        let r = sim(n, pa, BIG_SEG);
+        assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * 40));
+        assert!(r.critical_steps <= 1);
+        let r = sim(
+            n,
+            |sh| algo::linear::gather(&Shape { in_place: false, ..*sh }, &blocks, n - 1),
+            BIG_SEG,
+        );
+        assert_eq!(r.bytes_sent.iter().sum::<u64>(), (n as u64 - 1) * 40);
+        let r = sim(
+            n,
+            |sh| algo::linear::scatter(&Shape { in_place: false, ..*sh }, &blocks, 0),
+            BIG_SEG,
+        );
+        assert_eq!(r.bytes_sent[0], (n as u64 - 1) * 40);
+    }
+}
+
+#[test]
+fn every_plan_matches_at_every_world() {
+    // Uneven counts and tiny segments: every send must meet its receive, no deadlock.
+    for n in (1usize..=16).chain([24, 32]) {
+        for count in [0usize, 1, n.saturating_sub(1), n + 1, 1000] {
+            for seg in [8usize, 512 << 10] {
+                let cnts: Vec<usize> = (0..n).map(|q| (q * 3 + count) % (count + 2)).collect();
+                let blocks = blocks_from_counts(&cnts, 4);
+                let ublocks = blocks_from_counts(&vec![count; n], 4);
+                sim(n, |sh| algo::ring::allreduce(sh, count), seg);
+                sim(n, |sh| algo::recursive_doubling::allreduce(sh, count), seg);
+                sim(n, |sh| algo::halving_doubling::allreduce(sh, count), seg);
+                sim(n, |sh| algo::tree::allreduce(sh, count), seg);
+                sim(n, |sh| algo::ring::allgather(sh, &blocks), seg);
+                sim(
+                    n,
+                    |sh| algo::ring::reduce_scatter(&Shape { in_place: false, ..*sh }, &blocks),
+                    seg,
+                );
+                sim(n, |sh| algo::ring::reduce_scatter(sh, &blocks), seg);
+                sim(n, |sh| algo::bruck::allgather(sh, count * 4), seg);
+                if n.is_power_of_two() {
+                    sim(n, |sh| algo::recursive_doubling::allgather(sh, &ublocks), seg);
+                    sim(n, |sh| algo::halving_doubling::reduce_scatter(sh, &blocks), seg);
+                }
+                for root in [0, n / 2, n - 1] {
+                    sim(n, |sh| algo::tree::broadcast(sh, count * 4, root), seg);
+                    sim(n, |sh| algo::chain::broadcast(sh, count * 4, root), seg);
+                    sim(n, |sh| algo::tree::reduce(sh, count * 4, root), seg);
+                }
+            }
+        }
+    }
+}
