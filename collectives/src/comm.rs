@@ -222,13 +222,28 @@ impl Comm {
                 Ok(Stats { algo, bytes_sent, elapsed, seq })
             }
             Err(e) => {
-                if let Error::Runtime(re) = &e {
-                    self.group.fail(re);
-                } else {
-                    self.group.fail(&tutti_runtime::Error::Aborted {
-                        rank: self.rank(),
-                        reason: e.to_string(),
-                    });
+                let fatal = match &e {
+                    Error::Runtime(re) => {
+                        self.group.fail(re);
+                        re.is_fatal()
+                    }
+                    _ => {
+                        let re = tutti_runtime::Error::Aborted {
+                            rank: self.rank(),
+                            reason: e.to_string(),
+                        };
+                        self.group.fail(&re);
+                        true
+                    }
+                };
+                if fatal {
+                    // Tell every peer at once, so ranks that do not talk to the culprit in this
+                    // collective fail now instead of at their timeout.
+                    self.group.abort(&format!(
+                        "rank {} failed in {} (seq {seq}): {e}",
+                        self.rank(),
+                        req.name
+                    ));
                 }
                 Err(e)
             }

@@ -53,18 +53,33 @@ pub enum Error {
     /// What to do: look at the peer's log for the cause; the group is poisoned, so rebuild it (new
     /// rendezvous) with the surviving ranks or restart the job.
     #[error(
-        "rank {rank}: connection to peer rank {peer} lost during {ctx}: {detail}; the peer \
-         process probably died or was killed: check rank {peer}'s log, then rebuild the group"
+        "rank {rank}: connection to peer rank {peer} lost{}: {detail}; the peer process \
+         probably died or was killed: check rank {peer}'s log, then rebuild the group",
+        during(ctx)
     )]
     PeerLost {
         /// Local rank.
         rank: usize,
         /// The rank whose connection failed.
         peer: usize,
-        /// The operation that observed it.
-        ctx: Box<OpContext>,
+        /// The operation that observed it, when one was waiting on that peer.
+        ctx: Option<Box<OpContext>>,
         /// The OS error or "closed by peer".
         detail: String,
+    },
+
+    /// A peer aborted the job (its `abort()`, or a failure it detected and propagated). The
+    /// reason is the peer's own message and usually names the culprit.
+    ///
+    /// What to do: read the reason; rebuild the group without the culprit or fix the call.
+    #[error("rank {rank}: peer rank {peer} aborted: {reason}")]
+    PeerAborted {
+        /// Local rank.
+        rank: usize,
+        /// The rank that sent the abort.
+        peer: usize,
+        /// Its reason.
+        reason: String,
     },
 
     /// An operation did not complete before its deadline.
@@ -242,6 +257,10 @@ pub enum Error {
     NotCompiledWith(&'static str),
 }
 
+fn during(ctx: &Option<Box<OpContext>>) -> String {
+    ctx.as_ref().map_or_else(String::new, |c| format!(" during {c}"))
+}
+
 impl Error {
     /// Wrap `self` as the poisoning cause of a group, without nesting poison in poison.
     pub fn poisoned(&self) -> Error {
@@ -260,6 +279,7 @@ impl Error {
     pub fn peer(&self) -> Option<usize> {
         match self {
             Error::PeerLost { peer, .. }
+            | Error::PeerAborted { peer, .. }
             | Error::Timeout { peer, .. }
             | Error::Mismatch { peer, .. }
             | Error::TooLong { peer, .. }

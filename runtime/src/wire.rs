@@ -6,7 +6,7 @@
 //! | offset | size | field   | meaning                                                  |
 //! |-------:|-----:|---------|----------------------------------------------------------|
 //! | 0      | 2    | magic   | `0x7475` ("tu")                                          |
-//! | 2      | 1    | kind    | frame kind: 1 data, 2 keep-alive, 3 abort, 4 close       |
+//! | 2      | 1    | kind    | 1 data, 2 keep-alive, 3 abort, 4 close, 5 probe          |
 //! | 3      | 1    | op      | [`OpKind`] of the collective (fingerprint)               |
 //! | 4      | 1    | dtype   | [`DType`] (fingerprint)                                  |
 //! | 5      | 1    | redop   | reduction op code (fingerprint; 0 when none)             |
@@ -186,6 +186,9 @@ pub enum FrameKind {
     Abort = 3,
     /// The sender is shutting down cleanly: no more frames follow. No payload.
     Close = 4,
+    /// The sender has waited long for a message of the collective in the descriptor; the
+    /// receiver compares it with its own operations of that collective. No payload.
+    Probe = 5,
 }
 
 /// Where a message belongs: group, collective sequence number and step. Messages from one peer
@@ -350,6 +353,7 @@ impl Header {
             2 => FrameKind::KeepAlive,
             3 => FrameKind::Abort,
             4 => FrameKind::Close,
+            5 => FrameKind::Probe,
             k => return Err(HeaderError::Kind(k)),
         };
         let op = OpKind::from_u8(b[3]).ok_or(HeaderError::Op(b[3]))?;

@@ -113,6 +113,24 @@ impl Ops {
         }
     }
 
+    /// A pending operation of the same collective (group and sequence number) as `probe` whose
+    /// fingerprint differs: proof that the two ranks disagree about that collective.
+    pub(crate) fn conflict(&self, probe: &MsgDesc) -> Option<MsgDesc> {
+        if probe.tag.group & P2P_GROUP_BIT != 0 {
+            return None;
+        }
+        self.map.values().find_map(|s| match s {
+            OpState::Pending { desc, .. }
+                if desc.tag.group == probe.tag.group
+                    && desc.tag.seq == probe.tag.seq
+                    && desc.fp != probe.fp =>
+            {
+                Some(*desc)
+            }
+            _ => None,
+        })
+    }
+
     pub(crate) fn forget(&mut self, id: OpId) {
         self.map.remove(&id.0);
     }
@@ -225,7 +243,8 @@ impl PeerQueues {
             let mut i = 0;
             while i < self.posted.len() {
                 let t: Tag = self.posted[i].desc.tag;
-                if t.group == tag.group && t.seq < tag.seq {
+                let other_fp = t.seq == tag.seq && self.posted[i].desc.fp != desc.fp;
+                if t.group == tag.group && (t.seq < tag.seq || other_fp) {
                     if let Some(p) = self.posted.remove(i) {
                         stale.push(p);
                     }
@@ -258,15 +277,16 @@ impl PeerQueues {
     }
 }
 
-/// The error for a receive whose peer moved on to a later collective.
+/// The error for a receive that can never match: the peer sent a message of the same
+/// collective with another fingerprint, or moved on to a later collective.
 pub(crate) fn stale_error(rank: usize, peer: usize, post: &RecvPost, got: &MsgDesc) -> Error {
-    Error::Mismatch {
-        rank,
-        peer,
-        expected: post.desc.to_string(),
-        got: format!(
+    let got = if got.tag.seq == post.desc.tag.seq {
+        got.to_string()
+    } else {
+        format!(
             "{got} (rank {peer} already moved on to a later collective without sending the \
              expected message)"
-        ),
-    }
+        )
+    };
+    Error::Mismatch { rank, peer, expected: post.desc.to_string(), got }
 }

@@ -17,6 +17,9 @@ use crate::wire::MsgDesc;
 /// A function giving the delay of a message from `src` to `dst` of `len` bytes.
 pub type DelayFn = dyn Fn(usize, usize, usize) -> Duration + Send + Sync;
 
+/// How long a wait lasts before the waiter checks its peer for a conflicting collective.
+const PROBE_AFTER: Duration = Duration::from_secs(1);
+
 /// Default budget for buffered unexpected messages per rank (1 GiB; tests move large buffers).
 const UNEXPECTED_LIMIT: u64 = 1 << 30;
 
@@ -168,7 +171,10 @@ impl MemTransport {
         next
     }
 
-    fn mark_dead(&self, reason: &str) {
+    /// Tell every other rank this one is gone. Operations with it fail naming it; with
+    /// `poison` (an abort, as opposed to a clean exit) every other pending and future operation
+    /// fails too, as over TCP where an abort frame reaches every peer.
+    fn mark_dead(&self, reason: &str, poison: bool) {
         for (dst, mb) in self.fabric.boxes.iter().enumerate() {
             if dst == self.rank {
                 continue;
@@ -177,13 +183,23 @@ impl MemTransport {
             if st.dead[self.rank].is_none() {
                 st.dead[self.rank] = Some(reason.to_string());
                 let (rank, peer) = (dst, self.rank);
-                st.ops.fail_peer(peer, |ctx| Error::PeerLost {
-                    rank,
-                    peer,
-                    ctx: Box::new(ctx),
-                    detail: reason.to_string(),
-                });
-                st.queues[peer].clear_posted();
+                if poison {
+                    let err = Error::PeerAborted { rank, peer, reason: reason.to_string() };
+                    st.ops.fail_all(|_, _| err.clone());
+                    st.queues[peer].clear_posted();
+                    if st.poisoned.is_none() {
+                        st.poisoned = Some(err);
+                    }
+                } else {
+                    let lost = |ctx| Error::PeerLost {
+                        rank,
+                        peer,
+                        ctx: Some(Box::new(ctx)),
+                        detail: reason.to_string(),
+                    };
+                    st.ops.fail_peer(peer, lost);
+                    st.queues[peer].clear_posted();
+                }
             }
             mb.cv.notify_all();
         }
@@ -220,7 +236,7 @@ impl Transport for MemTransport {
                 let err = Error::PeerLost {
                     rank: self.rank,
                     peer,
-                    ctx: Box::new(matcher::context(&desc, 0, len as u64, Instant::now())),
+                    ctx: Some(Box::new(matcher::context(&desc, 0, len as u64, Instant::now()))),
                     detail: reason.clone(),
                 };
                 return Err(err);
@@ -285,7 +301,7 @@ impl Transport for MemTransport {
                     let err = Error::PeerLost {
                         rank: self.rank,
                         peer,
-                        ctx: Box::new(matcher::context(&desc, 0, cap as u64, Instant::now())),
+                        ctx: Some(Box::new(matcher::context(&desc, 0, cap as u64, Instant::now()))),
                         detail: reason,
                     };
                     st.ops.fail(id, err);
@@ -320,6 +336,8 @@ impl Transport for MemTransport {
 
     fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
         let mb = &self.fabric.boxes[self.rank];
+        let start = Instant::now();
+        let mut probed = false;
         let mut st = self.lock(self.rank);
         loop {
             let next_ready = Self::release_delayed(self.rank, &mut st);
@@ -342,7 +360,31 @@ impl Transport for MemTransport {
                     timeout: deadline.saturating_duration_since(posted),
                 });
             }
-            let until = next_ready.map_or(deadline, |r| r.min(deadline));
+            if !probed && now.duration_since(start) >= PROBE_AFTER && peer != self.rank {
+                // Ask the peer, as the TCP transport's probe frame does, whether it is in the
+                // same collective with another fingerprint.
+                probed = true;
+                drop(st);
+                let theirs = self.lock(peer).ops.conflict(&desc);
+                st = self.lock(self.rank);
+                if let Some(theirs) = theirs {
+                    st.ops.forget(op);
+                    for q in st.queues.iter_mut() {
+                        q.remove(op);
+                    }
+                    return Err(Error::Mismatch {
+                        rank: self.rank,
+                        peer,
+                        expected: desc.to_string(),
+                        got: format!("{theirs} (rank {peer} is in the same collective)"),
+                    });
+                }
+                continue;
+            }
+            let mut until = next_ready.map_or(deadline, |r| r.min(deadline));
+            if !probed {
+                until = until.min(start + PROBE_AFTER);
+            }
             let (g, _) = mb
                 .cv
                 .wait_timeout(st, until.saturating_duration_since(now))
@@ -377,7 +419,7 @@ impl Transport for MemTransport {
             }
         }
         self.fabric.boxes[self.rank].cv.notify_all();
-        self.mark_dead(&format!("peer aborted: {reason}"));
+        self.mark_dead(reason, true);
     }
 
     fn poisoned(&self) -> Option<Error> {
@@ -387,6 +429,6 @@ impl Transport for MemTransport {
 
 impl Drop for MemTransport {
     fn drop(&mut self) {
-        self.mark_dead("peer rank's transport was dropped (thread exited or panicked)");
+        self.mark_dead("peer rank's transport was dropped (thread exited or panicked)", false);
     }
 }

@@ -38,6 +38,7 @@ const POLL_SLICE: Duration = Duration::from_millis(100);
 pub(crate) struct EngineConfig {
     pub(crate) spin: Duration,
     pub(crate) unexpected_limit: u64,
+    pub(crate) probe_after: Duration,
 }
 
 enum Payload {
@@ -297,6 +298,8 @@ impl Engine {
 
     pub(crate) fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
         let mut spin_until = None;
+        let wait_start = Instant::now();
+        let mut probed = false;
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
         let mut fd_peer: Vec<usize> = Vec::with_capacity(self.world + 1);
         loop {
@@ -322,6 +325,10 @@ impl Engine {
                         ctx: Box::new(matcher::context(&desc, done, bytes, posted)),
                         timeout: deadline.saturating_duration_since(posted),
                     });
+                }
+                if !probed && now.duration_since(wait_start) >= g.cfg.probe_after {
+                    probed = true;
+                    g.send_probe(peer, desc);
                 }
                 let spin_end = *spin_until.get_or_insert(now + g.cfg.spin);
                 if now < spin_end {
@@ -531,7 +538,7 @@ fn closed_peer(rank: usize, peer: usize, desc: &MsgDesc, len: usize) -> Error {
     Error::PeerLost {
         rank,
         peer,
-        ctx: Box::new(matcher::context(desc, 0, len as u64, Instant::now())),
+        ctx: Some(Box::new(matcher::context(desc, 0, len as u64, Instant::now()))),
         detail: "the peer already closed its transport (it finished or exited)".into(),
     }
 }
@@ -547,6 +554,24 @@ impl Drop for Engine {
 }
 
 impl Inner {
+    /// Ask `peer` whether it is in the same collective as `desc` (see `FrameKind::Probe`).
+    fn send_probe(&mut self, peer: usize, desc: MsgDesc) {
+        if peer == self.rank || desc.tag.group & crate::transport::matcher::P2P_GROUP_BIT != 0 {
+            return;
+        }
+        let Some(c) = self.conns[peer].as_mut() else { return };
+        let mut h = Header::data(desc, self.rank, 0);
+        h.kind = FrameKind::Probe;
+        c.sendq.push_back(SendItem {
+            id: None,
+            hdr: h.encode(),
+            data: Payload::Owned(Vec::new()),
+            len: 0,
+            off: 0,
+        });
+        self.progress_tx(peer);
+    }
+
     fn deliver_local(&mut self, desc: MsgDesc, data: &[u8]) {
         let me = self.rank;
         let mut stale = Vec::new();
@@ -724,6 +749,22 @@ impl Inner {
                 }
                 RxDest::Discard
             }
+            FrameKind::Probe => {
+                if len != 0 {
+                    return Err(ConnFail::Protocol("probe frame with a payload".into()));
+                }
+                if let Some(mine) = self.ops.conflict(&hdr.desc) {
+                    let err = Error::Mismatch {
+                        rank: self.rank,
+                        peer,
+                        expected: mine.to_string(),
+                        got: format!("{} (rank {peer} is waiting in it)", hdr.desc),
+                    };
+                    let reason = err.to_string();
+                    self.poison(err, Some(&reason));
+                }
+                RxDest::Discard
+            }
             FrameKind::Close => {
                 if len != 0 {
                     return Err(ConnFail::Protocol("close frame with a payload".into()));
@@ -864,7 +905,7 @@ impl Inner {
         }
         warn!(rank = self.rank, "transport poisoned: {err}");
         let e2 = err.clone();
-        self.ops.fail_all(|_, _| e2.poisoned());
+        self.ops.fail_all(|_, _| e2.clone());
         self.poisoned = Some(err.clone());
         let reason = abort_reason.map_or_else(|| err.to_string(), str::to_string);
         let reason = reason.as_bytes();
@@ -911,7 +952,7 @@ impl Inner {
         self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
             rank,
             peer,
-            ctx: Box::new(ctx),
+            ctx: Some(Box::new(ctx)),
             detail: "the peer closed its transport (it finished or exited) while this \
                      operation still needed it"
                 .into(),
@@ -937,26 +978,24 @@ impl Inner {
         let _ = c.stream.shutdown(std::net::Shutdown::Both);
         debug!(rank = self.rank, peer, "{detail}");
         let rank = self.rank;
-        // Operations with the failed peer name it directly; the rest fail through poisoning.
+        self.queues[peer].clear_posted();
+        if let ConnFail::Aborted(reason) = f {
+            // Pass the original reason on: it names the culprit, wherever the abort started.
+            let err = Error::PeerAborted { rank, peer, reason: reason.clone() };
+            self.poison(err, Some(&reason));
+            return;
+        }
+        // Operations with the failed peer name it and themselves; the rest fail through poison.
         let d2 = detail.clone();
         self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
             rank,
             peer,
-            ctx: Box::new(ctx),
+            ctx: Some(Box::new(ctx)),
             detail: d2.clone(),
         });
-        self.queues[peer].clear_posted();
-        let ctx = OpContext {
-            op: crate::wire::OpKind::Control,
-            group: 0,
-            seq: 0,
-            step: 0,
-            bytes_done: 0,
-            bytes: 0,
-            elapsed: Duration::ZERO,
-        };
-        let err = Error::PeerLost { rank, peer, ctx: Box::new(ctx), detail };
-        self.poison(err, Some(&format!("rank {rank} lost its connection to rank {peer}")));
+        let reason = format!("rank {rank} lost its connection to rank {peer} ({detail})");
+        let err = Error::PeerLost { rank, peer, ctx: None, detail };
+        self.poison(err, Some(&reason));
     }
 }
 

@@ -49,6 +49,10 @@ pub struct TcpConfig {
     pub unexpected_limit: u64,
     /// Idle time after which a keep-alive is sent on a connection. Default 1 s.
     pub keepalive_interval: Duration,
+    /// How long an operation waits before asking its peer (one small probe frame) whether they
+    /// are in the same collective; a disagreement fails both at once. Default 1 s. Hazard: very
+    /// short values add a frame to every slow wait; it never changes results.
+    pub probe_after: Duration,
 }
 
 impl Default for TcpConfig {
@@ -61,6 +65,7 @@ impl Default for TcpConfig {
             spin: Duration::from_micros(50),
             unexpected_limit: 1 << 30,
             keepalive_interval: Duration::from_secs(1),
+            probe_after: Duration::from_secs(1),
         }
     }
 }
@@ -188,7 +193,11 @@ impl TcpTransport {
         let engine = Engine::new(
             rank,
             streams,
-            EngineConfig { spin: cfg.spin, unexpected_limit: cfg.unexpected_limit },
+            EngineConfig {
+                spin: cfg.spin,
+                unexpected_limit: cfg.unexpected_limit,
+                probe_after: cfg.probe_after,
+            },
         )
         .map_err(|e| Error::io(rank, "configuring connections", &e))?;
         let engine = Arc::new(engine);
