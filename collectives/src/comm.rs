@@ -870,6 +870,67 @@ impl Comm {
         self.run(req, |sh, _| Ok(algo::linear::gather(sh, &blocks, root)))
     }
 
+    /// Gather in place: rank `r`'s contribution is `buf[r*c..(r+1)*c]` (`c = len / size`); the
+    /// root's `buf` receives every block.
+    ///
+    /// # Collective contract
+    /// As [`Comm::gather`]; every rank passes a buffer of `size() * c` elements.
+    ///
+    /// # Errors
+    /// As [`Comm::gather`].
+    pub fn gather_inplace<T: Element>(&self, buf: &mut [T], root: usize) -> Result<Stats> {
+        self.rooted_inplace(Coll::Gather, buf, root)
+    }
+
+    /// Scatter in place: the root's `buf` holds every block; rank `r`'s block lands at
+    /// `buf[r*c..(r+1)*c]`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::scatter`]; every rank passes a buffer of `size() * c` elements.
+    ///
+    /// # Errors
+    /// As [`Comm::scatter`].
+    pub fn scatter_inplace<T: Element>(&self, buf: &mut [T], root: usize) -> Result<Stats> {
+        self.rooted_inplace(Coll::Scatter, buf, root)
+    }
+
+    fn rooted_inplace<T: Element>(&self, coll: Coll, buf: &mut [T], root: usize) -> Result<Stats> {
+        let (name, op) = if coll == Coll::Gather {
+            ("gather", OpKind::Gather)
+        } else {
+            ("scatter", OpKind::Scatter)
+        };
+        self.check_root(name, root)?;
+        let n = self.size();
+        if buf.len() % n != 0 {
+            return Err(
+                self.invalid(name, format!("{} elements do not divide by {n} ranks", buf.len()))
+            );
+        }
+        let es = std::mem::size_of::<T>();
+        let blocks = split(buf.len(), n, es);
+        let req = Req {
+            coll,
+            name,
+            op,
+            dtype: T::DTYPE,
+            redop: None,
+            root: Some(root),
+            count: buf.len() / n,
+            bytes: buf.len() * es,
+            uniform: true,
+            data: as_bytes_mut(buf),
+            input: None,
+        };
+        self.run(req, |sh, _| {
+            Ok(if coll == Coll::Gather {
+                algo::linear::gather(sh, &blocks, root)
+            } else {
+                algo::linear::scatter(sh, &blocks, root)
+            })
+        })
+    }
+
     /// Scatter the root's `input` (length `size() * output.len()`): rank `r` receives block `r`
     /// in `output`. Non-roots may pass an empty `input`.
     ///
@@ -939,6 +1000,26 @@ impl Comm {
     /// As [`Group::send`].
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u32) -> Result<()> {
         Ok(self.group.send(dst, tag, as_bytes(buf))?)
+    }
+
+    /// Send `send` to `dst` while receiving `recv` from `src` (nccl-tests' sendrecv pattern);
+    /// returns the elements received.
+    ///
+    /// # Collective contract
+    /// Point to point, as [`Group::sendrecv`].
+    ///
+    /// # Errors
+    /// As [`Group::sendrecv`].
+    pub fn sendrecv<T: Element>(
+        &self,
+        send: &[T],
+        dst: usize,
+        recv: &mut [T],
+        src: usize,
+        tag: u32,
+    ) -> Result<usize> {
+        Ok(self.group.sendrecv(dst, as_bytes(send), src, as_bytes_mut(recv), tag)?
+            / std::mem::size_of::<T>())
     }
 
     /// Receive into `buf` from group rank `src` under `tag`; returns the elements received.

@@ -71,6 +71,166 @@ fn typed<T: Element>(op: ReduceOp, dst: *mut u8, a: *const u8, b: *const u8, byt
     }
 }
 
+/// Elements converted to f32 per pass of the half-precision kernels.
+const CHUNK: usize = 2048;
+
+/// Conversions between a 16-bit float type and f32, a chunk at a time.
+trait Half16: Element {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Half16 for f16 {
+    #[inline]
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl Half16 for bf16 {
+    #[inline]
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        // Round to nearest even; NaN stays a (quiet) NaN. Branch-free so it vectorises; the same
+        // bits as `bf16::from_f32`.
+        for (d, s) in dst.iter_mut().zip(src) {
+            let b = s.to_bits();
+            let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+            let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+            let quiet = ((b >> 16) as u16) | 0x40;
+            *d = bf16::from_bits(if nan { quiet } else { rounded });
+        }
+    }
+}
+
+/// `dst = a op b` for 16-bit floats: widen a chunk to f32, combine, round once.
+///
+/// # Safety
+/// As [`reduce_raw`], with `n` elements of `H` at each (possibly unaligned) address.
+unsafe fn via_f32<H: Half16>(op: ReduceOp, dst: *mut u8, a: *const u8, b: *const u8, n: usize) {
+    let (mut fa, mut fb) = ([0f32; CHUNK], [0f32; CHUNK]);
+    let (mut ha, mut hb) = ([H::default(); CHUNK], [H::default(); CHUNK]);
+    let mut i = 0;
+    while i < n {
+        let m = CHUNK.min(n - i);
+        // SAFETY: `i + m <= n` elements lie inside each range; unaligned copies into locals.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                a.cast::<H>().add(i).cast::<u8>(),
+                ha.as_mut_ptr().cast::<u8>(),
+                m * 2,
+            );
+            std::ptr::copy_nonoverlapping(
+                b.cast::<H>().add(i).cast::<u8>(),
+                hb.as_mut_ptr().cast::<u8>(),
+                m * 2,
+            );
+        }
+        H::widen(&ha[..m], &mut fa[..m]);
+        H::widen(&hb[..m], &mut fb[..m]);
+        apply_inplace(op, &mut fa[..m], &fb[..m]);
+        H::narrow(&fa[..m], &mut ha[..m]);
+        // SAFETY: as above, for the destination.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                ha.as_ptr().cast::<u8>(),
+                dst.cast::<H>().add(i).cast::<u8>(),
+                m * 2,
+            )
+        };
+        i += m;
+    }
+}
+
+#[inline(always)]
+fn bf16_round(x: f32) -> u16 {
+    let b = x.to_bits();
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    if nan {
+        ((b >> 16) as u16) | 0x40
+    } else {
+        rounded
+    }
+}
+
+/// bf16 on aligned ranges: one fused loop of shifts, an f32 op and a rounding, which the
+/// compiler vectorises. `dst` may equal `a`.
+///
+/// # Safety
+/// `n` aligned u16 elements at each address; `dst` equal to `a` or disjoint from both.
+unsafe fn bf16_aligned(op: ReduceOp, dst: *mut u16, a: *const u16, b: *const u16, n: usize) {
+    #[inline(always)]
+    fn inplace(d: &mut [u16], b: &[u16], f: impl Fn(f32, f32) -> f32) {
+        for (d, y) in d.iter_mut().zip(b) {
+            let x = f32::from_bits(u32::from(*d) << 16);
+            let y = f32::from_bits(u32::from(*y) << 16);
+            *d = bf16_round(f(x, y));
+        }
+    }
+    #[inline(always)]
+    fn out(d: &mut [u16], a: &[u16], b: &[u16], f: impl Fn(f32, f32) -> f32) {
+        for ((d, x), y) in d.iter_mut().zip(a).zip(b) {
+            let x = f32::from_bits(u32::from(*x) << 16);
+            let y = f32::from_bits(u32::from(*y) << 16);
+            *d = bf16_round(f(x, y));
+        }
+    }
+    // SAFETY: `n` aligned elements at each address; `dst` is `a` or disjoint from both.
+    let (d, bs) =
+        unsafe { (std::slice::from_raw_parts_mut(dst, n), std::slice::from_raw_parts(b, n)) };
+    macro_rules! go {
+        ($f:expr) => {
+            if dst as *const u16 == a {
+                inplace(d, bs, $f)
+            } else {
+                // SAFETY: disjoint from `dst` (caller contract).
+                out(d, unsafe { std::slice::from_raw_parts(a, n) }, bs, $f)
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => go!(|x, y| x + y),
+        ReduceOp::Prod => go!(|x, y| x * y),
+        ReduceOp::Min => go!(f32::min),
+        ReduceOp::Max => go!(f32::max),
+    }
+}
+
+/// f16 on aligned ranges: widen chunks with half's (runtime-detected F16C) slice conversions.
+///
+/// # Safety
+/// As [`bf16_aligned`].
+unsafe fn f16_aligned(op: ReduceOp, dst: *mut f16, a: *const f16, b: *const f16, n: usize) {
+    use half::slice::HalfFloatSliceExt;
+    let (mut fa, mut fb) = ([0f32; CHUNK], [0f32; CHUNK]);
+    let mut i = 0;
+    while i < n {
+        let m = CHUNK.min(n - i);
+        // SAFETY: `i + m <= n`; the source slices are dropped before `dst` is written, which
+        // keeps the case `dst == a` free of aliasing references.
+        unsafe {
+            std::slice::from_raw_parts(a.add(i), m).convert_to_f32_slice(&mut fa[..m]);
+            std::slice::from_raw_parts(b.add(i), m).convert_to_f32_slice(&mut fb[..m]);
+        }
+        apply_inplace(op, &mut fa[..m], &fb[..m]);
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(dst.add(i), m).convert_from_f32_slice(&fa[..m]) };
+        i += m;
+    }
+}
+
 /// `dst[i] = a[i] op b[i]` for the elements of `bytes` bytes at the given addresses.
 ///
 /// # Safety
@@ -87,8 +247,20 @@ pub unsafe fn reduce_raw(
     match dtype {
         DType::F32 => typed::<f32>(op, dst, a, b, bytes),
         DType::F64 => typed::<f64>(op, dst, a, b, bytes),
-        DType::F16 => typed::<f16>(op, dst, a, b, bytes),
-        DType::BF16 => typed::<bf16>(op, dst, a, b, bytes),
+        // SAFETY: forwarded contract.
+        DType::F16 | DType::BF16
+            if [dst as usize, a as usize, b as usize].iter().any(|p| p % 2 != 0) =>
+        unsafe {
+            if dtype == DType::F16 {
+                via_f32::<f16>(op, dst, a, b, bytes / 2)
+            } else {
+                via_f32::<bf16>(op, dst, a, b, bytes / 2)
+            }
+        },
+        // SAFETY: forwarded contract; the ranges are 2-byte aligned (checked above).
+        DType::BF16 => unsafe { bf16_aligned(op, dst.cast(), a.cast(), b.cast(), bytes / 2) },
+        // SAFETY: as above.
+        DType::F16 => unsafe { f16_aligned(op, dst.cast(), a.cast(), b.cast(), bytes / 2) },
         DType::I8 => typed::<i8>(op, dst, a, b, bytes),
         DType::U8 => typed::<u8>(op, dst, a, b, bytes),
         DType::I32 => typed::<i32>(op, dst, a, b, bytes),
@@ -131,6 +303,65 @@ mod tests {
         let mut d = [100i8, -100];
         reduce_into(DType::I8, ReduceOp::Sum, as_bytes_mut(&mut d), as_bytes(&[100i8, -100]));
         assert_eq!(d, [-56, 56], "wrapping");
+    }
+
+    #[test]
+    fn half_kernels_match_elementwise_rounding() {
+        // Every pair of a spread of values, including NaN, infinities, subnormals and ties.
+        let vals: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            0.5,
+            3.0,
+            1e-8,
+            -7.5e-39,
+            65504.0,
+            1e30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            2.0f32.powi(-20),
+        ];
+        let mut xs = Vec::new();
+        let mut ys = Vec::new();
+        for &x in &vals {
+            for &y in &vals {
+                xs.push(x);
+                ys.push(y);
+            }
+        }
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+            let a: Vec<bf16> = xs.iter().map(|v| bf16::from_f32(*v)).collect();
+            let b: Vec<bf16> = ys.iter().map(|v| bf16::from_f32(*v)).collect();
+            let mut d = a.clone();
+            reduce_into(DType::BF16, op, as_bytes_mut(&mut d), as_bytes(&b));
+            for i in 0..a.len() {
+                let want = <bf16 as Element>::combine(op, a[i], b[i]);
+                assert!(
+                    want.to_bits() == d[i].to_bits() || (want.is_nan() && d[i].is_nan()),
+                    "bf16 {op} {} {}",
+                    a[i],
+                    b[i]
+                );
+            }
+            let a: Vec<f16> = xs.iter().map(|v| f16::from_f32(*v)).collect();
+            let b: Vec<f16> = ys.iter().map(|v| f16::from_f32(*v)).collect();
+            let mut d = a.clone();
+            reduce_into(DType::F16, op, as_bytes_mut(&mut d), as_bytes(&b));
+            for i in 0..a.len() {
+                let want = <f16 as Element>::combine(op, a[i], b[i]);
+                assert!(
+                    want.to_bits() == d[i].to_bits() || (want.is_nan() && d[i].is_nan()),
+                    "f16 {op} {} {}",
+                    a[i],
+                    b[i]
+                );
+            }
+        }
     }
 
     #[test]

@@ -32,6 +32,7 @@ pub mod kernel;
 pub mod plan;
 pub mod select;
 pub mod tensor;
+pub mod verify;
 
 pub use comm::{Comm, Config, Stats, DEFAULT_SEGMENT};
 pub use dtype::{DType, Element, ReduceOp};

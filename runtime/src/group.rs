@@ -295,6 +295,37 @@ impl Group {
         r.inspect_err(|e| self.fail(e))
     }
 
+    /// Send `data` to `dst` and receive from `src` into `buf` at the same time (both under
+    /// `tag`); returns the bytes received. Rings of sendrecv never deadlock.
+    ///
+    /// # Collective contract
+    /// Point to point: `dst` receives from this rank and `src` sends to it, with the same tag.
+    ///
+    /// # Errors
+    /// As [`Group::send`] and [`Group::recv`].
+    pub fn sendrecv(
+        &self,
+        dst: usize,
+        data: &[u8],
+        src: usize,
+        buf: &mut [u8],
+        tag: u32,
+    ) -> Result<usize> {
+        self.check()?;
+        self.check_rank(dst, "sendrecv", "destination rank")?;
+        self.check_rank(src, "sendrecv", "source rank")?;
+        let d = self.p2p_desc(tag);
+        let mut ops = [
+            crate::transport::Op::Recv { peer: self.global_rank(src), desc: d, buf, received: 0 },
+            crate::transport::Op::Send { peer: self.global_rank(dst), desc: d, data },
+        ];
+        self.inner.transport.exchange(&mut ops, self.timeout()).inspect_err(|e| self.fail(e))?;
+        match ops[0] {
+            crate::transport::Op::Recv { received, .. } => Ok(received),
+            _ => unreachable!("slot 0 holds the receive built above"),
+        }
+    }
+
     /// Post a non-blocking point-to-point send; see [`Group::send`].
     ///
     /// # Safety

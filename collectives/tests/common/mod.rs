@@ -4,46 +4,9 @@
 
 #![allow(dead_code)]
 
-use tutti_collectives::{Comm, Config, Element, ReduceOp};
+use tutti_collectives::{Comm, Config, Element};
 
-/// Value of element `i` on rank `r` for `op`.
-pub(crate) fn val<T: Element>(seed: u64, r: usize, i: usize, op: ReduceOp) -> T {
-    let h = (seed as usize)
-        .wrapping_mul(31)
-        .wrapping_add(r.wrapping_mul(7))
-        .wrapping_add(i.wrapping_mul(3));
-    let v: i64 = match op {
-        // |sum| <= 4 * 32 = 128: exact in bf16 (256) and every wider type.
-        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Min | ReduceOp::Max => (h % 9) as i64 - 4,
-        // Products of ±1 with at most one 2 per 8 ranks: powers of two up to 2^4.
-        _ => {
-            let s = if (h / 9) % 2 == 0 { 1 } else { -1 };
-            if (r + i) % 8 == 0 {
-                2 * s
-            } else {
-                s
-            }
-        }
-    };
-    T::from_i64(v)
-}
-
-/// Input vector of rank `r`.
-pub(crate) fn input<T: Element>(seed: u64, r: usize, count: usize, op: ReduceOp) -> Vec<T> {
-    (0..count).map(|i| val(seed, r, i, op)).collect()
-}
-
-/// Expected reduction over ranks `0..n` of element `i`.
-pub(crate) fn reduced<T: Element>(seed: u64, n: usize, i: usize, op: ReduceOp) -> T {
-    let mut acc = val::<T>(seed, 0, i, op);
-    for r in 1..n {
-        acc = T::combine(op, acc, val(seed, r, i, op));
-    }
-    if op == ReduceOp::Avg {
-        acc = acc.div_n(n);
-    }
-    acc
-}
+pub(crate) use tutti_collectives::verify::{input, reduced};
 
 /// Bitwise equality of two slices of elements.
 pub(crate) fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {

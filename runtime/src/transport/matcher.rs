@@ -271,6 +271,11 @@ impl PeerQueues {
         }
     }
 
+    /// Is receive `id` still waiting in this queue?
+    pub(crate) fn is_posted(&self, id: OpId) -> bool {
+        self.posted.iter().any(|p| p.id == id)
+    }
+
     /// Drop every queued receive (after the peer failed).
     pub(crate) fn clear_posted(&mut self) {
         self.posted.clear();

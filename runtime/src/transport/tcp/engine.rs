@@ -26,6 +26,11 @@ use crate::wire::{FrameKind, Header, HeaderError, MsgDesc, HEADER_LEN};
 const STAGE: usize = 64 * 1024;
 /// A payload with at least this much left is read directly into its destination.
 const DIRECT_MIN: usize = 16 * 1024;
+/// Largest message buffered when it arrives before its receive is posted. A larger one is
+/// parked: its header is read, its payload stays in the kernel (the sender is flow-controlled)
+/// until the receive is posted, and is then read straight into it. A wait for another message
+/// of the same peer unparks it into the unexpected queue, so nothing can deadlock on it.
+const EAGER_MAX: u64 = 64 * 1024;
 /// Longest abort reason accepted from a peer.
 const MAX_ABORT_REASON: u64 = 4096;
 /// Most frames gathered into one `sendmsg`.
@@ -69,8 +74,16 @@ impl SendItem {
 }
 
 enum RxDest {
-    Posted { id: OpId, buf: RawBuf },
-    Unexpected { desc: MsgDesc, data: Vec<u8> },
+    Posted {
+        id: OpId,
+        buf: RawBuf,
+    },
+    /// Header read, no receive posted yet, too large to buffer eagerly.
+    Parked(MsgDesc),
+    Unexpected {
+        desc: MsgDesc,
+        data: Vec<u8>,
+    },
     Abort(Vec<u8>),
     Discard,
 }
@@ -278,7 +291,10 @@ impl Engine {
                 g.ops.fail(id, err);
             }
             Posted::Queued => match g.conns[peer].as_mut() {
-                Some(c) if !c.peer_closed => c.want += 1,
+                Some(c) if !c.peer_closed => {
+                    c.want += 1;
+                    g.attach_parked(peer);
+                }
                 _ if peer == self.rank => {}
                 _ => {
                     g.queues[peer].remove(id);
@@ -326,6 +342,10 @@ impl Engine {
                         timeout: deadline.saturating_duration_since(posted),
                     });
                 }
+                if g.parked(peer) && g.queues[peer].is_posted(op) {
+                    g.unpark(peer);
+                    continue;
+                }
                 if !probed && now.duration_since(wait_start) >= g.cfg.probe_after {
                     probed = true;
                     g.send_probe(peer, desc);
@@ -342,7 +362,8 @@ impl Engine {
                 fd_peer.push(usize::MAX);
                 for (peer, c) in g.conns.iter().enumerate() {
                     let Some(c) = c else { continue };
-                    let mut events = libc::POLLIN;
+                    let parked = matches!(c.cur, Some(RxFrame { dest: RxDest::Parked(_), .. }));
+                    let mut events = if parked { libc::POLLRDHUP } else { libc::POLLIN };
                     if !c.sendq.is_empty() {
                         events |= libc::POLLOUT;
                     }
@@ -366,6 +387,10 @@ impl Engine {
                 for (f, &peer) in fds.iter().zip(&fd_peer).skip(1) {
                     if f.revents & libc::POLLOUT != 0 {
                         g.progress_tx(peer);
+                    }
+                    if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                        // The peer is gone or going: take in what it sent, then see the end.
+                        g.unpark(peer);
                     }
                     if f.revents & !libc::POLLOUT != 0 {
                         g.progress_rx(peer);
@@ -653,6 +678,13 @@ impl Inner {
     }
 
     fn progress_rx(&mut self, peer: usize) {
+        // Staged bytes first: a frame that was parked or just attached may be waiting there.
+        if self.conns[peer].as_ref().is_some_and(|c| c.start < c.end) {
+            if let Err(f) = self.consume(peer) {
+                self.conn_failed(peer, f);
+                return;
+            }
+        }
         loop {
             let r = match self.conns[peer].as_mut() {
                 Some(c) => c.read_some(),
@@ -679,6 +711,9 @@ impl Inner {
         loop {
             let Some(c) = self.conns[peer].as_mut() else { return Ok(()) };
             if let Some(f) = c.cur.as_mut() {
+                if matches!(f.dest, RxDest::Parked(_)) {
+                    break;
+                }
                 let avail = c.end - c.start;
                 let n = avail.min(f.len - f.done);
                 if n > 0 {
@@ -694,7 +729,7 @@ impl Inner {
                         RxDest::Unexpected { data, .. } | RxDest::Abort(data) => {
                             data[f.done..f.done + n].copy_from_slice(src)
                         }
-                        RxDest::Discard => {}
+                        RxDest::Discard | RxDest::Parked(_) => {}
                     }
                     f.done += n;
                     c.start += n;
@@ -798,6 +833,7 @@ impl Inner {
                             }
                         }
                     }
+                    Dest::Unexpected if len > EAGER_MAX => RxDest::Parked(hdr.desc),
                     Dest::Unexpected => {
                         let limit = self.cfg.unexpected_limit;
                         if self.unexpected_bytes.saturating_add(len) > limit {
@@ -852,9 +888,66 @@ impl Inner {
                 let reason = String::from_utf8_lossy(&reason).into_owned();
                 return Err(ConnFail::Aborted(reason));
             }
-            RxDest::Discard => {}
+            RxDest::Discard | RxDest::Parked(_) => {}
         }
         Ok(())
+    }
+
+    /// A receive was posted: if the frame parked on `peer`'s connection is its message, attach
+    /// it (the payload then goes straight into the receive buffer).
+    fn attach_parked(&mut self, peer: usize) {
+        let desc = match self.conns[peer].as_ref().and_then(|c| c.cur.as_ref()) {
+            Some(RxFrame { dest: RxDest::Parked(d), .. }) => *d,
+            _ => return,
+        };
+        let mut stale = Vec::new();
+        let dest = self.queues[peer].arrive(&desc, &mut stale);
+        self.fail_stale(peer, stale, &desc);
+        let Dest::Posted(post) = dest else { return };
+        if let Some(c) = self.conns[peer].as_mut() {
+            c.want = c.want.saturating_sub(1);
+        }
+        let len = self.conns[peer].as_ref().and_then(|c| c.cur.as_ref()).map_or(0, |f| f.len);
+        let posted_at = self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
+        let new = match matcher::check(self.rank, peer, &post, &desc, len as u64, posted_at) {
+            Ok(()) => RxDest::Posted { id: post.id, buf: post.buf },
+            Err(e) => {
+                self.ops.fail(post.id, e);
+                RxDest::Discard
+            }
+        };
+        if let Some(f) = self.conns[peer].as_mut().and_then(|c| c.cur.as_mut()) {
+            f.dest = new;
+        }
+        self.progress_rx(peer);
+    }
+
+    /// Someone needs a later message from `peer`: move the parked frame to the unexpected queue
+    /// (bounded by the budget) so the stream can advance.
+    fn unpark(&mut self, peer: usize) {
+        let (desc, len) = match self.conns[peer].as_ref().and_then(|c| c.cur.as_ref()) {
+            Some(RxFrame { dest: RxDest::Parked(d), len, .. }) => (*d, *len),
+            _ => return,
+        };
+        let limit = self.cfg.unexpected_limit;
+        let total = self.unexpected_bytes.saturating_add(len as u64);
+        if total > limit {
+            let err = Error::UnexpectedOverflow { rank: self.rank, peer, bytes: total, limit };
+            self.poison(err, None);
+            return;
+        }
+        self.unexpected_bytes = total;
+        if let Some(f) = self.conns[peer].as_mut().and_then(|c| c.cur.as_mut()) {
+            f.dest = RxDest::Unexpected { desc, data: vec![0; len] };
+        }
+        self.progress_rx(peer);
+    }
+
+    fn parked(&self, peer: usize) -> bool {
+        matches!(
+            self.conns[peer].as_ref().and_then(|c| c.cur.as_ref()),
+            Some(RxFrame { dest: RxDest::Parked(_), .. })
+        )
     }
 
     fn cancel(&mut self, op: OpId) {
@@ -1063,6 +1156,9 @@ impl Conn {
     /// One read: straight into the destination for a large payload, else into the staging
     /// buffer. Returns the bytes read, 0 when nothing is available.
     fn read_some(&mut self) -> Result<usize, ConnFail> {
+        if matches!(self.cur, Some(RxFrame { dest: RxDest::Parked(_), .. })) {
+            return Ok(0);
+        }
         let direct = match &self.cur {
             Some(f) if self.start == self.end && f.len - f.done >= DIRECT_MIN => match &f.dest {
                 // SAFETY: `done < len <= cap` of the posted buffer.

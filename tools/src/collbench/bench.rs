@@ -1,0 +1,392 @@
+//! The measurement loop of one rank.
+
+use std::io::{IsTerminal, Write};
+use std::time::Instant;
+
+use half::{bf16, f16};
+use tutti_collectives::verify::{count_wrong, fill, reduced, value};
+use tutti_collectives::{Comm, DType, Element, ReduceOp, Result, Stats};
+
+use super::report::{self, Mode, Row, Run};
+use super::Settings;
+
+const SEED: u64 = 0x7475_7474;
+
+/// One rank's benchmark state.
+pub struct Bench {
+    comm: Comm,
+    s: Settings,
+    transport: String,
+    progress: bool,
+}
+
+/// The shape of one size of one collective.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    /// Elements per rank as nccl-tests counts them.
+    count: usize,
+    in_len: usize,
+    out_len: usize,
+    /// nccl-tests' S in bytes.
+    bytes: u64,
+    factor: f64,
+    root: i64,
+}
+
+fn dims(coll: &str, size: u64, esize: usize, n: usize, root: usize) -> Dims {
+    let nf = n as f64;
+    let per = |c: usize| c;
+    let (count, in_len, out_len, bytes, factor, rooted) = match coll {
+        "allreduce" => {
+            let c = size as usize / esize;
+            (c, c, c, c * esize, 2.0 * (nf - 1.0) / nf, false)
+        }
+        "broadcast" | "reduce" => {
+            let c = size as usize / esize;
+            (c, c, c, c * esize, 1.0, true)
+        }
+        "sendrecv" => {
+            let c = size as usize / esize;
+            (c, c, c, c * esize, 1.0, false)
+        }
+        "allgather" => {
+            let c = per(size as usize / esize / n);
+            (c, c, c * n, c * n * esize, (nf - 1.0) / nf, false)
+        }
+        "reduce_scatter" => {
+            let c = size as usize / esize / n;
+            (c, c * n, c, c * n * esize, (nf - 1.0) / nf, false)
+        }
+        "alltoall" => {
+            let c = size as usize / esize / n;
+            (c * n, c * n, c * n, c * n * esize, (nf - 1.0) / nf, false)
+        }
+        "gather" => {
+            let c = size as usize / esize / n;
+            (c, c, c * n, c * n * esize, (nf - 1.0) / nf, true)
+        }
+        "scatter" => {
+            let c = size as usize / esize / n;
+            (c, c * n, c, c * n * esize, (nf - 1.0) / nf, true)
+        }
+        _ => (0, 0, 0, 0, 1.0, false),
+    };
+    Dims {
+        count,
+        in_len,
+        out_len,
+        bytes: bytes as u64,
+        factor,
+        root: if rooted { root as i64 } else { -1 },
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+impl Bench {
+    /// A benchmark over `comm`.
+    pub fn new(comm: Comm, s: Settings, transport: &str) -> Bench {
+        let progress = comm.rank() == 0 && std::io::stderr().is_terminal();
+        Bench { comm, s, transport: transport.to_string(), progress }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Run every selected collective; returns the exit code (non-zero on wrong results or a
+    /// bandwidth below `--min-bw`).
+    ///
+    /// # Errors
+    /// Any collective failure.
+    pub fn run(&mut self) -> Result<i32> {
+        let me = self.comm.rank();
+        let n = self.comm.size();
+        let a = &self.s.args;
+        if me == 0 {
+            let step = match a.stepfactor {
+                Some(f) if f > 1 => format!("{f}(factor)"),
+                _ => format!("{}(bytes)", a.stepbytes),
+            };
+            println!(
+                "# collbench (tutti {}): nranks {n} transport {} minBytes {} maxBytes {} step: {step} warmup iters: {} iters: {} agg iters: {} validation: {}",
+                env!("CARGO_PKG_VERSION"),
+                self.transport,
+                a.minbytes,
+                a.maxbytes,
+                a.warmup,
+                a.iters,
+                a.agg,
+                a.check
+            );
+            println!("#");
+            println!("# Using devices");
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            for r in 0..n {
+                println!("#  Rank {r:>2} Group  0 on {:>10} device {:>2} [cpu]", host.trim(), r);
+            }
+        }
+        let mut runs = Vec::new();
+        let mut code = 0;
+        for coll in self.s.colls.clone() {
+            let run = match self.s.dtype {
+                DType::F32 => self.coll::<f32>(coll)?,
+                DType::F64 => self.coll::<f64>(coll)?,
+                DType::F16 => self.coll::<f16>(coll)?,
+                DType::BF16 => self.coll::<bf16>(coll)?,
+                DType::I8 => self.coll::<i8>(coll)?,
+                DType::U8 => self.coll::<u8>(coll)?,
+                DType::I32 => self.coll::<i32>(coll)?,
+                _ => self.coll::<i64>(coll)?,
+            };
+            if run.wrong() > 0 {
+                code = 1;
+            }
+            if let Some(min) = self.s.args.min_bw {
+                if coll != "barrier" && run.avg_busbw() < min {
+                    if me == 0 {
+                        eprintln!(
+                            "collbench: {coll}: average busbw {:.3} GB/s is below --min-bw {min}",
+                            run.avg_busbw()
+                        );
+                    }
+                    code = 1;
+                }
+            }
+            runs.push(run);
+        }
+        if me == 0 {
+            if let Some(p) = &self.s.args.json {
+                if let Err(e) = std::fs::write(p, report::json(&runs)) {
+                    eprintln!("collbench: writing {}: {e}", p.display());
+                    code = code.max(1);
+                }
+            }
+            if let Some(p) = &self.s.args.plot {
+                if let Err(e) = report::plot(&runs, p) {
+                    eprintln!("collbench: {e}");
+                    code = code.max(1);
+                }
+            }
+        }
+        Ok(code)
+    }
+
+    fn coll<T: Element>(&mut self, coll: &'static str) -> Result<Run> {
+        let me = self.comm.rank();
+        let n = self.comm.size();
+        let reduces = matches!(coll, "allreduce" | "reduce" | "reduce_scatter");
+        let run_op = if reduces { self.s.op.name().to_string() } else { "none".into() };
+        if me == 0 {
+            print!("{}", report::header());
+        }
+        let mut run = Run {
+            collective: coll.to_string(),
+            nranks: n,
+            transport: self.transport.clone(),
+            dtype: T::DTYPE.name().to_string(),
+            op: run_op.clone(),
+            rows: Vec::new(),
+        };
+        let sizes = if coll == "barrier" { vec![0] } else { self.s.args.sizes() };
+        for size in sizes {
+            if self.progress {
+                eprint!("\r\x1b[2K[collbench] {coll} {size} B");
+                let _ = std::io::stderr().flush();
+            }
+            let row = self.size::<T>(coll, size)?;
+            if me == 0 {
+                println!("{}", report::row(&row, T::DTYPE.name(), &run_op));
+            }
+            run.rows.push(row);
+        }
+        if self.progress {
+            eprint!("\r\x1b[2K");
+        }
+        if me == 0 {
+            print!("{}", report::footer(&run));
+        }
+        Ok(run)
+    }
+
+    fn size<T: Element>(&mut self, coll: &'static str, size: u64) -> Result<Row> {
+        let n = self.comm.size();
+        let d = dims(coll, size, std::mem::size_of::<T>(), n, self.s.args.root);
+        let (oop, algo) = self.mode::<T>(coll, d, false)?;
+        let (ip, _) = self.mode::<T>(coll, d, true)?;
+        Ok(Row {
+            bytes: d.bytes,
+            count: d.count as u64,
+            root: d.root,
+            algo,
+            oop,
+            ip,
+            p50_us: oop.p50_us,
+            p99_us: oop.p99_us,
+        })
+    }
+
+    /// One call of the collective on prepared buffers.
+    fn call<T: Element>(
+        &self,
+        c: &Comm,
+        coll: &str,
+        ip: bool,
+        inp: &[T],
+        out: &mut [T],
+    ) -> Result<Option<Stats>> {
+        let (op, root, n, r) = (self.s.op, self.s.args.root, c.size(), c.rank());
+        let st = match (coll, ip) {
+            ("allreduce", false) => c.allreduce_from(inp, out, op)?,
+            ("allreduce", true) => c.allreduce(out, op)?,
+            ("broadcast", false) => c.broadcast_from(inp, out, root)?,
+            ("broadcast", true) => c.broadcast(out, root)?,
+            ("reduce", false) => c.reduce_from(inp, out, op, root)?,
+            ("reduce", true) => c.reduce(out, op, root)?,
+            ("allgather", false) => c.allgather(inp, out)?,
+            ("allgather", true) => c.allgather_inplace(out)?,
+            ("reduce_scatter", false) => c.reduce_scatter(inp, out, op)?,
+            ("reduce_scatter", true) => c.reduce_scatter_inplace(out, op)?,
+            ("alltoall", false) => c.all_to_all(inp, out)?,
+            ("alltoall", true) => c.all_to_all_inplace(out)?,
+            ("gather", false) => c.gather(inp, out, root)?,
+            ("gather", true) => c.gather_inplace(out, root)?,
+            ("scatter", false) => c.scatter(inp, out, root)?,
+            ("scatter", true) => c.scatter_inplace(out, root)?,
+            ("sendrecv", _) => {
+                c.sendrecv(inp, (r + 1) % n, out, (r + n - 1) % n, 0)?;
+                return Ok(None);
+            }
+            _ => c.barrier()?,
+        };
+        Ok(Some(st))
+    }
+
+    /// Buffers for one mode: (input, output-or-inplace buffer) filled with exact data.
+    fn buffers<T: Element>(&self, coll: &str, d: Dims, ip: bool) -> (Vec<T>, Vec<T>) {
+        let (r, n, op, root) = (self.comm.rank(), self.comm.size(), self.s.op, self.s.args.root);
+        let mut inp = vec![T::default(); d.in_len];
+        fill(&mut inp, SEED, r, 0, op);
+        // sendrecv cannot alias its buffers: its "in-place" column repeats the measurement.
+        if !ip || coll == "sendrecv" {
+            return (inp, vec![T::default(); d.out_len]);
+        }
+        let full = d.in_len.max(d.out_len);
+        let mut buf = vec![T::default(); full];
+        match coll {
+            "allgather" | "gather" => buf[r * d.count..(r + 1) * d.count].copy_from_slice(&inp),
+            "broadcast" | "scatter" if r != root => {}
+            _ => buf[..d.in_len].copy_from_slice(&inp),
+        }
+        let _ = n;
+        (Vec::new(), buf)
+    }
+
+    fn verify<T: Element>(&self, coll: &str, d: Dims, ip: bool, out: &[T]) -> u64 {
+        let (r, n, op, root) = (self.comm.rank(), self.comm.size(), self.s.op, self.s.args.root);
+        let c = d.count;
+        match coll {
+            "allreduce" => count_wrong(out, |i| reduced(SEED, n, i, op)),
+            "broadcast" => count_wrong(out, |i| value(SEED, root, i, op)),
+            "reduce" if r == root => count_wrong(out, |i| reduced(SEED, n, i, op)),
+            "allgather" => count_wrong(out, |i| value(SEED, i / c.max(1), i % c.max(1), op)),
+            "reduce_scatter" => {
+                let mine = if ip { &out[r * c..(r + 1) * c] } else { out };
+                count_wrong(mine, |i| reduced(SEED, n, r * c + i, op))
+            }
+            "alltoall" => {
+                let b = c / n.max(1);
+                count_wrong(out, |i| value(SEED, i / b.max(1), r * b + i % b.max(1), op))
+            }
+            "gather" if r == root => {
+                count_wrong(out, |i| value(SEED, i / c.max(1), i % c.max(1), op))
+            }
+            "scatter" => {
+                let mine = if ip { &out[r * c..(r + 1) * c] } else { out };
+                count_wrong(mine, |i| value(SEED, root, r * c + i, op))
+            }
+            "sendrecv" => count_wrong(out, |i| value(SEED, (r + n - 1) % n, i, op)),
+            _ => 0,
+        }
+    }
+
+    fn mode<T: Element>(
+        &mut self,
+        coll: &'static str,
+        d: Dims,
+        ip: bool,
+    ) -> Result<(Mode, String)> {
+        let c = match self.s.algo {
+            Some(a) => self.comm.with_algo(a),
+            None => self.comm.clone(),
+        };
+        let a = self.s.args.clone();
+        let (inp, mut out) = self.buffers::<T>(coll, d, ip);
+        let mut wrong = 0u64;
+        let mut algo = String::from("-");
+        if a.check > 0 {
+            if let Some(st) = self.call(&c, coll, ip, &inp, &mut out)? {
+                algo = st.algo.name().to_string();
+            }
+            wrong = self.verify(coll, d, ip, &out);
+        }
+        for _ in 0..a.warmup {
+            if let Some(st) = self.call(&c, coll, ip, &inp, &mut out)? {
+                algo = st.algo.name().to_string();
+            }
+        }
+        self.comm.barrier()?;
+        let mut iter_us = Vec::with_capacity(a.iters);
+        for _ in 0..a.iters {
+            let t = Instant::now();
+            for _ in 0..a.agg.max(1) {
+                if let Some(st) = self.call(&c, coll, ip, &inp, &mut out)? {
+                    algo = st.algo.name().to_string();
+                }
+            }
+            iter_us.push(t.elapsed().as_secs_f64() * 1e6 / a.agg.max(1) as f64);
+        }
+        let mean: f64 = iter_us.iter().sum::<f64>() / iter_us.len() as f64;
+        // Combine over ranks: the -a statistic of the mean, the max per iteration, wrong counts.
+        let n = self.comm.size() as f64;
+        let time_us = match a.average {
+            0 => {
+                let mut v = [mean];
+                self.comm.broadcast(&mut v, 0)?;
+                v[0]
+            }
+            2 | 3 => {
+                let mut v = [mean];
+                let op = if a.average == 2 { ReduceOp::Min } else { ReduceOp::Max };
+                self.comm.allreduce(&mut v, op)?;
+                v[0]
+            }
+            _ => {
+                let mut v = [mean];
+                self.comm.allreduce(&mut v, ReduceOp::Sum)?;
+                v[0] / n
+            }
+        };
+        self.comm.allreduce(&mut iter_us, ReduceOp::Max)?;
+        let mut w = [wrong as i64];
+        self.comm.allreduce(&mut w, ReduceOp::Sum)?;
+        iter_us.sort_by(f64::total_cmp);
+        let algbw = if time_us > 0.0 { d.bytes as f64 / time_us / 1e3 } else { 0.0 };
+        let mode = Mode {
+            time_us,
+            algbw,
+            busbw: algbw * d.factor,
+            wrong: w[0] as u64,
+            p50_us: percentile(&iter_us, 0.5),
+            p99_us: percentile(&iter_us, 0.99),
+        };
+        Ok((mode, algo))
+    }
+}

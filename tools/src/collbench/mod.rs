@@ -1,0 +1,305 @@
+//! collbench: nccl-tests for tutti.
+//!
+//! The same flags, columns, busbw factors and footer as nccl-tests (so existing parsers work),
+//! plus per-iteration p50/p99 and the algorithm that ran in a second table after the footer and
+//! in the JSON. Starts its own local ranks (`--np`, TCP on 127.0.0.1 or threads over memory) or
+//! runs as one rank under `tutti-run`, `srun` or `mpirun`.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tutti_collectives::{Algo, Comm, Config, DType, ReduceOp};
+
+pub mod bench;
+pub mod report;
+
+pub use bench::Bench;
+pub use report::{Row, Run};
+
+/// Collectives collbench knows, in `all` order.
+pub const COLLECTIVES: [&str; 10] = [
+    "allreduce",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "gather",
+    "scatter",
+    "sendrecv",
+    "barrier",
+];
+
+/// Parse `8`, `1K`, `32M`, `1G` (binary multiples, as nccl-tests).
+///
+/// # Errors
+/// A message for anything else.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .map(|n| n * mul)
+        .map_err(|_| format!("{s:?} is not a size (like 8, 64K, 32M, 1G)"))
+}
+
+/// Command line, nccl-tests compatible.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "collbench", version, about = "nccl-tests-style benchmark of tutti's collectives")]
+pub struct Args {
+    /// Collective: allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, gather,
+    /// scatter, sendrecv, barrier, or all.
+    #[arg(default_value = "all")]
+    pub coll: String,
+    /// Smallest size (bytes, K/M/G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = parse_size)]
+    pub minbytes: u64,
+    /// Largest size.
+    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = parse_size)]
+    pub maxbytes: u64,
+    /// Increment between sizes (unless -f is given).
+    #[arg(short = 'i', long = "stepbytes", default_value = "1M", value_parser = parse_size)]
+    pub stepbytes: u64,
+    /// Multiplication factor between sizes.
+    #[arg(short = 'f', long = "stepfactor")]
+    pub stepfactor: Option<u64>,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    pub iters: usize,
+    /// Warm-up iterations per size.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 1)]
+    pub warmup: usize,
+    /// Operations aggregated per timed iteration.
+    #[arg(short = 'm', long = "agg_iters", default_value_t = 1)]
+    pub agg: usize,
+    /// Verify the first iteration of every size (0 disables).
+    #[arg(short = 'c', long = "check", default_value_t = 1)]
+    pub check: u32,
+    /// Reduction op: sum, prod, min, max, avg.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    pub op: String,
+    /// Data type: float, double, half, bfloat16, int8, uint8, int32, int64.
+    #[arg(short = 'd', long = "datatype", default_value = "float")]
+    pub dtype: String,
+    /// Root of rooted collectives.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    pub root: usize,
+    /// Time reported: 0 rank 0, 1 mean over ranks, 2 min, 3 max.
+    #[arg(short = 'a', long = "average", default_value_t = 1)]
+    pub average: u32,
+    /// Per-iteration timing (p50/p99 are always in the extras table; accepted for
+    /// compatibility).
+    #[arg(short = 'I', long = "per_iter_timing", default_value_t = 0)]
+    pub per_iter: u32,
+    /// Per-operation timeout in seconds (0: tutti's default, 30 s).
+    #[arg(short = 'T', long = "timeout", default_value_t = 0)]
+    pub timeout: u64,
+    /// Local ranks to start when not launched by tutti-run/srun/mpirun.
+    #[arg(long = "np", default_value_t = 4)]
+    pub np: usize,
+    /// Transport for --np runs: tcp or mem.
+    #[arg(long, default_value = "tcp")]
+    pub transport: String,
+    /// Force an algorithm (ring, rd, rabenseifner, halving, tree, chain, bruck, pairwise,
+    /// postall, linear, dissemination).
+    #[arg(long)]
+    pub algo: Option<String>,
+    /// Write results as JSON to FILE.
+    #[arg(short = 'J', long = "json")]
+    pub json: Option<std::path::PathBuf>,
+    /// Plot busbw against size to FILE.svg.
+    #[arg(long)]
+    pub plot: Option<std::path::PathBuf>,
+    /// Exit non-zero when the average busbw of a collective is below this (GB/s).
+    #[arg(long = "min-bw")]
+    pub min_bw: Option<f64>,
+}
+
+impl Args {
+    /// The sizes of the sweep.
+    pub fn sizes(&self) -> Vec<u64> {
+        let mut v = Vec::new();
+        let mut s = self.minbytes;
+        while s <= self.maxbytes {
+            v.push(s);
+            let next = match self.stepfactor {
+                Some(f) if f > 1 => s.saturating_mul(f),
+                _ => s.saturating_add(self.stepbytes.max(1)),
+            };
+            if next == s {
+                break;
+            }
+            s = if next == 0 { 1 } else { next };
+        }
+        v
+    }
+
+    fn colls(&self) -> Result<Vec<&'static str>, String> {
+        if self.coll == "all" {
+            return Ok(COLLECTIVES.to_vec());
+        }
+        let name = self
+            .coll
+            .trim_end_matches("_perf")
+            .replace("all_reduce", "allreduce")
+            .replace("all_gather", "allgather");
+        COLLECTIVES.iter().find(|c| **c == name).map(|c| vec![*c]).ok_or_else(|| {
+            format!(
+                "unknown collective {:?}; choose from {} or all",
+                self.coll,
+                COLLECTIVES.join(", ")
+            )
+        })
+    }
+}
+
+fn running_under_launcher() -> bool {
+    ["RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"].iter().any(|k| std::env::var_os(k).is_some())
+}
+
+/// Validated settings shared by every rank.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The command line.
+    pub args: Args,
+    /// Collectives to run.
+    pub colls: Vec<&'static str>,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction.
+    pub op: ReduceOp,
+    /// Forced algorithm.
+    pub algo: Option<Algo>,
+}
+
+impl Settings {
+    /// Validate the arguments.
+    ///
+    /// # Errors
+    /// A message naming the bad flag.
+    pub fn new(args: Args) -> Result<Settings, String> {
+        let colls = args.colls()?;
+        let dtype = DType::ALL.into_iter().find(|d| d.name() == args.dtype || short_dtype(*d) == args.dtype).ok_or_else(|| {
+            format!("unknown datatype {:?}; choose from float, double, half, bfloat16, int8, uint8, int32, int64", args.dtype)
+        })?;
+        let op = ReduceOp::parse(&args.op).ok_or_else(|| {
+            format!("unknown op {:?}; choose from sum, prod, min, max, avg", args.op)
+        })?;
+        let algo = match &args.algo {
+            Some(a) => Some(Algo::parse(a).ok_or_else(|| format!("unknown algorithm {a:?}"))?),
+            None => None,
+        };
+        if args.iters == 0 {
+            return Err("-n must be at least 1".into());
+        }
+        Ok(Settings { args, colls, dtype, op, algo })
+    }
+}
+
+fn short_dtype(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I8 => "i8",
+        DType::U8 => "u8",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        _ => "?",
+    }
+}
+
+/// Run the benchmark as one rank; rank 0 prints. Returns the process exit code.
+pub fn run_rank(comm: Comm, s: &Settings, transport: &str) -> i32 {
+    if s.args.timeout > 0 {
+        comm.group().set_timeout(Duration::from_secs(s.args.timeout));
+    }
+    let mut bench = Bench::new(comm, s.clone(), transport);
+    match bench.run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("collbench: rank {}: {e}", bench.rank());
+            1
+        }
+    }
+}
+
+/// The `collbench` program.
+pub fn main() -> ExitCode {
+    crate::init_tracing();
+    let args = Args::parse();
+    let settings = match Settings::new(args) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("collbench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = if running_under_launcher() {
+        match Comm::from_env() {
+            Ok(c) => run_rank(c, &settings, "tcp"),
+            Err(e) => {
+                eprintln!("collbench: {e}");
+                1
+            }
+        }
+    } else {
+        match settings.args.transport.as_str() {
+            "mem" => {
+                let comms = tutti_runtime::Group::mem_world(settings.args.np.max(1))
+                    .into_iter()
+                    .map(|g| Comm::with_config(g, Config::default()))
+                    .collect::<Vec<_>>();
+                let codes: Vec<i32> = std::thread::scope(|sc| {
+                    let hs: Vec<_> = comms
+                        .into_iter()
+                        .map(|c| sc.spawn(|| run_rank(c, &settings, "mem")))
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap_or(101)).collect()
+                });
+                codes.into_iter().max().unwrap_or(0)
+            }
+            "tcp" => {
+                let exe = match std::env::current_exe() {
+                    Ok(e) => e,
+                    Err(e) => {
+                        eprintln!("collbench: cannot find my own executable: {e}");
+                        return ExitCode::from(2);
+                    }
+                };
+                let mut program = vec![exe.into_os_string()];
+                program.extend(std::env::args_os().skip(1));
+                let job = crate::launch::Job {
+                    nproc: settings.args.np.max(1),
+                    nnodes: 1,
+                    node_rank: 0,
+                    master_addr: "127.0.0.1".into(),
+                    master_port: 0,
+                    token: None,
+                    program,
+                    prefix: false,
+                    log_dir: None,
+                    grace: Duration::from_secs(2),
+                };
+                match crate::launch::run(&job) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("{e}");
+                        2
+                    }
+                }
+            }
+            other => {
+                eprintln!("collbench: unknown transport {other:?} (tcp or mem)");
+                2
+            }
+        }
+    };
+    ExitCode::from(code.clamp(0, 255) as u8)
+}
