@@ -276,7 +276,7 @@ impl Comm {
         op: ReduceOp,
     ) -> Result<Stats> {
         let count = out.len();
-        let bytes = count * std::mem::size_of::<T>();
+        let bytes = std::mem::size_of_val(out);
         let req = Req {
             coll: Coll::Allreduce,
             name: "allreduce",
@@ -570,7 +570,7 @@ impl Comm {
             redop: None,
             root: None,
             count: total,
-            bytes: total * es,
+            bytes: std::mem::size_of_val(out),
             uniform,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
@@ -794,6 +794,7 @@ impl Comm {
         let send = blocks_from_counts(sc, es);
         let recv = blocks_from_counts(rc, es);
         let total = out.len();
+        let total_bytes = std::mem::size_of_val(out);
         let req = Req {
             coll: Coll::AllToAll,
             name: "all_to_all",
@@ -804,13 +805,12 @@ impl Comm {
             // Per-peer counts legitimately differ in the v variant; only uniform calls carry a
             // count in the fingerprint (lengths are still checked on arrival).
             count: if uniform { total } else { 0 },
-            bytes: total * es,
+            bytes: total_bytes,
             uniform,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
         };
         let in_place = input.is_none();
-        let total_bytes = total * es;
         self.run(req, |sh, algo| {
             let mut p = Plan::new();
             let src = if in_place {
@@ -917,7 +917,7 @@ impl Comm {
             redop: None,
             root: Some(root),
             count: buf.len() / n,
-            bytes: buf.len() * es,
+            bytes: std::mem::size_of_val(buf),
             uniform: true,
             data: as_bytes_mut(buf),
             input: None,

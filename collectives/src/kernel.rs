@@ -52,7 +52,7 @@ fn typed<T: Element>(op: ReduceOp, dst: *mut u8, a: *const u8, b: *const u8, byt
         // the in-place kernel handles without creating aliasing references.
         unsafe {
             let b = std::slice::from_raw_parts(b.cast::<T>(), n);
-            if dst as *const u8 == a {
+            if std::ptr::eq(dst, a) {
                 apply_inplace(op, std::slice::from_raw_parts_mut(dst.cast::<T>(), n), b);
             } else {
                 let a = std::slice::from_raw_parts(a.cast::<T>(), n);
@@ -366,7 +366,7 @@ mod tests {
 
     #[test]
     fn unaligned_path() {
-        let mut buf = vec![0u8; 1 + 16];
+        let mut buf = [0u8; 1 + 16];
         let src = as_bytes(&[1.5f32, 2.5, 3.5, 4.5]).to_vec();
         let dst = &mut buf[1..17];
         dst.copy_from_slice(as_bytes(&[1.0f32; 4]));

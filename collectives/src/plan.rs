@@ -232,9 +232,10 @@ pub struct SimResult {
 /// A description of the first deadlock, unmatched message or length disagreement.
 pub fn simulate(plans: &[Plan]) -> Result<SimResult, String> {
     use std::collections::{HashMap, VecDeque};
+    /// Messages in flight: (src, dst, tag) -> queue of (send time, length).
+    type Wire = HashMap<(usize, usize, u32), VecDeque<(u64, usize)>>;
     let n = plans.len();
-    // (src, dst, tag) -> queue of (timestamp, len)
-    let mut wire: HashMap<(usize, usize, u32), VecDeque<(u64, usize)>> = HashMap::new();
+    let mut wire: Wire = HashMap::new();
     let mut pc = vec![0usize; n];
     let mut clock = vec![0u64; n];
     // Per rank, per handle: Some((src, tag, len)) for a pending receive; None once done/sends.
@@ -244,7 +245,7 @@ pub fn simulate(plans: &[Plan]) -> Result<SimResult, String> {
     let mut done = vec![false; n];
     let mut bytes = vec![0u64; n];
     let mut msgs = vec![0usize; n];
-    let try_complete = |wire: &mut HashMap<(usize, usize, u32), VecDeque<(u64, usize)>>,
+    let try_complete = |wire: &mut Wire,
                         me: usize,
                         h: &mut Option<(usize, u32, usize)>,
                         clock: &mut u64|

@@ -4,6 +4,7 @@
 
 pub mod collbench;
 pub mod launch;
+pub mod run;
 
 /// Install a tracing subscriber filtered by `RUST_LOG` (default: warnings), writing to stderr.
 pub fn init_tracing() {

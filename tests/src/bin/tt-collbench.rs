@@ -1,0 +1,5 @@
+//! `collbench` built inside the test package, so integration tests can find it.
+
+fn main() -> std::process::ExitCode {
+    tutti_tools::collbench::main()
+}

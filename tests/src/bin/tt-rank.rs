@@ -1,0 +1,162 @@
+//! One rank of a test job, started N times by the integration tests (directly or through
+//! tutti-run). `tt-rank SCENARIO [ARGS]`; prints `OK <rank>` and exits 0 when the scenario
+//! passed, prints the error and exits 1 otherwise.
+
+use std::time::Duration;
+
+use tutti_collectives::{verify, Comm, ReduceOp};
+
+fn pattern(len: usize, src: usize, dst: usize, salt: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i * 131 + src * 31 + dst * 7 + salt) % 251) as u8).collect()
+}
+
+/// Ring exchange at several sizes, and interleaved tags received in reverse order.
+fn p2p(c: &Comm) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.size());
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    for (k, len) in [0usize, 1, 4096, 1 << 20, 8 << 20].into_iter().enumerate() {
+        let mine = pattern(len, r, right, k);
+        let mut got = vec![0u8; len];
+        let m = c.sendrecv(&mine, right, &mut got, left, k as u32).map_err(|e| e.to_string())?;
+        if m != len || got != pattern(len, left, r, k) {
+            return Err(format!("ring exchange of {len} bytes from {left} is wrong"));
+        }
+    }
+    if n >= 2 {
+        if r == 0 {
+            for t in 0..6u32 {
+                c.send(&pattern(100 + t as usize * 1000, 0, 1, t as usize), 1, 100 + t).map_err(|e| e.to_string())?;
+            }
+        } else if r == 1 {
+            for t in (0..6u32).rev() {
+                let len = 100 + t as usize * 1000;
+                let mut b = vec![0u8; len];
+                c.recv(&mut b, 0, 100 + t).map_err(|e| e.to_string())?;
+                if b != pattern(len, 0, 1, t as usize) {
+                    return Err(format!("tag {t} payload wrong"));
+                }
+            }
+        }
+    }
+    c.barrier().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Every collective at a few sizes, exact data.
+fn collectives(c: &Comm) -> Result<(), String> {
+    let (r, n) = (c.rank(), c.size());
+    let e = |e: tutti_collectives::Error| e.to_string();
+    for count in [0usize, 1, 7, 1000, 65_536 + 3, 1 << 20] {
+        let op = ReduceOp::Sum;
+        let inp = verify::input::<f32>(1, r, count, op);
+        let mut out = vec![0f32; count];
+        c.allreduce_from(&inp, &mut out, op).map_err(e)?;
+        if verify::count_wrong(&out, |i| verify::reduced(1, n, i, op)) != 0 {
+            return Err(format!("allreduce of {count} wrong"));
+        }
+        let root = count % n;
+        let mut b = if r == root { verify::input::<i32>(2, root, count, op) } else { vec![0; count] };
+        c.broadcast(&mut b, root).map_err(e)?;
+        if b != verify::input::<i32>(2, root, count, op) {
+            return Err(format!("broadcast of {count} wrong"));
+        }
+        let mut red = verify::input::<i64>(3, r, count, ReduceOp::Max);
+        c.reduce(&mut red, ReduceOp::Max, root).map_err(e)?;
+        if r == root && verify::count_wrong(&red, |i| verify::reduced(3, n, i, ReduceOp::Max)) != 0 {
+            return Err(format!("reduce of {count} wrong"));
+        }
+        let per = count / n.max(1) + 1;
+        let mine = verify::input::<f32>(4, r, per, op);
+        let mut all = vec![0f32; per * n];
+        c.allgather(&mine, &mut all).map_err(e)?;
+        if verify::count_wrong(&all, |i| verify::value(4, i / per, i % per, op)) != 0 {
+            return Err(format!("allgather of {per} wrong"));
+        }
+        let full = verify::input::<f32>(5, r, per * n, op);
+        let mut part = vec![0f32; per];
+        c.reduce_scatter(&full, &mut part, op).map_err(e)?;
+        if verify::count_wrong(&part, |i| verify::reduced(5, n, r * per + i, op)) != 0 {
+            return Err(format!("reduce_scatter of {per} wrong"));
+        }
+        let a2a_in: Vec<i32> = (0..per * n).map(|i| (r * 100_000 + i) as i32).collect();
+        let mut a2a_out = vec![0i32; per * n];
+        c.all_to_all(&a2a_in, &mut a2a_out).map_err(e)?;
+        for (i, v) in a2a_out.iter().enumerate() {
+            let (src, j) = (i / per, i % per);
+            if *v != (src * 100_000 + r * per + j) as i32 {
+                return Err(format!("alltoall of {per} wrong"));
+            }
+        }
+        let mut g = if r == root { vec![0f32; per * n] } else { Vec::new() };
+        c.gather(&mine, &mut g, root).map_err(e)?;
+        if r == root && verify::count_wrong(&g, |i| verify::value(4, i / per, i % per, op)) != 0 {
+            return Err(format!("gather of {per} wrong"));
+        }
+        let src = if r == root { verify::input::<f32>(6, root, per * n, op) } else { Vec::new() };
+        let mut s = vec![0f32; per];
+        c.scatter(&src, &mut s, root).map_err(e)?;
+        if verify::count_wrong(&s, |i| verify::value(6, root, r * per + i, op)) != 0 {
+            return Err(format!("scatter of {per} wrong"));
+        }
+        c.barrier().map_err(e)?;
+    }
+    Ok(())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let scenario = args.first().map(String::as_str).unwrap_or("p2p");
+    match scenario {
+        "exit" => {
+            let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+            let who: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+            let code: i32 = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(3);
+            if rank == who {
+                std::thread::sleep(Duration::from_millis(200));
+                std::process::exit(code);
+            }
+            println!("PID {}", std::process::id());
+            std::thread::sleep(Duration::from_secs(120));
+            return;
+        }
+        "killself" => {
+            let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+            let who: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+            println!("PID {}", std::process::id());
+            if rank == who {
+                std::thread::sleep(Duration::from_millis(200));
+                // SAFETY: signalling ourselves.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_secs(120));
+            return;
+        }
+        "sleep" => {
+            println!("PID {}", std::process::id());
+            std::thread::sleep(Duration::from_secs(120));
+            return;
+        }
+        _ => {}
+    }
+    let comm = match Comm::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("ERR {e}");
+            std::process::exit(1);
+        }
+    };
+    comm.group().set_timeout(Duration::from_secs(60));
+    let r = match scenario {
+        "p2p" => p2p(&comm),
+        "collectives" => collectives(&comm),
+        "connect" => Ok(()),
+        other => Err(format!("unknown scenario {other}")),
+    };
+    match r {
+        Ok(()) => println!("OK {}", comm.rank()),
+        Err(e) => {
+            println!("ERR rank {}: {e}", comm.rank());
+            std::process::exit(1);
+        }
+    }
+}

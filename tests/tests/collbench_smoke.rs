@@ -1,0 +1,89 @@
+//! collbench: a small sweep of every collective, verified, parseable, with valid JSON.
+
+use std::process::Command;
+use std::time::Duration;
+
+use tutti_tests::run_with_deadline;
+
+/// Data rows: lines that do not start with '#'.
+fn rows(text: &str) -> Vec<Vec<String>> {
+    text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(|l| l.split_whitespace().map(String::from).collect()).collect()
+}
+
+fn smoke(transport: &str, np: usize) {
+    let dir = std::env::temp_dir().join(format!("collbench-smoke-{transport}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("out.json");
+    let svg = dir.join("out.svg");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["all", "-b", "8", "-e", "256K", "-f", "8", "-n", "3", "-w", "1", "-c", "1", "--np", &np.to_string(), "--transport", transport]);
+    cmd.arg("-J").arg(&json).arg("--plot").arg(&svg);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(300));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!killed, "collbench hung:\n{text}");
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    // Every data row has nccl-tests' 13 columns; #wrong (4th from the end and last) is 0;
+    // busbw is the 6th field from the end (how superbench reads it).
+    let rs = rows(&text);
+    assert!(rs.len() >= 9 * 3, "too few rows:\n{text}");
+    for r in &rs {
+        assert_eq!(r.len(), 13, "row {r:?}");
+        assert_eq!(r[r.len() - 1], "0", "in-place #wrong in {r:?}");
+        assert_eq!(r[r.len() - 5], "0", "out-of-place #wrong in {r:?}");
+        let busbw: f64 = r[r.len() - 6].parse().unwrap();
+        assert!(busbw >= 0.0);
+    }
+    for name in ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather", "scatter", "sendrecv", "barrier"] {
+        assert!(text.contains(&format!("# Collective test concluded: {name}")), "{name} missing");
+    }
+    assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 10);
+    // The last field of "# Avg bus bandwidth" parses.
+    for l in text.lines().filter(|l| l.starts_with("# Avg bus bandwidth")) {
+        l.split_whitespace().last().unwrap().parse::<f64>().unwrap();
+    }
+    // JSON shape.
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let runs = doc["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 10);
+    for run in runs {
+        for k in ["collective", "transport", "dtype", "op"] {
+            assert!(run[k].is_string(), "{k} in {run}");
+        }
+        assert_eq!(run["nranks"].as_u64(), Some(np as u64));
+        for row in run["rows"].as_array().unwrap() {
+            for k in ["bytes", "count", "root"] {
+                assert!(row[k].is_number(), "{k} in {row}");
+            }
+            assert!(row["algo"].is_string());
+            for m in ["oop", "ip"] {
+                for k in ["time_us", "algbw", "busbw", "wrong"] {
+                    assert!(row[m][k].is_number(), "{m}.{k} in {row}");
+                }
+                assert_eq!(row[m]["wrong"].as_u64(), Some(0));
+            }
+            assert!(row["p50_us"].is_number() && row["p99_us"].is_number());
+        }
+    }
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("allreduce"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn collbench_all_tcp_three_ranks() {
+    smoke("tcp", 3);
+}
+
+#[test]
+fn collbench_all_mem_four_ranks() {
+    smoke("mem", 4);
+}
+
+#[test]
+fn min_bw_fails_the_run() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["allreduce", "-b", "1K", "-e", "1K", "-n", "2", "--np", "2", "--transport", "mem", "--min-bw", "100000"]);
+    let (out, _) = run_with_deadline(cmd, Duration::from_secs(60));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("below --min-bw"));
+}

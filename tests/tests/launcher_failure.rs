@@ -1,0 +1,96 @@
+//! tutti-run stops the job when a rank fails, names it, and leaves no process behind.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tutti_tests::{alive, run_with_deadline};
+
+fn pids(text: &str) -> Vec<u32> {
+    text.lines().filter_map(|l| l.split("PID ").nth(1)).filter_map(|p| p.trim().parse().ok()).collect()
+}
+
+fn assert_gone(pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|p| alive(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<u32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+    assert!(left.is_empty(), "processes survived: {left:?}");
+}
+
+#[test]
+fn a_child_exiting_3_stops_the_job_and_is_named() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.args(["--nproc", "4", "--grace", "1", "--", env!("CARGO_BIN_EXE_tt-rank"), "exit", "2", "3"]);
+    let start = Instant::now();
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(60));
+    assert!(!killed, "tutti-run hung");
+    assert!(start.elapsed() < Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank 2 exited with status 3"), "{err}");
+    assert_gone(&pids(&String::from_utf8_lossy(&out.stdout)));
+}
+
+#[test]
+fn a_child_killed_by_sigkill_is_named() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.args(["--nproc", "3", "--grace", "1", "--", env!("CARGO_BIN_EXE_tt-rank"), "killself", "1"]);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(60));
+    assert!(!killed, "tutti-run hung");
+    assert_eq!(out.status.code(), Some(128 + 9));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank 1 was killed by signal 9 (SIGKILL)"), "{err}");
+    assert_gone(&pids(&String::from_utf8_lossy(&out.stdout)));
+}
+
+#[test]
+fn killing_tutti_run_takes_the_children_with_it() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tt-run"))
+        .args(["--nproc", "3", "--", env!("CARGO_BIN_EXE_tt-rank"), "sleep"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read the children's pids as they start.
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut found = Vec::new();
+    let mut line = String::new();
+    use std::io::BufRead;
+    while found.len() < 3 {
+        line.clear();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        found.extend(pids(&line));
+    }
+    assert_eq!(found.len(), 3);
+    // SIGKILL the launcher: PR_SET_PDEATHSIG takes the children down.
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert_gone(&found);
+}
+
+#[test]
+fn sigint_stops_every_child() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tt-run"))
+        .args(["--nproc", "2", "--grace", "1", "--", env!("CARGO_BIN_EXE_tt-rank"), "sleep"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut found = Vec::new();
+    let mut line = String::new();
+    use std::io::BufRead;
+    while found.len() < 2 {
+        line.clear();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        found.extend(pids(&line));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(130));
+    assert_gone(&found);
+}

@@ -1,0 +1,74 @@
+//! `tutti-run`: start a job's local ranks, torchrun style.
+//!
+//! ```text
+//! tutti-run --nproc 4 -- ./my_program args…
+//! tutti-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --token T --nproc 8 -- prog
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use crate::launch::{self, Job};
+
+/// Start N local processes of PROGRAM as the ranks of one tutti job.
+#[derive(Parser, Debug)]
+#[command(name = "tutti-run", version, about)]
+pub(crate) struct Args {
+    /// Processes on this node.
+    #[arg(long = "nproc", alias = "nproc-per-node", alias = "nproc_per_node", default_value_t = 1)]
+    nproc: usize,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index (0 serves the rendezvous store).
+    #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0.
+    #[arg(long = "master-addr", alias = "master_addr", default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Store port on node 0 (0: pick a free one; multi-node jobs must choose).
+    #[arg(long = "master-port", alias = "master_port", default_value_t = 0)]
+    master_port: u16,
+    /// Job token shared by all nodes (default: TUTTI_TOKEN, or a fresh one on a single node).
+    #[arg(long)]
+    token: Option<String>,
+    /// Also write each rank's output to DIR/rank-N.log.
+    #[arg(long = "log-dir")]
+    log_dir: Option<PathBuf>,
+    /// Do not prefix output lines with the rank.
+    #[arg(long = "no-prefix")]
+    no_prefix: bool,
+    /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    program: Vec<std::ffi::OsString>,
+}
+
+/// The `tutti-run` program.
+pub fn main() -> ExitCode {
+    crate::init_tracing();
+    let a = Args::parse();
+    let job = Job {
+        nproc: a.nproc,
+        nnodes: a.nnodes,
+        node_rank: a.node_rank,
+        master_addr: a.master_addr,
+        master_port: a.master_port,
+        token: a.token.or_else(|| std::env::var("TUTTI_TOKEN").ok().filter(|t| !t.is_empty())),
+        program: a.program,
+        prefix: !a.no_prefix,
+        log_dir: a.log_dir,
+        grace: Duration::from_secs_f64(a.grace.max(0.0)),
+    };
+    match launch::run(&job) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::from(2)
+        }
+    }
+}
