@@ -77,10 +77,15 @@ impl Config {
 /// Cloning is cheap; clones share the group (and its sequence numbers).
 #[derive(Clone)]
 pub struct Comm {
-    group: Group,
+    pub(crate) group: Group,
     cfg: Arc<Config>,
     force: Option<Algo>,
     scratch: Arc<Mutex<Scratch>>,
+    /// The background worker that runs non-blocking calls in program order (started lazily,
+    /// shared by clones).
+    pub(crate) worker: Arc<std::sync::OnceLock<crate::nonblocking::Worker>>,
+    /// True on the worker's own handle: it never waits for itself.
+    pub(crate) in_worker: bool,
 }
 
 impl std::fmt::Debug for Comm {
@@ -120,6 +125,8 @@ impl Comm {
             cfg: Arc::new(cfg),
             force: None,
             scratch: Arc::new(Mutex::new(Scratch::default())),
+            worker: Arc::new(std::sync::OnceLock::new()),
+            in_worker: false,
         }
     }
 
@@ -178,6 +185,8 @@ impl Comm {
     }
 
     fn run(&self, req: Req<'_>, plan: impl FnOnce(&Shape, Algo) -> Result<Plan>) -> Result<Stats> {
+        // Non-blocking calls submitted earlier run first: program order on every rank.
+        self.drain()?;
         self.group.check()?;
         let start = Instant::now();
         let algo = self.algo_for(req.coll, req.bytes, req.uniform);
@@ -999,6 +1008,7 @@ impl Comm {
     /// # Errors
     /// As [`Group::send`].
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u32) -> Result<()> {
+        self.drain()?;
         Ok(self.group.send(dst, tag, as_bytes(buf))?)
     }
 
@@ -1030,6 +1040,7 @@ impl Comm {
     /// # Errors
     /// As [`Group::recv`].
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u32) -> Result<usize> {
+        self.drain()?;
         Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / std::mem::size_of::<T>())
     }
 }

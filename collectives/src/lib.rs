@@ -29,6 +29,7 @@ pub mod dtype;
 mod error;
 mod exec;
 pub mod kernel;
+mod nonblocking;
 pub mod plan;
 pub mod select;
 pub mod tensor;
@@ -37,5 +38,11 @@ pub mod verify;
 pub use comm::{Comm, Config, Stats, DEFAULT_SEGMENT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
+pub use nonblocking::Pending;
 pub use select::{Algo, Coll};
 pub use tutti_runtime::{Group, Transport};
+
+/// The README's example compiles (doc-test only).
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

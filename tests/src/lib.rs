@@ -28,11 +28,22 @@ pub fn run_with_deadline(mut cmd: Command, limit: Duration) -> (Output, bool) {
 /// Start `n` processes of `exe args…` as ranks of one job whose store this test process serves
 /// (`TUTTI_STORE`, port from the OS), with `env(rank)` extra variables; wait up to `limit`.
 /// Returns each rank's output in rank order.
-pub fn spawn_job(exe: &Path, args: &[&str], n: usize, env: impl Fn(usize) -> Vec<(String, String)>, limit: Duration) -> Vec<Output> {
+pub fn spawn_job(
+    exe: &Path,
+    args: &[&str],
+    n: usize,
+    env: impl Fn(usize) -> Vec<(String, String)>,
+    limit: Duration,
+) -> Vec<Output> {
     use tutti_runtime::auth::JobKey;
     use tutti_runtime::rendezvous::StoreServer;
     let token = "integration-test-token";
-    let store = StoreServer::start("127.0.0.1:0".parse().expect("addr"), n, Some(JobKey::from_token(token))).expect("store");
+    let store = StoreServer::start(
+        "127.0.0.1:0".parse().expect("addr"),
+        n,
+        Some(JobKey::from_token(token)),
+    )
+    .expect("store");
     let url = format!("tcp://{}", store.addr());
     let children: Vec<_> = (0..n)
         .map(|r| {

@@ -7,16 +7,38 @@ use tutti_tests::run_with_deadline;
 
 /// Data rows: lines that do not start with '#'.
 fn rows(text: &str) -> Vec<Vec<String>> {
-    text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(|l| l.split_whitespace().map(String::from).collect()).collect()
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().map(String::from).collect())
+        .collect()
 }
 
 fn smoke(transport: &str, np: usize) {
-    let dir = std::env::temp_dir().join(format!("collbench-smoke-{transport}-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("collbench-smoke-{transport}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("out.json");
     let svg = dir.join("out.svg");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
-    cmd.args(["all", "-b", "8", "-e", "256K", "-f", "8", "-n", "3", "-w", "1", "-c", "1", "--np", &np.to_string(), "--transport", transport]);
+    cmd.args([
+        "all",
+        "-b",
+        "8",
+        "-e",
+        "256K",
+        "-f",
+        "8",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "-c",
+        "1",
+        "--np",
+        &np.to_string(),
+        "--transport",
+        transport,
+    ]);
     cmd.arg("-J").arg(&json).arg("--plot").arg(&svg);
     let (out, killed) = run_with_deadline(cmd, Duration::from_secs(300));
     let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -33,7 +55,18 @@ fn smoke(transport: &str, np: usize) {
         let busbw: f64 = r[r.len() - 6].parse().unwrap();
         assert!(busbw >= 0.0);
     }
-    for name in ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall", "gather", "scatter", "sendrecv", "barrier"] {
+    for name in [
+        "allreduce",
+        "allgather",
+        "reduce_scatter",
+        "broadcast",
+        "reduce",
+        "alltoall",
+        "gather",
+        "scatter",
+        "sendrecv",
+        "barrier",
+    ] {
         assert!(text.contains(&format!("# Collective test concluded: {name}")), "{name} missing");
     }
     assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 10);
@@ -42,7 +75,8 @@ fn smoke(transport: &str, np: usize) {
         l.split_whitespace().last().unwrap().parse::<f64>().unwrap();
     }
     // JSON shape.
-    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let runs = doc["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 10);
     for run in runs {
@@ -82,7 +116,21 @@ fn collbench_all_mem_four_ranks() {
 #[test]
 fn min_bw_fails_the_run() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
-    cmd.args(["allreduce", "-b", "1K", "-e", "1K", "-n", "2", "--np", "2", "--transport", "mem", "--min-bw", "100000"]);
+    cmd.args([
+        "allreduce",
+        "-b",
+        "1K",
+        "-e",
+        "1K",
+        "-n",
+        "2",
+        "--np",
+        "2",
+        "--transport",
+        "mem",
+        "--min-bw",
+        "100000",
+    ]);
     let (out, _) = run_with_deadline(cmd, Duration::from_secs(60));
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("below --min-bw"));

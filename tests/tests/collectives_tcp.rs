@@ -13,7 +13,10 @@ fn job(n: usize) {
     assert!(!killed, "n={n}: job did not finish in time:\n{text}");
     assert!(out.status.success(), "n={n}: {text}\n{}", String::from_utf8_lossy(&out.stderr));
     for r in 0..n {
-        assert!(text.contains(&format!("[{r}] OK {r}")), "n={n}: rank {r} did not report OK:\n{text}");
+        assert!(
+            text.contains(&format!("[{r}] OK {r}")),
+            "n={n}: rank {r} did not report OK:\n{text}"
+        );
     }
 }
 

@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 use tutti_tests::{alive, run_with_deadline};
 
 fn pids(text: &str) -> Vec<u32> {
-    text.lines().filter_map(|l| l.split("PID ").nth(1)).filter_map(|p| p.trim().parse().ok()).collect()
+    text.lines()
+        .filter_map(|l| l.split("PID ").nth(1))
+        .filter_map(|p| p.trim().parse().ok())
+        .collect()
 }
 
 fn assert_gone(pids: &[u32]) {
@@ -21,7 +24,17 @@ fn assert_gone(pids: &[u32]) {
 #[test]
 fn a_child_exiting_3_stops_the_job_and_is_named() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
-    cmd.args(["--nproc", "4", "--grace", "1", "--", env!("CARGO_BIN_EXE_tt-rank"), "exit", "2", "3"]);
+    cmd.args([
+        "--nproc",
+        "4",
+        "--grace",
+        "1",
+        "--",
+        env!("CARGO_BIN_EXE_tt-rank"),
+        "exit",
+        "2",
+        "3",
+    ]);
     let start = Instant::now();
     let (out, killed) = run_with_deadline(cmd, Duration::from_secs(60));
     assert!(!killed, "tutti-run hung");
@@ -35,7 +48,16 @@ fn a_child_exiting_3_stops_the_job_and_is_named() {
 #[test]
 fn a_child_killed_by_sigkill_is_named() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
-    cmd.args(["--nproc", "3", "--grace", "1", "--", env!("CARGO_BIN_EXE_tt-rank"), "killself", "1"]);
+    cmd.args([
+        "--nproc",
+        "3",
+        "--grace",
+        "1",
+        "--",
+        env!("CARGO_BIN_EXE_tt-rank"),
+        "killself",
+        "1",
+    ]);
     let (out, killed) = run_with_deadline(cmd, Duration::from_secs(60));
     assert!(!killed, "tutti-run hung");
     assert_eq!(out.status.code(), Some(128 + 9));

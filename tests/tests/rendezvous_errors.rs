@@ -17,7 +17,13 @@ fn duplicate_rank_is_named() {
         Path::new(env!("CARGO_BIN_EXE_tt-rank")),
         &["connect"],
         3,
-        |r| if r == 2 { vec![("RANK".into(), "1".into()), ("TUTTI_CONNECT_TIMEOUT".into(), "5".into())] } else { vec![("TUTTI_CONNECT_TIMEOUT".into(), "5".into())] },
+        |r| {
+            if r == 2 {
+                vec![("RANK".into(), "1".into()), ("TUTTI_CONNECT_TIMEOUT".into(), "5".into())]
+            } else {
+                vec![("TUTTI_CONNECT_TIMEOUT".into(), "5".into())]
+            }
+        },
         Duration::from_secs(60),
     );
     let all: String = outs.iter().map(text).collect();

@@ -9,14 +9,24 @@ use tutti_tests::spawn_job;
 fn ok_all(outs: &[std::process::Output]) {
     for (r, o) in outs.iter().enumerate() {
         let text = String::from_utf8_lossy(&o.stdout);
-        assert!(o.status.success() && text.contains(&format!("OK {r}")), "rank {r}: {text}\n{}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success() && text.contains(&format!("OK {r}")),
+            "rank {r}: {text}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
     }
 }
 
 #[test]
 fn p2p_ring_and_tags_across_processes() {
     for n in [2, 3, 4] {
-        let outs = spawn_job(Path::new(env!("CARGO_BIN_EXE_tt-rank")), &["p2p"], n, |_| vec![], Duration::from_secs(120));
+        let outs = spawn_job(
+            Path::new(env!("CARGO_BIN_EXE_tt-rank")),
+            &["p2p"],
+            n,
+            |_| vec![],
+            Duration::from_secs(120),
+        );
         ok_all(&outs);
     }
 }
@@ -31,7 +41,8 @@ fn ipv6_loopback_store_and_ranks() {
     use tutti_runtime::auth::JobKey;
     use tutti_runtime::rendezvous::StoreServer;
     let n = 3;
-    let store = StoreServer::start("[::1]:0".parse().unwrap(), n, Some(JobKey::from_token("v6"))).unwrap();
+    let store =
+        StoreServer::start("[::1]:0".parse().unwrap(), n, Some(JobKey::from_token("v6"))).unwrap();
     let url = format!("tcp://[::1]:{}", store.addr().port());
     let children: Vec<_> = (0..n)
         .map(|r| {

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
 use crate::launch::{self, Job};
+use clap::Parser;
 
 /// Start N local processes of PROGRAM as the ranks of one tutti job.
 #[derive(Parser, Debug)]

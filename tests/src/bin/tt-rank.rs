@@ -25,7 +25,8 @@ fn p2p(c: &Comm) -> Result<(), String> {
     if n >= 2 {
         if r == 0 {
             for t in 0..6u32 {
-                c.send(&pattern(100 + t as usize * 1000, 0, 1, t as usize), 1, 100 + t).map_err(|e| e.to_string())?;
+                c.send(&pattern(100 + t as usize * 1000, 0, 1, t as usize), 1, 100 + t)
+                    .map_err(|e| e.to_string())?;
             }
         } else if r == 1 {
             for t in (0..6u32).rev() {
@@ -55,14 +56,16 @@ fn collectives(c: &Comm) -> Result<(), String> {
             return Err(format!("allreduce of {count} wrong"));
         }
         let root = count % n;
-        let mut b = if r == root { verify::input::<i32>(2, root, count, op) } else { vec![0; count] };
+        let mut b =
+            if r == root { verify::input::<i32>(2, root, count, op) } else { vec![0; count] };
         c.broadcast(&mut b, root).map_err(e)?;
         if b != verify::input::<i32>(2, root, count, op) {
             return Err(format!("broadcast of {count} wrong"));
         }
         let mut red = verify::input::<i64>(3, r, count, ReduceOp::Max);
         c.reduce(&mut red, ReduceOp::Max, root).map_err(e)?;
-        if r == root && verify::count_wrong(&red, |i| verify::reduced(3, n, i, ReduceOp::Max)) != 0 {
+        if r == root && verify::count_wrong(&red, |i| verify::reduced(3, n, i, ReduceOp::Max)) != 0
+        {
             return Err(format!("reduce of {count} wrong"));
         }
         let per = count / n.max(1) + 1;
