@@ -203,18 +203,18 @@ impl Overrides {
 /// buffer for allreduce/broadcast/reduce, the whole gathered or scattered buffer otherwise).
 /// Thresholds come from collbench runs on the reference machine (`docs/algorithms.md`).
 pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
+    const K: usize = 1 << 10;
     match coll {
-        Coll::Allreduce => {
-            if bytes <= 16 << 10 || n == 1 {
-                Algo::RecursiveDoubling
-            } else if bytes <= 512 << 10 && n > 2 {
-                Algo::Rabenseifner
-            } else {
-                Algo::Ring
-            }
-        }
+        Coll::Allreduce => match n {
+            1 => Algo::RecursiveDoubling,
+            2 if bytes <= 256 * K => Algo::RecursiveDoubling,
+            2 => Algo::Ring,
+            _ if bytes <= 256 * K => Algo::Tree,
+            _ if bytes <= 4096 * K => Algo::Rabenseifner,
+            _ => Algo::Ring,
+        },
         Coll::Broadcast => {
-            if bytes <= 256 << 10 || n <= 2 {
+            if bytes <= 256 * K || n <= 2 {
                 Algo::Tree
             } else {
                 Algo::Chain
@@ -222,25 +222,23 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
         }
         Coll::Reduce => Algo::Tree,
         Coll::Allgather => {
-            if bytes <= 64 << 10 && uniform {
-                if n.is_power_of_two() {
-                    Algo::RecursiveDoubling
-                } else {
-                    Algo::Bruck
-                }
+            if uniform && n.is_power_of_two() && bytes <= 4096 * K {
+                Algo::RecursiveDoubling
+            } else if uniform && bytes <= 64 * K {
+                Algo::Bruck
             } else {
                 Algo::Ring
             }
         }
         Coll::ReduceScatter => {
-            if bytes <= 64 << 10 && n.is_power_of_two() {
+            if n.is_power_of_two() && bytes <= 4096 * K {
                 Algo::RecursiveHalving
             } else {
                 Algo::Ring
             }
         }
         Coll::AllToAll => {
-            if bytes / n.max(1) <= 8 << 10 {
+            if bytes / n.max(1) <= 32 * K {
                 Algo::PostAll
             } else {
                 Algo::Pairwise

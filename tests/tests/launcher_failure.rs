@@ -116,3 +116,23 @@ fn sigint_stops_every_child() {
     assert_eq!(st.code(), Some(130));
     assert_gone(&found);
 }
+
+#[test]
+fn output_is_prefixed_and_teed_to_per_rank_logs() {
+    let dir = std::env::temp_dir().join(format!("tutti-run-logs-{}", std::process::id()));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.args(["--nproc", "2", "--log-dir"]).arg(&dir).args([
+        "--",
+        env!("CARGO_BIN_EXE_tt-rank"),
+        "connect",
+    ]);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(60));
+    assert!(!killed && out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[0] OK 0") && text.contains("[1] OK 1"), "{text}");
+    for r in 0..2 {
+        let log = std::fs::read_to_string(dir.join(format!("rank-{r}.log"))).unwrap();
+        assert!(log.contains(&format!("[{r}] OK {r}")), "{log}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

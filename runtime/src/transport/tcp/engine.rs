@@ -44,6 +44,7 @@ pub(crate) struct EngineConfig {
     pub(crate) spin: Duration,
     pub(crate) unexpected_limit: u64,
     pub(crate) probe_after: Duration,
+    pub(crate) dead_after: Duration,
 }
 
 enum Payload {
@@ -108,6 +109,8 @@ struct Conn {
     want: usize,
     /// The peer said it is shutting down cleanly (a close frame arrived).
     peer_closed: bool,
+    /// When bytes (data or keep-alive) last arrived from the peer.
+    last_rx: Instant,
     last_tx: Instant,
 }
 
@@ -121,6 +124,7 @@ enum ConnFail {
     Io(std::io::Error),
     Protocol(String),
     Aborted(String),
+    Silent(String),
 }
 
 pub(crate) struct Inner {
@@ -171,6 +175,7 @@ impl Engine {
                         cur: None,
                         want: 0,
                         peer_closed: false,
+                        last_rx: now,
                         last_tx: now,
                     })
                 }
@@ -341,6 +346,20 @@ impl Engine {
                         ctx: Box::new(matcher::context(&desc, done, bytes, posted)),
                         timeout: deadline.saturating_duration_since(posted),
                     });
+                }
+                let silent = g
+                    .conns
+                    .get(peer)
+                    .and_then(Option::as_ref)
+                    .map(|c| now.saturating_duration_since(c.last_rx.max(wait_start)));
+                if let Some(quiet) = silent.filter(|q| *q >= g.cfg.dead_after) {
+                    let detail = format!(
+                        "nothing (not even a keep-alive) arrived from rank {peer} for {quiet:.1?}: \
+                         the process is stopped (SIGSTOP), hung in the kernel, or its host is \
+                         unreachable"
+                    );
+                    g.conn_failed(peer, ConnFail::Silent(detail));
+                    continue;
                 }
                 if g.parked(peer) && g.queues[peer].is_posted(op) {
                     g.unpark(peer);
@@ -1066,6 +1085,7 @@ impl Inner {
             ConnFail::Closed => "connection closed by peer".to_string(),
             ConnFail::Io(e) => format!("connection error: {e}"),
             ConnFail::Protocol(p) => format!("protocol error: {p}"),
+            ConnFail::Silent(d) => d.clone(),
             ConnFail::Aborted(r) => format!("peer aborted: {r}"),
         };
         let _ = c.stream.shutdown(std::net::Shutdown::Both);
@@ -1192,6 +1212,7 @@ impl Conn {
                 return Err(ConnFail::Closed);
             }
             let r = r as usize;
+            self.last_rx = Instant::now();
             if direct.is_some() {
                 if let Some(f) = self.cur.as_mut() {
                     f.done += r;

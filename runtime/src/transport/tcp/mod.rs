@@ -47,8 +47,13 @@ pub struct TcpConfig {
     /// Bytes of messages that may arrive before their receive is posted, per rank. Default 1 GiB.
     /// Hazard: larger lets a runaway peer use that much memory here.
     pub unexpected_limit: u64,
-    /// Idle time after which a keep-alive is sent on a connection. Default 1 s.
+    /// Idle time after which a keep-alive is sent on a connection. Default 1 s. Keep-alives are
+    /// sent by a background thread, so long computation between collectives keeps them going.
     pub keepalive_interval: Duration,
+    /// A peer that an operation waits on and that sent nothing at all (not even a keep-alive)
+    /// for this long is declared dead, and every rank is told. Default 5 s (5 missed
+    /// keep-alives). Hazard: shorter values can misjudge a peer whose host is badly overloaded.
+    pub dead_after: Duration,
     /// How long an operation waits before asking its peer (one small probe frame) whether they
     /// are in the same collective; a disagreement fails both at once. Default 1 s. Hazard: very
     /// short values add a frame to every slow wait; it never changes results.
@@ -65,6 +70,7 @@ impl Default for TcpConfig {
             spin: Duration::from_micros(50),
             unexpected_limit: 1 << 30,
             keepalive_interval: Duration::from_secs(1),
+            dead_after: Duration::from_secs(5),
             probe_after: Duration::from_secs(1),
         }
     }
@@ -197,6 +203,7 @@ impl TcpTransport {
                 spin: cfg.spin,
                 unexpected_limit: cfg.unexpected_limit,
                 probe_after: cfg.probe_after,
+                dead_after: cfg.dead_after,
             },
         )
         .map_err(|e| Error::io(rank, "configuring connections", &e))?;
