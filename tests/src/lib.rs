@@ -85,3 +85,118 @@ pub fn alive(pid: u32) -> bool {
         Err(_) => false,
     }
 }
+
+/// A job whose ranks this test started and can signal, with their output lines streamed.
+pub struct LiveJob {
+    /// The rank processes, in rank order.
+    pub children: Vec<std::process::Child>,
+    /// Lines printed by each rank so far.
+    pub lines: Vec<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
+    _store: tutti_runtime::rendezvous::StoreServer,
+}
+
+impl LiveJob {
+    /// Start `n` ranks of `exe args…` (store served here, ports from the OS).
+    pub fn start(exe: &Path, args: &[&str], n: usize, env: &[(&str, &str)]) -> LiveJob {
+        use std::io::BufRead;
+        use tutti_runtime::auth::JobKey;
+        use tutti_runtime::rendezvous::StoreServer;
+        let token = "live-job-token";
+        let store = StoreServer::start(
+            "127.0.0.1:0".parse().expect("addr"),
+            n,
+            Some(JobKey::from_token(token)),
+        )
+        .expect("store");
+        let url = format!("tcp://{}", store.addr());
+        let mut children = Vec::new();
+        let mut lines = Vec::new();
+        for r in 0..n {
+            let mut c = Command::new(exe);
+            c.args(args)
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("TUTTI_STORE", &url)
+                .env("TUTTI_TOKEN", token)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            let mut child = c.spawn().expect("spawn rank");
+            let out = child.stdout.take().expect("stdout");
+            let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let b2 = buf.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    b2.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+                }
+            });
+            children.push(child);
+            lines.push(buf);
+        }
+        LiveJob { children, lines, _store: store }
+    }
+
+    /// Wait until every rank printed a line starting with `prefix`, up to `limit`.
+    pub fn wait_all(&self, prefix: &str, limit: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if self.lines.iter().all(|l| {
+                l.lock().unwrap_or_else(|p| p.into_inner()).iter().any(|x| x.starts_with(prefix))
+            }) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        false
+    }
+
+    /// The first line of rank `r` starting with `prefix`.
+    pub fn line(&self, r: usize, prefix: &str) -> Option<String> {
+        self.lines[r]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|x| x.starts_with(prefix))
+            .cloned()
+    }
+
+    /// Send `sig` to rank `r`.
+    pub fn signal(&self, r: usize, sig: i32) {
+        // SAFETY: signalling a child this job started.
+        unsafe { libc::kill(self.children[r].id() as i32, sig) };
+    }
+
+    /// Wait for the ranks in `which` to exit, up to `limit`; true if all did.
+    pub fn wait_exit(&mut self, which: &[usize], limit: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            if which.iter().all(|r| matches!(self.children[*r].try_wait(), Ok(Some(_)))) {
+                return true;
+            }
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for LiveJob {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch.
+pub fn now_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or(0)
+}

@@ -106,6 +106,32 @@ fn collectives(c: &Comm) -> Result<(), String> {
     Ok(())
 }
 
+fn now_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or(0)
+}
+
+/// Loop allreduce over sizes from 4 KiB to 64 MiB until something fails; print the failure with
+/// the wall-clock time it was seen.
+fn loop_until_error(c: &Comm) -> Result<(), String> {
+    let sizes = [1usize << 10, 16 << 10, 256 << 10, 4 << 20, 16 << 20];
+    let bufs: Vec<Vec<f32>> = sizes.iter().map(|s| vec![1.0f32; *s]).collect();
+    println!("READY {}", c.rank());
+    let mut i = 0usize;
+    let mut bufs = bufs;
+    loop {
+        let k = i % sizes.len();
+        if let Err(e) = c.allreduce(&mut bufs[k], ReduceOp::Max) {
+            // Return normally so the transport shuts down cleanly (close frames, drained
+            // sockets), as a program that handles the error would.
+            return Err(format!("{} {e}", now_us()));
+        }
+        i += 1;
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let scenario = args.first().map(String::as_str).unwrap_or("p2p");
@@ -148,17 +174,40 @@ fn main() {
             std::process::exit(1);
         }
     };
-    comm.group().set_timeout(Duration::from_secs(60));
+    if std::env::var_os("TUTTI_TIMEOUT").is_none() {
+        comm.group().set_timeout(Duration::from_secs(60));
+    }
     let r = match scenario {
         "p2p" => p2p(&comm),
         "collectives" => collectives(&comm),
         "connect" => Ok(()),
+        "loop" => loop_until_error(&comm),
+        "compute" => {
+            // Rank 0 computes (sleeps) before joining an allreduce the others already wait in.
+            let secs: u64 = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(12);
+            if comm.rank() == 0 {
+                std::thread::sleep(Duration::from_secs(secs));
+            }
+            let mut x = vec![1.0f32; 1000];
+            comm.allreduce(&mut x, ReduceOp::Sum).map_err(|e| e.to_string()).and_then(|_| {
+                if x.iter().all(|v| *v == comm.size() as f32) {
+                    Ok(())
+                } else {
+                    Err("wrong sum".into())
+                }
+            })
+        }
         other => Err(format!("unknown scenario {other}")),
     };
     match r {
         Ok(()) => println!("OK {}", comm.rank()),
         Err(e) => {
-            println!("ERR rank {}: {e}", comm.rank());
+            if scenario == "loop" {
+                println!("ERR {e}");
+            } else {
+                println!("ERR rank {}: {e}", comm.rank());
+            }
+            drop(comm);
             std::process::exit(1);
         }
     }

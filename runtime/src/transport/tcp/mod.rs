@@ -178,11 +178,20 @@ impl TcpTransport {
                     Err(_) => {
                         let missing: Vec<usize> =
                             (rank + 1..world).filter(|j| streams[*j].is_none()).collect();
+                        // Tell the dead from the merely waiting: a rank that published its
+                        // address is alive (probably waiting on a third rank).
+                        let silent: Vec<usize> = missing
+                            .iter()
+                            .copied()
+                            .filter(|j| !store.check(&[addr_key(*j).as_str()]).unwrap_or(false))
+                            .collect();
                         return Err(Error::Rendezvous {
                             rank,
                             detail: format!(
-                                "ranks {missing:?} did not connect within {:?}: they never \
-                                 started, died, or cannot reach {local}",
+                                "ranks {missing:?} did not connect within {:?}; ranks {silent:?} \
+                                 never published an address (never started, or died before \
+                                 rendezvous); the others may be waiting for them or cannot \
+                                 reach {local}",
                                 cfg.connect_timeout
                             ),
                         });

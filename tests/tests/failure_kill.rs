@@ -1,0 +1,131 @@
+//! Faults across real processes: a rank SIGKILLed at a random moment of an allreduce loop is
+//! named by every survivor, fast; a SIGSTOPped rank is named within 10 s; a rank that merely
+//! computes for longer than the dead-peer limit is never declared dead; killing during
+//! rendezvous and killing rank 0 (the store's rank in torchrun mode) are reported too.
+//!
+//! `TUTTI_KILL_RUNS` sets the number of kill runs (default 20).
+
+use std::path::Path;
+use std::time::Duration;
+
+use tutti_tests::{now_us, LiveJob};
+
+const EXE: &str = env!("CARGO_BIN_EXE_tt-rank");
+
+/// A small deterministic generator, so a failing run can be repeated from its seed.
+fn lcg(seed: &mut u64) -> u64 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed >> 33
+}
+
+/// One kill run: returns the detection delays (µs) of the survivors.
+fn kill_run(seed: u64, victim: usize) -> Vec<u128> {
+    let n = 4;
+    let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, &[("TUTTI_CONNECT_TIMEOUT", "30")]);
+    assert!(job.wait_all("READY", Duration::from_secs(60)), "seed {seed}: job did not start");
+    let mut s = seed;
+    std::thread::sleep(Duration::from_millis(20 + lcg(&mut s) % 400));
+    let t_kill = now_us();
+    job.signal(victim, libc::SIGKILL);
+    let survivors: Vec<usize> = (0..n).filter(|r| *r != victim).collect();
+    assert!(
+        job.wait_exit(&survivors, Duration::from_secs(20)),
+        "seed {seed}: a survivor hung after rank {victim} was killed"
+    );
+    survivors
+        .iter()
+        .map(|&r| {
+            let line = job
+                .line(r, "ERR ")
+                .unwrap_or_else(|| panic!("seed {seed}: rank {r} printed no error"));
+            let mut it = line.splitn(3, ' ');
+            it.next();
+            let t: u128 = it.next().and_then(|t| t.parse().ok()).expect("timestamp");
+            let text = it.next().unwrap_or("");
+            assert!(
+                text.contains(&format!("rank {victim}")),
+                "seed {seed}: rank {r}'s error does not name rank {victim}: {text}"
+            );
+            t.saturating_sub(t_kill)
+        })
+        .collect()
+}
+
+#[test]
+fn sigkill_of_a_random_rank_is_named_by_every_survivor() {
+    let runs: u64 =
+        std::env::var("TUTTI_KILL_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    let mut all = Vec::new();
+    let mut seed = 0x7475_7474u64;
+    for run in 0..runs {
+        let victim = (lcg(&mut seed) % 4) as usize;
+        all.extend(kill_run(run, victim));
+    }
+    all.sort_unstable();
+    let median = all[all.len() / 2];
+    let worst = *all.last().unwrap();
+    eprintln!(
+        "kill runs: {runs}, survivors: {}, median detection {median} us, worst {worst} us",
+        all.len()
+    );
+    assert!(median < 100_000, "median detection {median} us");
+    assert!(worst < 1_000_000, "worst detection {worst} us");
+}
+
+#[test]
+fn sigkill_of_rank_zero_is_named() {
+    let d = kill_run(1000, 0);
+    assert!(d.iter().all(|us| *us < 1_000_000), "{d:?}");
+}
+
+#[test]
+fn sigkill_during_rendezvous_is_reported() {
+    for delay_ms in [0u64, 30, 120] {
+        let mut job =
+            LiveJob::start(Path::new(EXE), &["connect"], 4, &[("TUTTI_CONNECT_TIMEOUT", "5")]);
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        job.signal(2, libc::SIGKILL);
+        assert!(
+            job.wait_exit(&[0, 1, 3], Duration::from_secs(30)),
+            "a rank hung after rank 2 died during rendezvous"
+        );
+        for r in [0, 1, 3] {
+            // Either rendezvous finished before the kill (OK) or the rank names rank 2.
+            let ok = job.line(r, "OK").is_some();
+            let err = job.line(r, "ERR").unwrap_or_default();
+            let names_2 = err.contains("rank 2") || err.contains("[2]") || err.contains("[2,");
+            assert!(ok || names_2, "delay {delay_ms}: rank {r}: {err}");
+        }
+    }
+}
+
+#[test]
+fn a_stopped_rank_is_named_within_ten_seconds() {
+    let n = 4;
+    let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, &[]);
+    assert!(job.wait_all("READY", Duration::from_secs(60)));
+    std::thread::sleep(Duration::from_millis(200));
+    let t = now_us();
+    job.signal(1, libc::SIGSTOP);
+    let survivors = [0, 2, 3];
+    let exited = job.wait_exit(&survivors, Duration::from_secs(20));
+    job.signal(1, libc::SIGKILL);
+    assert!(exited, "survivors hung on a stopped rank");
+    for r in survivors {
+        let line = job.line(r, "ERR ").expect("error line");
+        let ts: u128 = line.split(' ').nth(1).and_then(|v| v.parse().ok()).unwrap();
+        assert!(ts - t < 10_000_000, "rank {r} took {} ms", (ts - t) / 1000);
+        assert!(line.contains("rank 1"), "rank {r}: {line}");
+    }
+}
+
+#[test]
+fn computing_longer_than_the_dead_peer_limit_is_not_death() {
+    // Rank 0 sleeps 7 s (more than the 5 s dead-peer limit) before joining; the others wait in
+    // the allreduce, hearing rank 0's keep-alives, and everyone succeeds.
+    let mut job = LiveJob::start(Path::new(EXE), &["compute", "7"], 3, &[]);
+    assert!(job.wait_exit(&[0, 1, 2], Duration::from_secs(60)));
+    for r in 0..3 {
+        assert!(job.line(r, "OK").is_some(), "rank {r}: {:?}", job.lines[r].lock().unwrap());
+    }
+}
