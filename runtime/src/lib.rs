@@ -28,6 +28,7 @@
 
 pub mod auth;
 pub mod error;
+pub mod fuzzing;
 pub mod group;
 pub mod rendezvous;
 pub mod testing;

@@ -687,7 +687,33 @@ impl Store for FileStore {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    proptest! {
+        #[test]
+        fn request_decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = decode_request(&bytes);
+            crate::fuzzing::store_request(&bytes);
+            crate::fuzzing::handshake(&bytes);
+            crate::fuzzing::wire_header(&bytes);
+        }
+
+        #[test]
+        fn requests_round_trip(key in "[a-z/0-9]{0,40}", value in proptest::collection::vec(any::<u8>(), 0..100), delta in any::<i64>()) {
+            for req in [
+                Request::Set { key: key.clone(), value: value.clone() },
+                Request::Get { key: key.clone(), timeout_ms: 5 },
+                Request::Add { key: key.clone(), delta },
+                Request::Delete { key: key.clone() },
+                Request::Check { keys: vec![key.clone(), key.clone()] },
+            ] {
+                let body = postcard::to_stdvec(&req).unwrap();
+                prop_assert_eq!(decode_request(&body), Ok(req));
+            }
+        }
+    }
 
     fn server(world: usize, key: Option<JobKey>) -> StoreServer {
         StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), world, key).unwrap()
