@@ -357,3 +357,39 @@ fn tensor_all_to_all_is_ulysses_and_inverts() {
         });
     }
 }
+
+#[test]
+fn random_link_delays_do_not_change_results() {
+    // Every message is delayed by a pseudo-random 0-300 µs per (src, dst, len): orderings change,
+    // results must not.
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tutti_runtime::transport::mem::MemTransport;
+    for n in [2, 3, 5, 8] {
+        let delay = Arc::new(|s: usize, d: usize, len: usize| {
+            Duration::from_micros(((s * 7919 + d * 104_729 + len * 31) % 300) as u64)
+        });
+        let ts = MemTransport::world_with_delay(n, delay);
+        std::thread::scope(|sc| {
+            for t in ts {
+                sc.spawn(move || {
+                    let c = Comm::new(tutti_runtime::Group::new(Arc::new(t)));
+                    for algo in
+                        [Algo::Ring, Algo::RecursiveDoubling, Algo::Rabenseifner, Algo::Tree]
+                    {
+                        check_allreduce::<f32>(
+                            &c.with_algo(algo),
+                            31,
+                            5000,
+                            ReduceOp::Sum,
+                            false,
+                            "delayed",
+                        );
+                    }
+                    broadcast_grid(&c);
+                    alltoall_grid(&c);
+                });
+            }
+        });
+    }
+}

@@ -36,7 +36,8 @@ pub struct Options {
     pub ifname: Option<ifaddr::IfSpec>,
     /// Per-operation timeout (`TUTTI_TIMEOUT`, seconds). Default 30 s.
     pub timeout: Duration,
-    /// TCP transport settings (`TUTTI_CONNECT_TIMEOUT` seconds, `TUTTI_SPIN_US`).
+    /// TCP transport settings (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
+    /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`).
     pub tcp: TcpConfig,
 }
 
@@ -60,8 +61,8 @@ fn secs(name: &str, v: &str) -> Result<Duration> {
 }
 
 impl Options {
-    /// Read `TUTTI_TOKEN`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT` and
-    /// `TUTTI_SPIN_US`.
+    /// Read `TUTTI_TOKEN`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
+    /// `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER` and `TUTTI_SPIN_US`.
     ///
     /// # Errors
     /// [`Error::Config`] naming a malformed variable.
@@ -77,6 +78,12 @@ impl Options {
         }
         if let Some(v) = get("TUTTI_CONNECT_TIMEOUT") {
             o.tcp.connect_timeout = secs("TUTTI_CONNECT_TIMEOUT", &v)?;
+        }
+        if let Some(v) = get("TUTTI_KEEPALIVE") {
+            o.tcp.keepalive_interval = secs("TUTTI_KEEPALIVE", &v)?;
+        }
+        if let Some(v) = get("TUTTI_DEAD_AFTER") {
+            o.tcp.dead_after = secs("TUTTI_DEAD_AFTER", &v)?;
         }
         if let Some(v) = get("TUTTI_SPIN_US") {
             let us: u64 = v.trim().parse().map_err(|_| {

@@ -824,6 +824,13 @@ mod tests {
     }
 
     #[test]
+    fn two_jobs_on_one_master_port_are_reported() {
+        let first = server(2, None);
+        let e = StoreServer::start(first.addr(), 2, None).unwrap_err().to_string();
+        assert!(e.contains("MASTER_PORT in use by another job"), "{e}");
+    }
+
+    #[test]
     fn no_server_fails_in_time() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();

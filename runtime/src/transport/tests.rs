@@ -355,6 +355,14 @@ mod refused {
     }
 
     #[test]
+    fn listens_only_on_the_interface_asked_for() {
+        let (ts, _server) = crate::testing::tcp_world(2, &TcpConfig::default()).unwrap();
+        for t in &ts {
+            assert!(t.local_addr().ip().is_loopback(), "{}", t.local_addr());
+        }
+    }
+
+    #[test]
     fn missing_rank_is_named() {
         // World of 3, rank 2 never starts: ranks 0 and 1 fail within the connect timeout,
         // naming rank 2.
