@@ -168,7 +168,29 @@ impl MemTransport {
                 i += 1;
             }
         }
+        if st.dead.iter().any(Option::is_some) {
+            Self::settle_dead(dst, st);
+        }
         next
+    }
+
+    /// Fail the receives that wait on ranks that are gone, once everything those ranks sent
+    /// (including delayed messages still in flight) has been delivered.
+    fn settle_dead(dst: usize, st: &mut MailState) {
+        for peer in 0..st.dead.len() {
+            let Some(reason) = st.dead[peer].clone() else { continue };
+            if st.delayed.iter().any(|d| d.src == peer) {
+                continue;
+            }
+            let lost = |ctx| Error::PeerLost {
+                rank: dst,
+                peer,
+                ctx: Some(Box::new(ctx)),
+                detail: reason.clone(),
+            };
+            st.ops.fail_peer(peer, lost);
+            st.queues[peer].clear_posted();
+        }
     }
 
     /// Tell every other rank this one is gone. Operations with it fail naming it; with
@@ -191,14 +213,7 @@ impl MemTransport {
                         st.poisoned = Some(err);
                     }
                 } else {
-                    let lost = |ctx| Error::PeerLost {
-                        rank,
-                        peer,
-                        ctx: Some(Box::new(ctx)),
-                        detail: reason.to_string(),
-                    };
-                    st.ops.fail_peer(peer, lost);
-                    st.queues[peer].clear_posted();
+                    Self::settle_dead(rank, &mut st);
                 }
             }
             mb.cv.notify_all();
@@ -296,7 +311,8 @@ impl Transport for MemTransport {
             Posted::Queued => {
                 // Messages sent before the peer went away were still delivered above; only a
                 // receive that must wait for more fails.
-                if let Some(reason) = st.dead[peer].clone() {
+                let in_flight = st.delayed.iter().any(|d| d.src == peer);
+                if let Some(reason) = st.dead[peer].clone().filter(|_| !in_flight) {
                     st.queues[peer].remove(id);
                     let err = Error::PeerLost {
                         rank: self.rank,
