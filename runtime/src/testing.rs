@@ -20,6 +20,9 @@ pub enum Kind {
     Mem,
     /// TCP over 127.0.0.1.
     Tcp,
+    /// QUIC over 127.0.0.1.
+    #[cfg(feature = "quic")]
+    Quic,
 }
 
 /// A TCP job of `n` ranks on 127.0.0.1, all in this process (one store, ports from the OS).
@@ -54,6 +57,37 @@ pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreS
     Ok((ts, server))
 }
 
+/// A QUIC job of `n` ranks on 127.0.0.1, all in this process.
+///
+/// # Errors
+/// Any rendezvous failure.
+#[cfg(feature = "quic")]
+pub fn quic_world(n: usize, cfg: &TcpConfig) -> Result<Vec<crate::transport::quic::QuicTransport>> {
+    use crate::transport::quic::QuicTransport;
+    let key = JobKey::from_token("tutti-test");
+    let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), n, Some(key.clone()))?;
+    let addr = server.addr();
+    let results: Vec<Result<QuicTransport>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (key, cfg) = (key.clone(), cfg.clone());
+                s.spawn(move || {
+                    let store = TcpStore::connect(addr, rank, n, Some(&key), cfg.connect_timeout)?;
+                    let id = JobIdentity { rank, world: n, job: 7, key };
+                    QuicTransport::connect(&id, &store as &dyn Store, &cfg)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| match h.join() {
+                Ok(r) => r,
+                Err(p) => std::panic::resume_unwind(p),
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
 /// Transports of a job of `n` ranks of the given kind, in rank order.
 ///
 /// # Errors
@@ -68,6 +102,11 @@ pub fn world(kind: Kind, n: usize) -> Result<Vec<Arc<dyn Transport>>> {
                 TcpConfig { connect_timeout: Duration::from_secs(60), ..TcpConfig::default() };
             let (ts, _server) = tcp_world(n, &cfg)?;
             ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
+        }
+        #[cfg(feature = "quic")]
+        Kind::Quic => {
+            let cfg = TcpConfig { connect_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+            quic_world(n, &cfg)?.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
     })
 }

@@ -18,6 +18,8 @@ use crate::wire::MsgDesc;
 
 pub(crate) mod matcher;
 pub mod mem;
+#[cfg(feature = "quic")]
+pub mod quic;
 pub mod tcp;
 
 /// Identifies a posted operation on one transport.

@@ -64,6 +64,11 @@ macro_rules! transport_test {
             fn tcp() {
                 ($body)(Kind::Tcp)
             }
+            #[cfg(feature = "quic")]
+            #[test]
+            fn quic() {
+                ($body)(Kind::Quic)
+            }
         }
     };
 }
