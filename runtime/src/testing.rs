@@ -105,7 +105,8 @@ pub fn world(kind: Kind, n: usize) -> Result<Vec<Arc<dyn Transport>>> {
         }
         #[cfg(feature = "quic")]
         Kind::Quic => {
-            let cfg = TcpConfig { connect_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+            let cfg =
+                TcpConfig { connect_timeout: Duration::from_secs(60), ..TcpConfig::default() };
             quic_world(n, &cfg)?.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
     })

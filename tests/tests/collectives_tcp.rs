@@ -39,3 +39,16 @@ fn collectives_four_ranks() {
 fn collectives_eight_ranks() {
     job(8);
 }
+
+#[test]
+fn collectives_three_ranks_over_quic() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.env("TUTTI_TRANSPORT", "quic");
+    cmd.args(["--nproc", "3", "--", env!("CARGO_BIN_EXE_tt-rank"), "collectives"]);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(300));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!killed && out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for r in 0..3 {
+        assert!(text.contains(&format!("[{r}] OK {r}")), "{text}");
+    }
+}

@@ -129,3 +129,20 @@ fn computing_longer_than_the_dead_peer_limit_is_not_death() {
         assert!(job.line(r, "OK").is_some(), "rank {r}: {:?}", job.lines[r].lock().unwrap());
     }
 }
+
+#[test]
+fn sigkill_over_quic_is_named_by_every_survivor() {
+    for run in 0..3u64 {
+        let victim = (run as usize + 1) % 4;
+        let mut job = LiveJob::start(Path::new(EXE), &["loop"], 4, &[("TUTTI_TRANSPORT", "quic")]);
+        assert!(job.wait_all("READY", Duration::from_secs(60)), "quic job did not start");
+        std::thread::sleep(Duration::from_millis(100));
+        job.signal(victim, libc::SIGKILL);
+        let survivors: Vec<usize> = (0..4).filter(|r| *r != victim).collect();
+        assert!(job.wait_exit(&survivors, Duration::from_secs(20)), "a survivor hung over quic");
+        for r in survivors {
+            let line = job.line(r, "ERR ").expect("error line");
+            assert!(line.contains(&format!("rank {victim}")), "rank {r}: {line}");
+        }
+    }
+}

@@ -49,6 +49,8 @@ pub struct Job {
     pub log_dir: Option<PathBuf>,
     /// Time between SIGTERM and SIGKILL when stopping children.
     pub grace: Duration,
+    /// Extra environment for every child.
+    pub env: Vec<(String, String)>,
 }
 
 /// Why the launcher failed before or while running the job.
@@ -220,6 +222,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
             .env("TUTTI_STORE", &store_url)
             .env("TUTTI_TOKEN", &token)
             .stdin(Stdio::null());
+        cmd.envs(job.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         if job.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }

@@ -63,6 +63,7 @@ pub fn main() -> ExitCode {
         prefix: !a.no_prefix,
         log_dir: a.log_dir,
         grace: Duration::from_secs_f64(a.grace.max(0.0)),
+        env: Vec::new(),
     };
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

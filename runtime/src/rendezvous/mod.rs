@@ -26,6 +26,16 @@ pub mod store;
 pub use env::{EnvInfo, Launcher, StoreSpec};
 pub use store::{FileStore, Store, StoreServer, TcpStore};
 
+/// Which transport connects the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// TCP with HMAC-authenticated connections (no encryption).
+    Tcp,
+    /// QUIC: TLS 1.3 with pinned per-rank certificates. Needs the `quic` cargo feature.
+    Quic,
+}
+
 /// Options for [`init`]; [`Options::from_env`] reads the `TUTTI_*` variables.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -36,6 +46,8 @@ pub struct Options {
     pub ifname: Option<ifaddr::IfSpec>,
     /// Per-operation timeout (`TUTTI_TIMEOUT`, seconds). Default 30 s.
     pub timeout: Duration,
+    /// Transport (`TUTTI_TRANSPORT`: `tcp` or `quic`). Default `tcp`.
+    pub transport: TransportKind,
     /// TCP transport settings (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
     /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`).
     pub tcp: TcpConfig,
@@ -47,6 +59,7 @@ impl Default for Options {
             token: None,
             ifname: None,
             timeout: crate::group::DEFAULT_TIMEOUT,
+            transport: TransportKind::Tcp,
             tcp: TcpConfig::default(),
         }
     }
@@ -78,6 +91,17 @@ impl Options {
         }
         if let Some(v) = get("TUTTI_CONNECT_TIMEOUT") {
             o.tcp.connect_timeout = secs("TUTTI_CONNECT_TIMEOUT", &v)?;
+        }
+        if let Some(v) = get("TUTTI_TRANSPORT") {
+            o.transport = match v.trim() {
+                "tcp" => TransportKind::Tcp,
+                "quic" => TransportKind::Quic,
+                other => {
+                    return Err(Error::Config(format!(
+                        "TUTTI_TRANSPORT={other:?}: expected tcp or quic"
+                    )))
+                }
+            };
         }
         if let Some(v) = get("TUTTI_KEEPALIVE") {
             o.tcp.keepalive_interval = secs("TUTTI_KEEPALIVE", &v)?;
@@ -172,9 +196,22 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
     let mut tcp = opts.tcp.clone();
     tcp.bind_ip = ifaddr::select(opts.ifname.as_ref(), master_ip)?;
     let id = JobIdentity { rank, world, job, key: JobKey::from_token(&token) };
-    let t = TcpTransport::connect(&id, store.as_ref(), &tcp)?;
-    info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete");
-    let g = Group::with_keep(Arc::new(t), keep);
+    let t: Arc<dyn crate::transport::Transport> = match opts.transport {
+        TransportKind::Tcp => {
+            let t = TcpTransport::connect(&id, store.as_ref(), &tcp)?;
+            info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (tcp)");
+            Arc::new(t)
+        }
+        #[cfg(feature = "quic")]
+        TransportKind::Quic => {
+            let t = crate::transport::quic::QuicTransport::connect(&id, store.as_ref(), &tcp)?;
+            info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (quic)");
+            Arc::new(t)
+        }
+        #[cfg(not(feature = "quic"))]
+        TransportKind::Quic => return Err(Error::NotCompiledWith("quic")),
+    };
+    let g = Group::with_keep(t, keep);
     g.set_timeout(opts.timeout);
     Ok(g)
 }

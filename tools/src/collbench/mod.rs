@@ -102,7 +102,7 @@ pub struct Args {
     /// Local ranks to start when not launched by tutti-run/srun/mpirun.
     #[arg(long = "np", default_value_t = 4)]
     pub np: usize,
-    /// Transport for --np runs: tcp or mem.
+    /// Transport for --np runs: tcp, quic or mem.
     #[arg(long, default_value = "tcp")]
     pub transport: String,
     /// Force an algorithm (ring, rd, rabenseifner, halving, tree, chain, bruck, pairwise,
@@ -243,7 +243,10 @@ pub fn main() -> ExitCode {
     };
     let code = if running_under_launcher() {
         match Comm::from_env() {
-            Ok(c) => run_rank(c, &settings, "tcp"),
+            Ok(c) => {
+                let t = c.group().transport().name();
+                run_rank(c, &settings, t)
+            }
             Err(e) => {
                 eprintln!("collbench: {e}");
                 1
@@ -265,7 +268,7 @@ pub fn main() -> ExitCode {
                 });
                 codes.into_iter().max().unwrap_or(0)
             }
-            "tcp" => {
+            t @ ("tcp" | "quic") => {
                 let exe = match std::env::current_exe() {
                     Ok(e) => e,
                     Err(e) => {
@@ -286,6 +289,7 @@ pub fn main() -> ExitCode {
                     prefix: false,
                     log_dir: None,
                     grace: Duration::from_secs(2),
+                    env: vec![("TUTTI_TRANSPORT".into(), t.into())],
                 };
                 match crate::launch::run(&job) {
                     Ok(c) => c,
@@ -296,7 +300,7 @@ pub fn main() -> ExitCode {
                 }
             }
             other => {
-                eprintln!("collbench: unknown transport {other:?} (tcp or mem)");
+                eprintln!("collbench: unknown transport {other:?} (tcp, quic or mem)");
                 2
             }
         }

@@ -21,7 +21,9 @@ use tracing::{debug, info, warn};
 
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
-use crate::transport::matcher::{self, Dest, Ops, PeerQueues, Posted, RawBuf, RecvPost, P2P_GROUP_BIT};
+use crate::transport::matcher::{
+    self, Dest, Ops, PeerQueues, Posted, RawBuf, RecvPost, P2P_GROUP_BIT,
+};
 use crate::transport::tcp::{JobIdentity, TcpConfig};
 use crate::transport::{OpId, Transport};
 use crate::wire::{FrameKind, Header, MsgDesc, HEADER_LEN};
@@ -112,7 +114,12 @@ impl Shared {
         st.closed[peer] = true;
         let rank = self.rank;
         let d2 = detail.clone();
-        st.ops.fail_peer(peer, |ctx| Error::PeerLost { rank, peer, ctx: Some(Box::new(ctx)), detail: d2.clone() });
+        st.ops.fail_peer(peer, |ctx| Error::PeerLost {
+            rank,
+            peer,
+            ctx: Some(Box::new(ctx)),
+            detail: d2.clone(),
+        });
         st.queues[peer].clear_posted();
         let reason = format!("rank {rank} lost its connection to rank {peer} ({detail})");
         self.poison(&mut st, Error::PeerLost { rank, peer, ctx: None, detail }, &reason);
@@ -181,7 +188,12 @@ impl Shared {
             Dest::Unexpected => {
                 let total = st.unexpected_bytes.saturating_add(len);
                 if total > self.unexpected_limit {
-                    let err = Error::UnexpectedOverflow { rank: self.rank, peer, bytes: total, limit: self.unexpected_limit };
+                    let err = Error::UnexpectedOverflow {
+                        rank: self.rank,
+                        peer,
+                        bytes: total,
+                        limit: self.unexpected_limit,
+                    };
                     let reason = err.to_string();
                     self.poison(&mut st, err, &reason);
                     return Sink::Discard;
@@ -200,7 +212,9 @@ impl Shared {
             // SAFETY: the receive is still posted (checked under the lock that `cancel` takes),
             // so its buffer is valid for `cap` bytes, and `at + chunk.len() <= len <= cap` was
             // checked when the header arrived.
-            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), post.buf.0.add(at), chunk.len()) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), post.buf.0.add(at), chunk.len())
+            };
         }
     }
 
@@ -237,7 +251,12 @@ fn copy_into(rank: usize, st: &mut State, peer: usize, post: RecvPost, got: &Msg
     }
 }
 
-async fn sender(shared: Arc<Shared>, peer: usize, mut stream: quinn::SendStream, mut rx: mpsc::UnboundedReceiver<Out>) {
+async fn sender(
+    shared: Arc<Shared>,
+    peer: usize,
+    mut stream: quinn::SendStream,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+) {
     while let Some(out) = rx.recv().await {
         let len = out.data.len();
         let r = async {
@@ -276,13 +295,30 @@ async fn reader(shared: Arc<Shared>, peer: usize, mut stream: quinn::RecvStream)
         }
         let hdr = match Header::decode(&hb) {
             Ok(h) if h.src as usize == peer => h,
-            Ok(h) => return shared.peer_failed(peer, format!("protocol error: frame claims source rank {}", h.src)),
-            Err(e) => return shared.peer_failed(peer, format!("protocol error: undecodable frame header: {e}")),
+            Ok(h) => {
+                return shared.peer_failed(
+                    peer,
+                    format!("protocol error: frame claims source rank {}", h.src),
+                )
+            }
+            Err(e) => {
+                return shared
+                    .peer_failed(peer, format!("protocol error: undecodable frame header: {e}"))
+            }
         };
         match hdr.kind {
             FrameKind::KeepAlive if hdr.len == 0 => {}
             FrameKind::Close if hdr.len == 0 => {
                 shared.peer_closing(peer);
+                // Answer with our own close (nothing more will go to a rank that left), so a
+                // peer waiting in its shutdown for our close need not wait for our own exit.
+                let hdr = Header::control(FrameKind::Close, shared.rank, 0).encode();
+                shared.send_frame(peer, Out { id: None, hdr, data: Bytes::new() });
+                if let Some(s) =
+                    shared.senders.lock().unwrap_or_else(|p| p.into_inner()).get_mut(peer)
+                {
+                    *s = None;
+                }
                 return;
             }
             FrameKind::Probe if hdr.len == 0 => shared.probe(peer, hdr.desc),
@@ -293,14 +329,18 @@ async fn reader(shared: Arc<Shared>, peer: usize, mut stream: quinn::RecvStream)
             }
             FrameKind::Data => {
                 let Ok(len) = usize::try_from(hdr.len) else {
-                    return shared.peer_failed(peer, format!("protocol error: frame length {}", hdr.len));
+                    return shared
+                        .peer_failed(peer, format!("protocol error: frame length {}", hdr.len));
                 };
                 let mut sink = shared.start_data(peer, &hdr.desc, hdr.len);
                 let mut done = 0;
                 while done < len {
                     let n = CHUNK.min(len - done);
                     if let Err(e) = stream.read_exact(&mut chunk[..n]).await {
-                        return shared.peer_failed(peer, format!("stream from the peer ended mid-message: {e}"));
+                        return shared.peer_failed(
+                            peer,
+                            format!("stream from the peer ended mid-message: {e}"),
+                        );
                     }
                     match &mut sink {
                         Sink::Posted(post) => shared.fill(post, done, &chunk[..n]),
@@ -311,7 +351,10 @@ async fn reader(shared: Arc<Shared>, peer: usize, mut stream: quinn::RecvStream)
                 }
                 shared.finish_data(peer, sink, hdr.desc, len);
             }
-            _ => return shared.peer_failed(peer, format!("protocol error: bad {:?} frame", hdr.kind)),
+            _ => {
+                return shared
+                    .peer_failed(peer, format!("protocol error: bad {:?} frame", hdr.kind))
+            }
         }
     }
 }
@@ -324,11 +367,17 @@ pub struct QuicTransport {
     local: SocketAddr,
     endpoint: quinn::Endpoint,
     rt: Option<tokio::runtime::Runtime>,
+    /// This rank's certificate fingerprint (as published); read by tests.
+    #[allow(dead_code)]
+    fp: [u8; 32],
 }
 
 impl std::fmt::Debug for QuicTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("QuicTransport").field("rank", &self.rank).field("local", &self.local).finish_non_exhaustive()
+        f.debug_struct("QuicTransport")
+            .field("rank", &self.rank)
+            .field("local", &self.local)
+            .finish_non_exhaustive()
     }
 }
 
@@ -371,21 +420,33 @@ impl QuicTransport {
             .build()
             .map_err(|e| Error::io(rank, "starting the QUIC runtime", &e))?;
         let me = tls::Identity::generate().map_err(rv)?;
-        let sock = UdpSocket::bind(SocketAddr::new(cfg.bind_ip, cfg.port)).map_err(|e| Error::io(rank, format!("binding UDP {}", cfg.bind_ip), &e))?;
+        let sock = UdpSocket::bind(SocketAddr::new(cfg.bind_ip, cfg.port))
+            .map_err(|e| Error::io(rank, format!("binding UDP {}", cfg.bind_ip), &e))?;
         let local = sock.local_addr().map_err(|e| Error::io(rank, "UDP address", &e))?;
         store.set(&quic_key(rank), format!("{local}|{}", tls::hex(&me.fp)).as_bytes())?;
         // Everyone's address and fingerprint, from the authenticated store.
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
         for (j, slot) in peers.iter_mut().enumerate().filter(|(j, _)| *j != rank) {
             let left = deadline.saturating_duration_since(Instant::now());
-            let raw = store.get(&quic_key(j), left).map_err(|_| rv(format!("rank {j} did not publish its QUIC address within {:?}", cfg.connect_timeout)))?;
+            let raw = store.get(&quic_key(j), left).map_err(|_| {
+                rv(format!(
+                    "rank {j} did not publish its QUIC address within {:?}",
+                    cfg.connect_timeout
+                ))
+            })?;
             let text = String::from_utf8_lossy(&raw).into_owned();
-            let parsed = text.split_once('|').and_then(|(a, f)| Some((a.parse().ok()?, tls::unhex(f)?)));
-            *slot = Some(parsed.ok_or_else(|| rv(format!("rank {j} published a malformed QUIC address {text:?}")))?);
+            let parsed =
+                text.split_once('|').and_then(|(a, f)| Some((a.parse().ok()?, tls::unhex(f)?)));
+            *slot = Some(parsed.ok_or_else(|| {
+                rv(format!("rank {j} published a malformed QUIC address {text:?}"))
+            })?);
         }
-        let allowed: HashMap<[u8; 32], usize> = peers.iter().enumerate().filter_map(|(j, p)| p.map(|(_, fp)| (fp, j))).collect();
-        let server_tls = tls::server_config(&me, allowed.clone()).map_err(|e| rv(format!("TLS: {e}")))?;
-        let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls).map_err(|e| rv(format!("QUIC TLS: {e}")))?;
+        let allowed: HashMap<[u8; 32], usize> =
+            peers.iter().enumerate().filter_map(|(j, p)| p.map(|(_, fp)| (fp, j))).collect();
+        let server_tls =
+            tls::server_config(&me, allowed.clone()).map_err(|e| rv(format!("TLS: {e}")))?;
+        let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls)
+            .map_err(|e| rv(format!("QUIC TLS: {e}")))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
         let loopback = cfg.bind_ip.is_loopback();
         server.transport_config(Arc::new(transport_config(cfg, loopback)));
@@ -417,15 +478,23 @@ impl QuicTransport {
             let mut out = Vec::new();
             for (j, p) in peers.iter().enumerate().take(rank) {
                 let Some((addr, fp)) = p else { continue };
-                let client_tls = tls::client_config(&me, *fp).map_err(|e| rv(format!("TLS: {e}")))?;
-                let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client_tls).map_err(|e| rv(format!("QUIC TLS: {e}")))?;
+                let client_tls =
+                    tls::client_config(&me, *fp).map_err(|e| rv(format!("TLS: {e}")))?;
+                let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client_tls)
+                    .map_err(|e| rv(format!("QUIC TLS: {e}")))?;
                 let mut cc = quinn::ClientConfig::new(Arc::new(crypto));
                 cc.transport_config(Arc::new(transport_config(cfg, loopback)));
-                let connecting = endpoint.connect_with(cc, *addr, "tutti").map_err(|e| rv(format!("connecting to rank {j} at {addr}: {e}")))?;
+                let connecting = endpoint
+                    .connect_with(cc, *addr, "tutti")
+                    .map_err(|e| rv(format!("connecting to rank {j} at {addr}: {e}")))?;
                 let conn = tokio::time::timeout(timeout, connecting)
                     .await
-                    .map_err(|_| rv(format!("rank {j} at {addr} did not answer within {timeout:?}")))?
-                    .map_err(|e| rv(format!("rank {j} at {addr} refused the QUIC connection: {e}")))?;
+                    .map_err(|_| {
+                        rv(format!("rank {j} at {addr} did not answer within {timeout:?}"))
+                    })?
+                    .map_err(|e| {
+                        rv(format!("rank {j} at {addr} refused the QUIC connection: {e}"))
+                    })?;
                 out.push((j, conn));
             }
             let higher = world - rank - 1;
@@ -436,8 +505,11 @@ impl QuicTransport {
                     Ok(Some(i)) => i,
                     _ => {
                         let have: Vec<usize> = out.iter().map(|(j, _)| *j).collect();
-                        let missing: Vec<usize> = (rank + 1..world).filter(|j| !have.contains(j)).collect();
-                        return Err(rv(format!("ranks {missing:?} did not connect over QUIC within {timeout:?}")));
+                        let missing: Vec<usize> =
+                            (rank + 1..world).filter(|j| !have.contains(j)).collect();
+                        return Err(rv(format!(
+                            "ranks {missing:?} did not connect over QUIC within {timeout:?}"
+                        )));
                     }
                 };
                 let conn = match incoming.await {
@@ -449,7 +521,9 @@ impl QuicTransport {
                 };
                 let peer = conn
                     .peer_identity()
-                    .and_then(|i| i.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok())
+                    .and_then(|i| {
+                        i.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok()
+                    })
                     .and_then(|certs| certs.first().map(|c| tls::fingerprint(c)))
                     .and_then(|fp| allowed.get(&fp).copied());
                 match peer {
@@ -468,29 +542,40 @@ impl QuicTransport {
         let conns = conns?;
         // Streams: each side opens one and announces itself with its rank, then accepts the
         // peer's.
-        let streams: Result<Vec<(usize, quinn::SendStream, quinn::RecvStream, quinn::Connection)>> = rt.block_on(async {
-            let mut out = Vec::new();
-            for (j, conn) in conns {
-                let mut tx = conn.open_uni().await.map_err(|e| rv(format!("opening a stream to rank {j}: {e}")))?;
-                tx.write_all(&(rank as u32).to_le_bytes()).await.map_err(|e| rv(format!("writing to rank {j}: {e}")))?;
-                out.push((j, tx, conn));
-            }
-            let mut full = Vec::new();
-            for (j, tx, conn) in out {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let mut rx = tokio::time::timeout(left, conn.accept_uni())
-                    .await
-                    .map_err(|_| rv(format!("rank {j} opened no stream in time")))?
-                    .map_err(|e| rv(format!("accepting the stream of rank {j}: {e}")))?;
-                let mut who = [0u8; 4];
-                rx.read_exact(&mut who).await.map_err(|e| rv(format!("reading rank {j}'s stream: {e}")))?;
-                if u32::from_le_bytes(who) as usize != j {
-                    return Err(rv(format!("the stream of rank {j} claims rank {}", u32::from_le_bytes(who))));
+        let streams: Result<Vec<(usize, quinn::SendStream, quinn::RecvStream, quinn::Connection)>> =
+            rt.block_on(async {
+                let mut out = Vec::new();
+                for (j, conn) in conns {
+                    let mut tx = conn
+                        .open_uni()
+                        .await
+                        .map_err(|e| rv(format!("opening a stream to rank {j}: {e}")))?;
+                    tx.write_all(&(rank as u32).to_le_bytes())
+                        .await
+                        .map_err(|e| rv(format!("writing to rank {j}: {e}")))?;
+                    out.push((j, tx, conn));
                 }
-                full.push((j, tx, rx, conn));
-            }
-            Ok(full)
-        });
+                let mut full = Vec::new();
+                for (j, tx, conn) in out {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let mut rx = tokio::time::timeout(left, conn.accept_uni())
+                        .await
+                        .map_err(|_| rv(format!("rank {j} opened no stream in time")))?
+                        .map_err(|e| rv(format!("accepting the stream of rank {j}: {e}")))?;
+                    let mut who = [0u8; 4];
+                    rx.read_exact(&mut who)
+                        .await
+                        .map_err(|e| rv(format!("reading rank {j}'s stream: {e}")))?;
+                    if u32::from_le_bytes(who) as usize != j {
+                        return Err(rv(format!(
+                            "the stream of rank {j} claims rank {}",
+                            u32::from_le_bytes(who)
+                        )));
+                    }
+                    full.push((j, tx, rx, conn));
+                }
+                Ok(full)
+            });
         for (j, tx, rx, conn) in streams? {
             let (stx, srx) = mpsc::unbounded_channel();
             shared.senders.lock().unwrap_or_else(|p| p.into_inner())[j] = Some(stx);
@@ -506,8 +591,16 @@ impl QuicTransport {
                 sh.peer_failed(j, detail);
             });
         }
+        // Every rank is connected: any later connection attempt is refused at once.
+        let ep = endpoint.clone();
+        rt.spawn(async move {
+            while let Some(incoming) = ep.accept().await {
+                warn!(rank, remote = %incoming.remote_address(), "refused QUIC connection after start-up");
+                incoming.refuse();
+            }
+        });
         info!(rank, world, %local, elapsed = ?start.elapsed(), "quic transport connected");
-        Ok(QuicTransport { rank, world, shared, local, endpoint, rt: Some(rt) })
+        Ok(QuicTransport { rank, world, shared, local, endpoint, rt: Some(rt), fp: me.fp })
     }
 
     /// The UDP address this rank listens on.
@@ -540,7 +633,13 @@ impl Transport for QuicTransport {
         "quic"
     }
 
-    unsafe fn post_send(&self, peer: usize, desc: MsgDesc, data: *const u8, len: usize) -> Result<OpId> {
+    unsafe fn post_send(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) -> Result<OpId> {
         self.check_peer(peer, "send")?;
         let slice: &[u8] = if len == 0 {
             &[]
@@ -576,14 +675,28 @@ impl Transport for QuicTransport {
             });
         }
         let hdr = Header::data(desc, self.rank, len).encode();
-        if !self.shared.send_frame(peer, Out { id: Some(id), hdr, data: Bytes::copy_from_slice(slice) }) {
+        if !self
+            .shared
+            .send_frame(peer, Out { id: Some(id), hdr, data: Bytes::copy_from_slice(slice) })
+        {
             st.ops.forget(id);
-            return Err(Error::PeerLost { rank: self.rank, peer, ctx: None, detail: "the sender task is gone".into() });
+            return Err(Error::PeerLost {
+                rank: self.rank,
+                peer,
+                ctx: None,
+                detail: "the sender task is gone".into(),
+            });
         }
         Ok(id)
     }
 
-    unsafe fn post_recv(&self, peer: usize, desc: MsgDesc, buf: *mut u8, cap: usize) -> Result<OpId> {
+    unsafe fn post_recv(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        buf: *mut u8,
+        cap: usize,
+    ) -> Result<OpId> {
         self.check_peer(peer, "recv")?;
         let mut st = self.shared.lock();
         if let Some(e) = &st.poisoned {
@@ -650,14 +763,20 @@ impl Transport for QuicTransport {
                 if peer != self.rank && desc.tag.group & P2P_GROUP_BIT == 0 {
                     let mut h = Header::data(desc, self.rank, 0);
                     h.kind = FrameKind::Probe;
-                    self.shared.send_frame(peer, Out { id: None, hdr: h.encode(), data: Bytes::new() });
+                    self.shared
+                        .send_frame(peer, Out { id: None, hdr: h.encode(), data: Bytes::new() });
                 }
             }
             let mut until = deadline;
             if !probed {
                 until = until.min(start + self.shared.probe_after);
             }
-            st = self.shared.cv.wait_timeout(st, until.saturating_duration_since(now)).unwrap_or_else(|p| p.into_inner()).0;
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, until.saturating_duration_since(now))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
@@ -695,11 +814,22 @@ impl Drop for QuicTransport {
             let hdr = Header::control(FrameKind::Close, self.rank, 0).encode();
             self.shared.send_frame(p, Out { id: None, hdr, data: Bytes::new() });
         }
-        self.shared.senders.lock().unwrap_or_else(|p| p.into_inner()).iter_mut().for_each(|s| *s = None);
+        self.shared
+            .senders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter_mut()
+            .for_each(|s| *s = None);
         let deadline = Instant::now() + Duration::from_secs(2);
         let mut st = self.shared.lock();
-        while !(0..n).filter(|p| *p != self.rank).all(|p| st.closed[p]) && Instant::now() < deadline {
-            st = self.shared.cv.wait_timeout(st, Duration::from_millis(20)).unwrap_or_else(|p| p.into_inner()).0;
+        while !(0..n).filter(|p| *p != self.rank).all(|p| st.closed[p]) && Instant::now() < deadline
+        {
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, Duration::from_millis(20))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         drop(st);
         if let Some(rt) = self.rt.take() {
@@ -711,5 +841,83 @@ impl Drop for QuicTransport {
             rt.shutdown_timeout(Duration::from_millis(200));
         }
         debug!(rank = self.rank, "quic transport closed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::testing::quic_world;
+    use crate::transport::TransportExt;
+    use crate::wire::{DType, Fingerprint, OpKind, Tag};
+
+    fn desc(step: u32) -> MsgDesc {
+        MsgDesc {
+            tag: Tag { group: 0, seq: 0, step },
+            fp: Fingerprint {
+                op: OpKind::Control,
+                dtype: DType::U8,
+                redop: 0,
+                root: u32::MAX,
+                count: 0,
+            },
+        }
+    }
+
+    fn exchange_ok(ts: &[QuicTransport], step: u32) {
+        std::thread::scope(|s| {
+            s.spawn(|| ts[0].send(1, desc(step), b"still fine", Duration::from_secs(30)).unwrap());
+            let mut b = [0u8; 10];
+            ts[1].recv(0, desc(step), &mut b, Duration::from_secs(30)).unwrap();
+            assert_eq!(&b, b"still fine");
+        });
+    }
+
+    #[test]
+    fn random_udp_datagrams_do_not_disturb_the_group() {
+        let ts = quic_world(2, &TcpConfig::default()).unwrap();
+        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut x: u64 = 0x1234_5678;
+        for i in 0..2000 {
+            let len = 1 + (i * 37) % 1400;
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    (x >> 56) as u8
+                })
+                .collect();
+            let _ = sock.send_to(&junk, ts[(i % 2) as usize].local_addr());
+        }
+        exchange_ok(&ts, 1);
+        assert!(ts[0].poisoned().is_none() && ts[1].poisoned().is_none());
+    }
+
+    #[test]
+    fn a_certificate_that_was_not_published_is_refused() {
+        let ts = quic_world(2, &TcpConfig::default()).unwrap();
+        let target = ts[0].local_addr();
+        // A stranger with its own self-signed certificate, pinning rank 0's real fingerprint
+        // (so only the server side's check can refuse it).
+        let stranger = tls::Identity::generate().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let refused = rt.block_on(async {
+            let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+            // Even knowing rank 0's real fingerprint (so the client side is satisfied), the
+            // stranger's own certificate is not in the job's published set: rank 0 refuses.
+            let tls_cfg = tls::client_config(&stranger, ts[0].fp).unwrap();
+            let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls_cfg).unwrap();
+            let conn = ep
+                .connect_with(quinn::ClientConfig::new(Arc::new(crypto)), target, "tutti")
+                .unwrap();
+            tokio::time::timeout(Duration::from_secs(5), conn)
+                .await
+                .map(|r| r.is_err())
+                .unwrap_or(true)
+        });
+        assert!(refused, "a stranger's QUIC connection was accepted");
+        exchange_ok(&ts, 2);
     }
 }

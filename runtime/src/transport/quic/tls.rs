@@ -80,15 +80,27 @@ impl ServerCertVerifier for PinnedServer {
         if fingerprint(end_entity) == self.expected {
             Ok(ServerCertVerified::assertion())
         } else {
-            Err(rustls::Error::General("server certificate fingerprint is not the one published by that rank".into()))
+            Err(rustls::Error::General(
+                "server certificate fingerprint is not the one published by that rank".into(),
+            ))
         }
     }
 
-    fn verify_tls12_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls12_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls12_signature(m, c, d, &self.algs)
     }
 
-    fn verify_tls13_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls13_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls13_signature(m, c, d, &self.algs)
     }
 
@@ -109,19 +121,36 @@ impl ClientCertVerifier for PinnedClients {
         &[]
     }
 
-    fn verify_client_cert(&self, end_entity: &CertificateDer<'_>, _i: &[CertificateDer<'_>], _now: UnixTime) -> Result<ClientCertVerified, rustls::Error> {
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _i: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
         if self.allowed.contains_key(&fingerprint(end_entity)) {
             Ok(ClientCertVerified::assertion())
         } else {
-            Err(rustls::Error::General("client certificate fingerprint was not published by any rank of this job".into()))
+            Err(rustls::Error::General(
+                "client certificate fingerprint was not published by any rank of this job".into(),
+            ))
         }
     }
 
-    fn verify_tls12_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls12_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls12_signature(m, c, d, &self.algs)
     }
 
-    fn verify_tls13_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls13_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls13_signature(m, c, d, &self.algs)
     }
 
@@ -131,7 +160,10 @@ impl ClientCertVerifier for PinnedClients {
 }
 
 /// Server side: our certificate; clients must present a published fingerprint.
-pub(crate) fn server_config(id: &Identity, allowed: HashMap<[u8; 32], usize>) -> Result<rustls::ServerConfig, rustls::Error> {
+pub(crate) fn server_config(
+    id: &Identity,
+    allowed: HashMap<[u8; 32], usize>,
+) -> Result<rustls::ServerConfig, rustls::Error> {
     let mut c = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(Arc::new(PinnedClients { allowed, algs: algs() }))
@@ -141,7 +173,10 @@ pub(crate) fn server_config(id: &Identity, allowed: HashMap<[u8; 32], usize>) ->
 }
 
 /// Client side, for a connection to the rank that published `expected`.
-pub(crate) fn client_config(id: &Identity, expected: [u8; 32]) -> Result<rustls::ClientConfig, rustls::Error> {
+pub(crate) fn client_config(
+    id: &Identity,
+    expected: [u8; 32],
+) -> Result<rustls::ClientConfig, rustls::Error> {
     let mut c = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .dangerous()
