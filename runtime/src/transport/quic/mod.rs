@@ -389,6 +389,16 @@ fn transport_config(cfg: &TcpConfig, loopback: bool) -> quinn::TransportConfig {
     t.receive_window(quinn::VarInt::from_u32(128 << 20));
     t.send_window(128 << 20);
     t.keep_alive_interval(Some(cfg.keepalive_interval));
+    // Collectives are latency-bound request/response chains: acknowledge at once (the default
+    // lets a receiver wait up to 25 ms, which stalls a sender whose window is full) and start
+    // with a window that covers a pipeline segment instead of ten packets.
+    let mut ack = quinn::AckFrequencyConfig::default();
+    ack.max_ack_delay(Some(Duration::from_micros(500)));
+    ack.ack_eliciting_threshold(quinn::VarInt::from_u32(1));
+    t.ack_frequency_config(Some(ack));
+    let mut cubic = quinn::congestion::CubicConfig::default();
+    cubic.initial_window(8 << 20);
+    t.congestion_controller_factory(Arc::new(cubic));
     if let Ok(idle) = quinn::IdleTimeout::try_from(cfg.dead_after) {
         t.max_idle_timeout(Some(idle));
     }
@@ -414,7 +424,7 @@ impl QuicTransport {
         let deadline = start + cfg.connect_timeout;
         let rv = |detail: String| Error::Rendezvous { rank, detail };
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(1)
             .thread_name(format!("tutti-quic-{rank}"))
             .enable_all()
             .build()
