@@ -12,6 +12,10 @@ fn abort_during_a_256_mib_allreduce_returns_within_a_second_everywhere() {
         let gs = groups(kind, 4).unwrap();
         let aborter = gs[1].clone();
         let abort_at = std::sync::Mutex::new(None);
+        // Everyone (ranks and the aborter) starts together once the 256 MiB buffers exist, so
+        // the abort lands inside the allreduce, not in a rank still filling its buffer.
+        let ready = std::sync::Barrier::new(5);
+        let ready = &ready;
         let ends: Vec<(Instant, String)> = std::thread::scope(|s| {
             let hs: Vec<_> = gs
                 .into_iter()
@@ -19,12 +23,14 @@ fn abort_during_a_256_mib_allreduce_returns_within_a_second_everywhere() {
                     s.spawn(move || {
                         let c = Comm::new(g);
                         let mut x = vec![1.0f32; 64 << 20];
+                        ready.wait();
                         let r = c.allreduce(&mut x, ReduceOp::Sum);
                         (Instant::now(), r.err().map(|e| e.to_string()).unwrap_or_default())
                     })
                 })
                 .collect();
             s.spawn(|| {
+                ready.wait();
                 std::thread::sleep(Duration::from_millis(50));
                 *abort_at.lock().unwrap() = Some(Instant::now());
                 aborter.abort("stop requested by the test");

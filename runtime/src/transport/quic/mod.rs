@@ -397,7 +397,7 @@ fn transport_config(cfg: &TcpConfig, loopback: bool) -> quinn::TransportConfig {
     ack.ack_eliciting_threshold(quinn::VarInt::from_u32(1));
     t.ack_frequency_config(Some(ack));
     let mut cubic = quinn::congestion::CubicConfig::default();
-    cubic.initial_window(8 << 20);
+    cubic.initial_window(2 << 20);
     t.congestion_controller_factory(Arc::new(cubic));
     if let Ok(idle) = quinn::IdleTimeout::try_from(cfg.dead_after) {
         t.max_idle_timeout(Some(idle));
@@ -407,6 +407,9 @@ fn transport_config(cfg: &TcpConfig, loopback: bool) -> quinn::TransportConfig {
         let mut m = quinn::MtuDiscoveryConfig::default();
         m.upper_bound(65_000);
         t.mtu_discovery_config(Some(m));
+        if let Some(v) = std::env::var("TUTTI_QUIC_MTU").ok().and_then(|v| v.parse::<u16>().ok()) {
+            t.initial_mtu(v);
+        }
     }
     t
 }
@@ -433,6 +436,14 @@ impl QuicTransport {
         let sock = UdpSocket::bind(SocketAddr::new(cfg.bind_ip, cfg.port))
             .map_err(|e| Error::io(rank, format!("binding UDP {}", cfg.bind_ip), &e))?;
         let local = sock.local_addr().map_err(|e| Error::io(rank, "UDP address", &e))?;
+        // Bursts of a pipeline segment overflow the default UDP receive buffer (~200 KiB) and
+        // every drop halves the congestion window: ask for 8 MiB (the kernel caps it at
+        // net.core.rmem_max / wmem_max).
+        {
+            let s2 = socket2::SockRef::from(&sock);
+            let _ = s2.set_recv_buffer_size(8 << 20);
+            let _ = s2.set_send_buffer_size(8 << 20);
+        }
         store.set(&quic_key(rank), format!("{local}|{}", tls::hex(&me.fp)).as_bytes())?;
         // Everyone's address and fingerprint, from the authenticated store.
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
