@@ -170,6 +170,7 @@ fn bf16_round(x: f32) -> u16 {
 ///
 /// # Safety
 /// `n` aligned u16 elements at each address; `dst` equal to `a` or disjoint from both.
+#[inline(always)]
 unsafe fn bf16_aligned(op: ReduceOp, dst: *mut u16, a: *const u16, b: *const u16, n: usize) {
     #[inline(always)]
     fn inplace(d: &mut [u16], b: &[u16], f: impl Fn(f32, f32) -> f32) {
@@ -212,6 +213,7 @@ unsafe fn bf16_aligned(op: ReduceOp, dst: *mut u16, a: *const u16, b: *const u16
 ///
 /// # Safety
 /// As [`bf16_aligned`].
+#[inline(always)]
 unsafe fn f16_aligned(op: ReduceOp, dst: *mut f16, a: *const f16, b: *const f16, n: usize) {
     use half::slice::HalfFloatSliceExt;
     let (mut fa, mut fb) = ([0f32; CHUNK], [0f32; CHUNK]);
@@ -228,6 +230,61 @@ unsafe fn f16_aligned(op: ReduceOp, dst: *mut f16, a: *const f16, b: *const f16,
         // SAFETY: as above.
         unsafe { std::slice::from_raw_parts_mut(dst.add(i), m).convert_from_f32_slice(&fa[..m]) };
         i += m;
+    }
+}
+
+/// Half-precision kernels compiled twice: for the baseline x86-64 target and with AVX2/FMA/F16C,
+/// chosen at run time. The baseline has no vector widening or narrowing of 16-bit lanes, so the
+/// conversions run scalar there.
+mod half16 {
+    use half::f16 as F16;
+
+    use super::{bf16_aligned, f16_aligned};
+    use crate::dtype::ReduceOp;
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn bf16_avx2(op: ReduceOp, d: *mut u16, a: *const u16, b: *const u16, n: usize) {
+        // SAFETY: forwarded contract.
+        unsafe { bf16_aligned(op, d, a, b, n) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16_avx2(op: ReduceOp, d: *mut F16, a: *const F16, b: *const F16, n: usize) {
+        // SAFETY: forwarded contract.
+        unsafe { f16_aligned(op, d, a, b, n) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx2() -> bool {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+
+    /// # Safety
+    /// As `bf16_aligned`.
+    pub(super) unsafe fn bf16(op: ReduceOp, d: *mut u16, a: *const u16, b: *const u16, n: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features (checked); forwarded contract.
+            return unsafe { bf16_avx2(op, d, a, b, n) };
+        }
+        // SAFETY: forwarded contract.
+        unsafe { bf16_aligned(op, d, a, b, n) }
+    }
+
+    /// # Safety
+    /// As `f16_aligned`.
+    pub(super) unsafe fn f16(op: ReduceOp, d: *mut F16, a: *const F16, b: *const F16, n: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU supports the features (checked); forwarded contract.
+            return unsafe { f16_avx2(op, d, a, b, n) };
+        }
+        // SAFETY: forwarded contract.
+        unsafe { f16_aligned(op, d, a, b, n) }
     }
 }
 
@@ -258,9 +315,9 @@ pub unsafe fn reduce_raw(
             }
         },
         // SAFETY: forwarded contract; the ranges are 2-byte aligned (checked above).
-        DType::BF16 => unsafe { bf16_aligned(op, dst.cast(), a.cast(), b.cast(), bytes / 2) },
+        DType::BF16 => unsafe { half16::bf16(op, dst.cast(), a.cast(), b.cast(), bytes / 2) },
         // SAFETY: as above.
-        DType::F16 => unsafe { f16_aligned(op, dst.cast(), a.cast(), b.cast(), bytes / 2) },
+        DType::F16 => unsafe { half16::f16(op, dst.cast(), a.cast(), b.cast(), bytes / 2) },
         DType::I8 => typed::<i8>(op, dst, a, b, bytes),
         DType::U8 => typed::<u8>(op, dst, a, b, bytes),
         DType::I32 => typed::<i32>(op, dst, a, b, bytes),
