@@ -136,6 +136,33 @@ impl Ops {
     }
 }
 
+/// The error for waiting on an id that is not posted (never was, or already waited for).
+pub(crate) fn not_posted(rank: usize, op: OpId) -> Error {
+    Error::InvalidArgument {
+        rank,
+        op: "wait".into(),
+        detail: format!("operation {op:?} is not posted (already waited for?)"),
+    }
+}
+
+/// The error for an operation whose deadline passed.
+pub(crate) fn timed_out(
+    rank: usize,
+    peer: usize,
+    desc: &MsgDesc,
+    done: u64,
+    bytes: u64,
+    posted: Instant,
+    deadline: Instant,
+) -> Error {
+    Error::Timeout {
+        rank,
+        peer,
+        ctx: Box::new(context(desc, done, bytes, posted)),
+        timeout: deadline.saturating_duration_since(posted),
+    }
+}
+
 /// Context of an operation for error messages.
 pub(crate) fn context(desc: &MsgDesc, done: u64, bytes: u64, posted: Instant) -> OpContext {
     OpContext {

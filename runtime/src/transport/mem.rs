@@ -361,20 +361,11 @@ impl Transport for MemTransport {
                 return r;
             }
             let Some((peer, desc, bytes, posted)) = st.ops.pending(op) else {
-                return Err(Error::InvalidArgument {
-                    rank: self.rank,
-                    op: "wait".into(),
-                    detail: format!("operation {op:?} is not posted (already waited for?)"),
-                });
+                return Err(matcher::not_posted(self.rank, op));
             };
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::Timeout {
-                    rank: self.rank,
-                    peer,
-                    ctx: Box::new(matcher::context(&desc, 0, bytes, posted)),
-                    timeout: deadline.saturating_duration_since(posted),
-                });
+                return Err(matcher::timed_out(self.rank, peer, &desc, 0, bytes, posted, deadline));
             }
             if !probed && now.duration_since(start) >= PROBE_AFTER && peer != self.rank {
                 // Ask the peer, as the TCP transport's probe frame does, whether it is in the

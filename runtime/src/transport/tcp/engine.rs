@@ -331,21 +331,14 @@ impl Engine {
                     return r;
                 }
                 let Some((peer, desc, bytes, posted)) = g.ops.pending(op) else {
-                    return Err(Error::InvalidArgument {
-                        rank: self.rank,
-                        op: "wait".into(),
-                        detail: format!("operation {op:?} is not posted (already waited for?)"),
-                    });
+                    return Err(matcher::not_posted(self.rank, op));
                 };
                 let now = Instant::now();
                 if now >= deadline {
                     let done = g.bytes_done(op);
-                    return Err(Error::Timeout {
-                        rank: self.rank,
-                        peer,
-                        ctx: Box::new(matcher::context(&desc, done, bytes, posted)),
-                        timeout: deadline.saturating_duration_since(posted),
-                    });
+                    return Err(matcher::timed_out(
+                        self.rank, peer, &desc, done, bytes, posted, deadline,
+                    ));
                 }
                 let silent = g
                     .conns
