@@ -55,18 +55,7 @@ fn smoke(transport: &str, np: usize) {
         let busbw: f64 = r[r.len() - 6].parse().unwrap();
         assert!(busbw >= 0.0);
     }
-    for name in [
-        "allreduce",
-        "allgather",
-        "reduce_scatter",
-        "broadcast",
-        "reduce",
-        "alltoall",
-        "gather",
-        "scatter",
-        "sendrecv",
-        "barrier",
-    ] {
+    for name in tutti_tools::collbench::COLLECTIVES {
         assert!(text.contains(&format!("# Collective test concluded: {name}")), "{name} missing");
     }
     assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 10);

@@ -12,6 +12,22 @@ fn pids(text: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Read the children's `PID n` lines from the launcher's output until `n` pids are known.
+fn read_pids(child: &mut std::process::Child, n: usize) -> Vec<u32> {
+    use std::io::BufRead;
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut found = Vec::new();
+    let mut line = String::new();
+    while found.len() < n {
+        line.clear();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        found.extend(pids(&line));
+    }
+    found
+}
+
 fn assert_gone(pids: &[u32]) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while pids.iter().any(|p| alive(*p)) && Instant::now() < deadline {
@@ -74,17 +90,7 @@ fn killing_tutti_run_takes_the_children_with_it() {
         .spawn()
         .unwrap();
     // Read the children's pids as they start.
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut found = Vec::new();
-    let mut line = String::new();
-    use std::io::BufRead;
-    while found.len() < 3 {
-        line.clear();
-        if stdout.read_line(&mut line).unwrap() == 0 {
-            break;
-        }
-        found.extend(pids(&line));
-    }
+    let found = read_pids(&mut child, 3);
     assert_eq!(found.len(), 3);
     // SIGKILL the launcher: PR_SET_PDEATHSIG takes the children down.
     child.kill().unwrap();
@@ -99,17 +105,7 @@ fn sigint_stops_every_child() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut found = Vec::new();
-    let mut line = String::new();
-    use std::io::BufRead;
-    while found.len() < 2 {
-        line.clear();
-        if stdout.read_line(&mut line).unwrap() == 0 {
-            break;
-        }
-        found.extend(pids(&line));
-    }
+    let found = read_pids(&mut child, 2);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let st = child.wait().unwrap();

@@ -136,6 +136,40 @@ impl Ops {
     }
 }
 
+/// Refuse a peer rank outside the world, before anything is posted.
+pub(crate) fn check_peer(rank: usize, world: usize, peer: usize, what: &str) -> Result<()> {
+    if peer >= world {
+        return Err(Error::InvalidArgument {
+            rank,
+            op: what.into(),
+            detail: format!("peer rank {peer} is outside the world of {world}"),
+        });
+    }
+    Ok(())
+}
+
+/// A whole message for a posted receive: check its fingerprint and length, copy it in, and
+/// complete (or fail) the operation.
+pub(crate) fn deliver(
+    rank: usize,
+    peer: usize,
+    ops: &mut Ops,
+    post: RecvPost,
+    got: &MsgDesc,
+    data: &[u8],
+) {
+    let posted_at = ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
+    match check(rank, peer, &post, got, data.len() as u64, posted_at) {
+        Ok(()) => {
+            // SAFETY: the receive is posted, so its buffer is valid for `cap` bytes, and `check`
+            // proved `data.len() <= cap`.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), post.buf.0, data.len()) };
+            ops.complete(post.id, data.len());
+        }
+        Err(e) => ops.fail(post.id, e),
+    }
+}
+
 /// The error for waiting on an id that is not posted (never was, or already waited for).
 pub(crate) fn not_posted(rank: usize, op: OpId) -> Error {
     Error::InvalidArgument {

@@ -97,17 +97,6 @@ impl MemTransport {
         self.fabric.boxes[rank].state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
-        if peer >= self.fabric.boxes.len() {
-            return Err(Error::InvalidArgument {
-                rank: self.rank,
-                op: what.into(),
-                detail: format!("peer rank {peer} is outside the world of {}", self.world_size()),
-            });
-        }
-        Ok(())
-    }
-
     /// Deliver one message into `dst`'s mailbox (caller holds its lock).
     fn deliver(dst: usize, st: &mut MailState, src: usize, desc: MsgDesc, data: &[u8]) {
         let mut stale = Vec::new();
@@ -117,20 +106,7 @@ impl MemTransport {
             st.ops.fail(p.id, err);
         }
         match dest {
-            Dest::Posted(post) => {
-                let posted_at = st.ops.pending(post.id).map(|p| p.3).unwrap_or_else(Instant::now);
-                match matcher::check(dst, src, &post, &desc, data.len() as u64, posted_at) {
-                    Ok(()) => {
-                        // SAFETY: the receive is posted, so its buffer is valid for `cap` bytes
-                        // and `check` proved `data.len() <= cap`.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(data.as_ptr(), post.buf.0, data.len())
-                        };
-                        st.ops.complete(post.id, data.len());
-                    }
-                    Err(e) => st.ops.fail(post.id, e),
-                }
-            }
+            Dest::Posted(post) => matcher::deliver(dst, src, &mut st.ops, post, &desc, data),
             Dest::Unexpected => {
                 st.unexpected_bytes += data.len() as u64;
                 if st.unexpected_bytes > UNEXPECTED_LIMIT {
@@ -241,7 +217,7 @@ impl Transport for MemTransport {
         data: *const u8,
         len: usize,
     ) -> Result<OpId> {
-        self.check_peer(peer, "send")?;
+        matcher::check_peer(self.rank, self.world_size(), peer, "send")?;
         let id = {
             let mut me = self.lock(self.rank);
             if let Some(e) = &me.poisoned {
@@ -300,7 +276,7 @@ impl Transport for MemTransport {
         buf: *mut u8,
         cap: usize,
     ) -> Result<OpId> {
-        self.check_peer(peer, "recv")?;
+        matcher::check_peer(self.rank, self.world_size(), peer, "recv")?;
         let mut st = self.lock(self.rank);
         if let Some(e) = &st.poisoned {
             return Err(e.poisoned());
@@ -329,22 +305,7 @@ impl Transport for MemTransport {
             }
             Posted::Matched(post, got, data) => {
                 st.unexpected_bytes -= data.len() as u64;
-                match matcher::check(
-                    self.rank,
-                    peer,
-                    &post,
-                    &got,
-                    data.len() as u64,
-                    Instant::now(),
-                ) {
-                    Ok(()) => {
-                        // SAFETY: the caller guarantees `buf..buf+cap` is writable and `check`
-                        // proved the data fits.
-                        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf, data.len()) };
-                        st.ops.complete(id, data.len());
-                    }
-                    Err(e) => st.ops.fail(id, e),
-                }
+                matcher::deliver(self.rank, peer, &mut st.ops, post, &got, &data);
             }
         }
         Ok(id)

@@ -271,7 +271,7 @@ impl Bench {
 
     /// Buffers for one mode: (input, output-or-inplace buffer) filled with exact data.
     fn buffers<T: Element>(&self, coll: &str, d: Dims, ip: bool) -> (Vec<T>, Vec<T>) {
-        let (r, n, op, root) = (self.comm.rank(), self.comm.size(), self.s.op, self.s.args.root);
+        let (r, op, root) = (self.comm.rank(), self.s.op, self.s.args.root);
         let mut inp = vec![T::default(); d.in_len];
         fill(&mut inp, SEED, r, 0, op);
         // sendrecv cannot alias its buffers: its "in-place" column repeats the measurement.
@@ -285,7 +285,6 @@ impl Bench {
             "broadcast" | "scatter" if r != root => {}
             _ => buf[..d.in_len].copy_from_slice(&inp),
         }
-        let _ = n;
         (Vec::new(), buf)
     }
 

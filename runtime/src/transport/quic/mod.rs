@@ -227,7 +227,7 @@ impl Shared {
                 match st.queues[peer].arrive(&desc, &mut stale) {
                     Dest::Posted(post) => {
                         st.unexpected_bytes -= data.len() as u64;
-                        copy_into(self.rank, &mut st, peer, post, &desc, &data);
+                        matcher::deliver(self.rank, peer, &mut st.ops, post, &desc, &data);
                     }
                     Dest::Unexpected => st.queues[peer].push_unexpected(desc, data),
                 }
@@ -236,18 +236,6 @@ impl Shared {
             Sink::Discard => {}
         }
         self.cv.notify_all();
-    }
-}
-
-fn copy_into(rank: usize, st: &mut State, peer: usize, post: RecvPost, got: &MsgDesc, data: &[u8]) {
-    let at = st.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
-    match matcher::check(rank, peer, &post, got, data.len() as u64, at) {
-        Ok(()) => {
-            // SAFETY: the receive is posted (buffer valid for `cap`) and `check` proved the fit.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), post.buf.0, data.len()) };
-            st.ops.complete(post.id, data.len());
-        }
-        Err(e) => st.ops.fail(post.id, e),
     }
 }
 
@@ -628,17 +616,6 @@ impl QuicTransport {
     pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
-
-    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
-        if peer >= self.world {
-            return Err(Error::InvalidArgument {
-                rank: self.rank,
-                op: what.into(),
-                detail: format!("peer rank {peer} is outside the world of {}", self.world),
-            });
-        }
-        Ok(())
-    }
 }
 
 impl Transport for QuicTransport {
@@ -661,7 +638,7 @@ impl Transport for QuicTransport {
         data: *const u8,
         len: usize,
     ) -> Result<OpId> {
-        self.check_peer(peer, "send")?;
+        matcher::check_peer(self.rank, self.world, peer, "send")?;
         let slice: &[u8] = if len == 0 {
             &[]
         } else {
@@ -676,7 +653,9 @@ impl Transport for QuicTransport {
         if peer == self.rank {
             let mut stale = Vec::new();
             match st.queues[peer].arrive(&desc, &mut stale) {
-                Dest::Posted(post) => copy_into(self.rank, &mut st, peer, post, &desc, slice),
+                Dest::Posted(post) => {
+                    matcher::deliver(self.rank, peer, &mut st.ops, post, &desc, slice)
+                }
                 Dest::Unexpected => {
                     st.unexpected_bytes += len as u64;
                     st.queues[peer].push_unexpected(desc, slice.to_vec());
@@ -718,7 +697,7 @@ impl Transport for QuicTransport {
         buf: *mut u8,
         cap: usize,
     ) -> Result<OpId> {
-        self.check_peer(peer, "recv")?;
+        matcher::check_peer(self.rank, self.world, peer, "recv")?;
         let mut st = self.shared.lock();
         if let Some(e) = &st.poisoned {
             return Err(e.poisoned());
@@ -728,7 +707,7 @@ impl Transport for QuicTransport {
         match st.queues[peer].post(post) {
             Posted::Matched(post, got, data) => {
                 st.unexpected_bytes -= data.len() as u64;
-                copy_into(self.rank, &mut st, peer, post, &got, &data);
+                matcher::deliver(self.rank, peer, &mut st.ops, post, &got, &data);
             }
             Posted::Stale(post, got) => {
                 let err = matcher::stale_error(self.rank, peer, &post, &got);

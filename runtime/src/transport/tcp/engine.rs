@@ -221,17 +221,6 @@ impl Engine {
         unsafe { libc::write(self.wake_tx, (&b as *const u8).cast(), 1) };
     }
 
-    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
-        if peer >= self.world {
-            return Err(Error::InvalidArgument {
-                rank: self.rank,
-                op: what.into(),
-                detail: format!("peer rank {peer} is outside the world of {}", self.world),
-            });
-        }
-        Ok(())
-    }
-
     /// # Safety
     /// See `Transport::post_send`.
     pub(crate) unsafe fn post_send(
@@ -241,7 +230,7 @@ impl Engine {
         data: *const u8,
         len: usize,
     ) -> Result<OpId> {
-        self.check_peer(peer, "send")?;
+        matcher::check_peer(self.rank, self.world, peer, "send")?;
         let mut g = self.lock();
         if let Some(e) = &g.poisoned {
             return Err(e.poisoned());
@@ -279,7 +268,7 @@ impl Engine {
         buf: *mut u8,
         cap: usize,
     ) -> Result<OpId> {
-        self.check_peer(peer, "recv")?;
+        matcher::check_peer(self.rank, self.world, peer, "recv")?;
         let mut g = self.lock();
         if let Some(e) = &g.poisoned {
             return Err(e.poisoned());
@@ -625,16 +614,7 @@ impl Inner {
     }
 
     fn fill_from_unexpected(&mut self, peer: usize, post: RecvPost, got: &MsgDesc, data: &[u8]) {
-        let posted_at = self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
-        match matcher::check(self.rank, peer, &post, got, data.len() as u64, posted_at) {
-            Ok(()) => {
-                // SAFETY: the receive is posted (its buffer valid for `cap` bytes) and `check`
-                // proved the data fits.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), post.buf.0, data.len()) };
-                self.ops.complete(post.id, data.len());
-            }
-            Err(e) => self.ops.fail(post.id, e),
-        }
+        matcher::deliver(self.rank, peer, &mut self.ops, post, got, data);
     }
 
     fn fail_stale(&mut self, peer: usize, stale: Vec<RecvPost>, got: &MsgDesc) {
