@@ -12,6 +12,53 @@ fn around(shape: &[usize], dim: usize) -> (usize, usize, usize) {
     (outer, shape[dim], inner)
 }
 
+/// Cut a row-major buffer of `shape` into `n` equal parts along `dim` and lay the parts one after
+/// the other (part `j` = the elements whose index along `dim` is in `[j*s/n, (j+1)*s/n)`), the
+/// layout the collectives' block-wise calls (all-to-all, reduce-scatter) expect.
+///
+/// # Panics
+/// When `dim` is out of range, `shape[dim]` does not divide by `n` or `data` does not hold
+/// `shape`'s elements (callers check first).
+pub fn split_blocks<T: Copy>(data: &[T], shape: &[usize], dim: usize, n: usize) -> Vec<T> {
+    let (so, sm, si) = around(shape, dim);
+    assert!(sm % n == 0 && data.len() == so * sm * si, "split_blocks: bad shape");
+    let part = sm / n;
+    let mut packed = Vec::with_capacity(data.len());
+    for j in 0..n {
+        for o in 0..so {
+            let base = (o * sm + j * part) * si;
+            packed.extend_from_slice(&data[base..base + part * si]);
+        }
+    }
+    packed
+}
+
+/// The inverse of [`split_blocks`]: `blocks` holds `n` consecutive row-major blocks of
+/// `block_shape`; block `i` is written at position `i` along `dim` of `output` (whose shape is
+/// `block_shape` with `dim` multiplied by `n`).
+///
+/// # Panics
+/// When the lengths do not match the shapes (callers check first).
+pub fn concat_blocks<T: Copy>(
+    blocks: &[T],
+    block_shape: &[usize],
+    dim: usize,
+    n: usize,
+    output: &mut [T],
+) {
+    let (go, gm, gi) = around(block_shape, dim);
+    let blk = go * gm * gi;
+    assert!(blocks.len() == blk * n && output.len() == blk * n, "concat_blocks: bad shape");
+    for i in 0..n {
+        let b = &blocks[i * blk..(i + 1) * blk];
+        for o in 0..go {
+            let src = &b[o * gm * gi..(o + 1) * gm * gi];
+            let dst = (o * gm * n + i * gm) * gi;
+            output[dst..dst + gm * gi].copy_from_slice(src);
+        }
+    }
+}
+
 impl Comm {
     /// All-to-all of a tensor: `input` has row-major `shape` (this rank's shard); dimension
     /// `scatter_dim` is split into `size()` parts, part `j` going to rank `j`; the parts received
@@ -61,32 +108,12 @@ impl Comm {
                 output.len()
             )));
         }
-        // Pack: block j = input restricted to part j of scatter_dim, row-major.
-        let (so, sm, si) = around(shape, scatter_dim);
-        let part = sm / n;
-        let mut packed = Vec::with_capacity(total);
-        for j in 0..n {
-            for o in 0..so {
-                let base = (o * sm + j * part) * si;
-                packed.extend_from_slice(&input[base..base + part * si]);
-            }
-        }
+        let packed = split_blocks(input, shape, scatter_dim, n);
         let mut recv = vec![T::default(); total];
         let st = self.all_to_all(&packed, &mut recv)?;
-        // Unpack: block i has `shape` with scatter_dim divided by n; it goes to position i along
-        // gather_dim of the output.
         let mut bshape = shape.to_vec();
         bshape[scatter_dim] /= n;
-        let (go, gm, gi) = around(&bshape, gather_dim);
-        let blk = total / n;
-        for i in 0..n {
-            let b = &recv[i * blk..(i + 1) * blk];
-            for o in 0..go {
-                let src = &b[o * gm * gi..(o + 1) * gm * gi];
-                let dst = (o * gm * n + i * gm) * gi;
-                output[dst..dst + gm * gi].copy_from_slice(src);
-            }
-        }
+        concat_blocks(&recv, &bshape, gather_dim, n, output);
         Ok(st)
     }
 }

@@ -1,0 +1,314 @@
+//! Data parallel: replicated parameters, gradients averaged in buckets, weighted by samples.
+
+use std::ops::Range;
+
+use candle_core::{backprop::GradStore, DType, Tensor, Var};
+use tutti_collectives::{Comm, ReduceOp};
+
+use crate::error::{Error, Result};
+use crate::ops;
+
+/// Bucket sizes of [`DataParallel`].
+#[derive(Clone, Copy, Debug)]
+pub struct DpConfig {
+    /// Bytes of the first bucket (the last parameters, whose gradients are ready first in a
+    /// backward pass). Default 1 MiB, as PyTorch DDP.
+    pub first_bucket_bytes: usize,
+    /// Bytes of every later bucket. Default 25 MiB, as PyTorch DDP.
+    pub bucket_bytes: usize,
+}
+
+impl Default for DpConfig {
+    fn default() -> Self {
+        DpConfig { first_bucket_bytes: 1 << 20, bucket_bytes: 25 << 20 }
+    }
+}
+
+/// What [`DataParallel::sync`] returns.
+#[derive(Debug)]
+pub struct Synced {
+    /// The averaged gradients, keyed by the parameters (feed it to a candle optimizer's `step`).
+    pub grads: GradStore,
+    /// The global mean loss: `sum_r sum_mb n_mb * loss_mb / N` over every rank's micro-batches.
+    pub loss: f64,
+    /// `N`: the samples of this step over all ranks.
+    pub samples: u64,
+    /// Buckets reduced.
+    pub buckets: usize,
+}
+
+struct Accum {
+    store: GradStore,
+    grads: Vec<Option<Tensor>>,
+    samples: u64,
+    loss_sum: f64,
+}
+
+/// Data-parallel training over a group: every rank holds all parameters, computes gradients on
+/// its own samples, and [`DataParallel::sync`] combines them once per optimizer step.
+///
+/// The combination is weighted by samples: with `n_r` samples on rank `r` (over its
+/// micro-batches) and `N = sum n_r`, the gradient is `sum_r n_r * grad_r / N`: the gradient of
+/// the mean loss over the whole global batch even when it does not divide by the world (a plain
+/// average of the ranks' gradients would weight the smaller shards too much).
+///
+/// Gradients travel in buckets (first [`DpConfig::first_bucket_bytes`], then
+/// [`DpConfig::bucket_bytes`]), taken from the last parameter backwards as in PyTorch DDP; each
+/// bucket's allreduce is started non-blocking before the next bucket is packed, so packing
+/// overlaps the network.
+///
+/// # Collective contract
+/// Every rank constructs it with the same parameter shapes and calls [`DataParallel::sync`]
+/// the same number of times (any number of [`DataParallel::backward`] calls in between).
+pub struct DataParallel {
+    comm: Comm,
+    vars: Vec<Var>,
+    buckets: Vec<Range<usize>>,
+    acc: Option<Accum>,
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("rank", &self.comm.rank())
+            .field("size", &self.comm.size())
+            .field("params", &self.vars.len())
+            .field("buckets", &self.buckets)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A fingerprint of a tensor's shape, dtype and (with `values`) bytes, for cross-rank checks.
+fn fingerprint(t: &Tensor, values: bool) -> Result<i64> {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for d in t.dims() {
+        h.write_usize(*d);
+    }
+    h.write(t.dtype().as_str().as_bytes());
+    if values {
+        let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        for x in v {
+            h.write_u64(x.to_bits());
+        }
+    }
+    // Keep it positive so min/max reductions compare plainly.
+    Ok((h.finish() >> 1) as i64)
+}
+
+impl DataParallel {
+    /// Wrap the parameters `vars` (in the model's forward order) for data-parallel training:
+    /// checks that every rank has the same parameter shapes and dtypes and broadcasts the values
+    /// of rank 0 to the others.
+    ///
+    /// # Errors
+    /// [`Error::ReplicaMismatch`] when shapes or dtypes differ between ranks; collective errors.
+    pub fn new(comm: Comm, vars: Vec<Var>, cfg: DpConfig) -> Result<DataParallel> {
+        let dp = DataParallel { buckets: Self::plan(&vars, cfg), comm, vars, acc: None };
+        dp.compare(false)?;
+        for v in &dp.vars {
+            let t = ops::broadcast(v.as_tensor(), &dp.comm, 0)?;
+            v.set(&t)?;
+        }
+        Ok(dp)
+    }
+
+    /// Buckets of consecutive parameters of one dtype, from the last parameter backwards.
+    fn plan(vars: &[Var], cfg: DpConfig) -> Vec<Range<usize>> {
+        let mut out = Vec::new();
+        let mut end = vars.len();
+        let mut cap = cfg.first_bucket_bytes.max(1);
+        while end > 0 {
+            let dtype = vars[end - 1].dtype();
+            let mut start = end;
+            let mut bytes = 0;
+            while start > 0 && vars[start - 1].dtype() == dtype && (bytes < cap || start == end) {
+                bytes += vars[start - 1].elem_count() * dtype.size_in_bytes();
+                start -= 1;
+            }
+            out.push(start..end);
+            end = start;
+            cap = cfg.bucket_bytes.max(1);
+        }
+        out
+    }
+
+    /// Check that every rank holds the same parameter values (bit for bit).
+    ///
+    /// # Errors
+    /// [`Error::ReplicaMismatch`] naming the first parameter that differs; collective errors.
+    pub fn check_replicas(&self) -> Result<()> {
+        self.compare(true)
+    }
+
+    fn compare(&self, values: bool) -> Result<()> {
+        let mut fp = vec![self.vars.len() as i64];
+        for v in &self.vars {
+            fp.push(fingerprint(v.as_tensor(), values)?);
+        }
+        // The count first, so ranks with different parameter lists fail the same way.
+        let mut count = [fp[0], -fp[0]];
+        self.comm.allreduce(&mut count, ReduceOp::Max)?;
+        if count[0] != -count[1] {
+            return Err(Error::ReplicaMismatch {
+                rank: self.comm.rank(),
+                name: "<parameter list>".into(),
+                detail: format!(
+                    "this rank has {} parameters, others between {} and {}",
+                    self.vars.len(),
+                    -count[1],
+                    count[0]
+                ),
+            });
+        }
+        let mut hi = fp.clone();
+        let mut lo: Vec<i64> = fp.iter().map(|x| -x).collect();
+        self.comm.allreduce(&mut hi, ReduceOp::Max)?;
+        self.comm.allreduce(&mut lo, ReduceOp::Max)?;
+        if let Some(i) = (1..fp.len()).find(|&i| hi[i] != -lo[i]) {
+            let v = &self.vars[i - 1];
+            return Err(Error::ReplicaMismatch {
+                rank: self.comm.rank(),
+                name: format!("#{} {:?} {:?}", i - 1, v.dims(), v.dtype()),
+                detail: if values {
+                    "the values differ".into()
+                } else {
+                    "the shape or dtype differs".into()
+                },
+            });
+        }
+        Ok(())
+    }
+
+    /// The parameters, in the order given to [`DataParallel::new`].
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The communicator of the data-parallel group.
+    pub fn comm(&self) -> &Comm {
+        &self.comm
+    }
+
+    /// The buckets, as ranges of parameter indices, in the order they are reduced.
+    pub fn buckets(&self) -> &[Range<usize>] {
+        &self.buckets
+    }
+
+    /// Backward of one micro-batch: `loss` is the mean loss over its `samples` samples. The
+    /// gradients are accumulated locally (weighted by `samples`); nothing is sent.
+    ///
+    /// # Errors
+    /// Candle errors of the backward pass (and collective errors of autograd communication ops
+    /// inside the model).
+    pub fn backward(&mut self, loss: &Tensor, samples: usize) -> Result<()> {
+        let store = loss.backward()?;
+        let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let w = samples as f64;
+        let mut grads = Vec::with_capacity(self.vars.len());
+        for v in &self.vars {
+            grads.push(match store.get(v.as_tensor()) {
+                Some(g) => Some((g * w)?),
+                None => None,
+            });
+        }
+        match &mut self.acc {
+            None => {
+                self.acc = Some(Accum { store, grads, samples: samples as u64, loss_sum: value * w })
+            }
+            Some(acc) => {
+                for (a, g) in acc.grads.iter_mut().zip(grads) {
+                    *a = match (a.take(), g) {
+                        (Some(a), Some(g)) => Some((a + g)?),
+                        (a, g) => a.or(g),
+                    };
+                }
+                acc.samples += samples as u64;
+                acc.loss_sum += value * w;
+            }
+        }
+        Ok(())
+    }
+
+    /// Combine the accumulated gradients of every rank (one allreduce per bucket, all started
+    /// before the first is waited for) and return them for the optimizer. A rank with no samples
+    /// this step (an empty shard) still calls it, and contributes nothing.
+    ///
+    /// # Errors
+    /// Collective errors (a dead or diverging rank is named); [`Error::Shape`] when no rank had
+    /// any sample; candle errors.
+    pub fn sync(&mut self) -> Result<Synced> {
+        let acc = match self.acc.take() {
+            Some(a) => a,
+            None => {
+                // No backward on this rank: contribute zeros so the others are not blocked.
+                let zero = Tensor::zeros((), DType::F32, &candle_core::Device::Cpu)?;
+                let store = zero.backward()?;
+                Accum { store, grads: vec![None; self.vars.len()], samples: 0, loss_sum: 0.0 }
+            }
+        };
+        let stats = self.comm.iallreduce(vec![acc.samples as f64, acc.loss_sum], ReduceOp::Sum);
+        let mut pending = Vec::with_capacity(self.buckets.len());
+        for b in &self.buckets {
+            let mut parts = Vec::with_capacity(b.len());
+            for i in b.clone() {
+                let v = &self.vars[i];
+                parts.push(match &acc.grads[i] {
+                    Some(g) => g.flatten_all()?,
+                    None => Tensor::zeros(v.elem_count(), v.dtype(), v.device())?,
+                });
+            }
+            let flat = Tensor::cat(&parts, 0)?;
+            pending.push(submit(&self.comm, &flat)?);
+        }
+        let (sv, _) = stats.wait()?;
+        let n = sv[0];
+        if n == 0.0 {
+            return Err(Error::Shape {
+                rank: self.comm.rank(),
+                layer: "DataParallel::sync",
+                detail: "no rank had any sample this step".into(),
+            });
+        }
+        let mut store = acc.store;
+        for (b, p) in self.buckets.iter().zip(pending) {
+            let flat = (p()? / n)?;
+            let mut off = 0;
+            for i in b.clone() {
+                let v = &self.vars[i];
+                let g = flat.narrow(0, off, v.elem_count())?.reshape(v.dims())?;
+                off += v.elem_count();
+                store.insert(v.as_tensor(), g);
+            }
+        }
+        Ok(Synced { grads: store, loss: sv[1] / n, samples: n as u64, buckets: self.buckets.len() })
+    }
+}
+
+type Waiter = Box<dyn FnOnce() -> Result<Tensor>>;
+
+/// Start the allreduce (sum) of a flat bucket on the communicator's worker.
+fn submit(comm: &Comm, flat: &Tensor) -> Result<Waiter> {
+    let device = flat.device().clone();
+    macro_rules! go {
+        ($t:ty) => {{
+            let p = comm.iallreduce(flat.to_vec1::<$t>()?, ReduceOp::Sum);
+            Ok(Box::new(move || {
+                let (v, _) = p.wait()?;
+                let len = v.len();
+                Ok(Tensor::from_vec(v, len, &device)?)
+            }) as Waiter)
+        }};
+    }
+    match flat.dtype() {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        d => Err(Error::Shape {
+            rank: comm.rank(),
+            layer: "DataParallel",
+            detail: format!("parameters of dtype {d:?} cannot be averaged (use a float dtype)"),
+        }),
+    }
+}

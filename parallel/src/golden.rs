@@ -1,0 +1,515 @@
+//! The golden runner: loads a PyTorch reference case (`<case>.json` + `<case>.safetensors`, the
+//! format of `shared/golden/README.md`), runs it under a parallel strategy on this rank's group
+//! and compares every reference tensor it reproduces.
+//!
+//! Shapes and hyper-parameters come from the files (the tensors' shapes, the json's `config`),
+//! so a case of the same kind with other sizes runs unchanged. The kind is the json's `case`
+//! field: `linear_step` (G1) and `mlp_train` (G2).
+//!
+//! Tolerances are the json's: forward values of a single pass within `forward_max_abs` (1e-5);
+//! gradients, multi-step losses and updated weights within
+//! `grad_and_multistep_rel * max|ref| + 1e-6`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{Optimizer, SGD};
+use tutti_collectives::{Comm, ReduceOp};
+
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::shard::shard_range;
+use crate::{ColumnParallelLinear, DataParallel, DpConfig, RowParallelLinear};
+
+/// A loaded case.
+#[derive(Debug)]
+pub struct Case {
+    /// The json file.
+    pub path: PathBuf,
+    /// The json.
+    pub meta: serde_json::Value,
+    /// The tensors, by name.
+    pub tensors: HashMap<String, Tensor>,
+}
+
+impl Case {
+    /// Load `json` and the safetensors file it names (relative to the json's folder).
+    ///
+    /// # Errors
+    /// [`Error::Golden`] for unreadable or malformed files.
+    pub fn load(json: &Path) -> Result<Case> {
+        let bad = |detail: String| Error::Golden { case: json.display().to_string(), detail };
+        let text = std::fs::read_to_string(json).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let meta: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not json: {e}")))?;
+        let file = meta
+            .get("file")
+            .and_then(|f| f.as_str())
+            .ok_or_else(|| bad("no \"file\" field naming the safetensors file".into()))?;
+        let st = json.parent().unwrap_or(Path::new(".")).join(file);
+        let tensors = candle_core::safetensors::load(&st, &Device::Cpu)
+            .map_err(|e| bad(format!("cannot load {}: {e}", st.display())))?;
+        Ok(Case { path: json.to_path_buf(), meta, tensors })
+    }
+
+    fn err(&self, detail: String) -> Error {
+        Error::Golden { case: self.path.display().to_string(), detail }
+    }
+
+    /// The case kind (`linear_step`, `mlp_train`, …).
+    pub fn kind(&self) -> &str {
+        self.meta.get("case").and_then(|c| c.as_str()).unwrap_or("")
+    }
+
+    /// A tensor by name.
+    ///
+    /// # Errors
+    /// [`Error::Golden`] when it is missing.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        self.tensors.get(name).cloned().ok_or_else(|| self.err(format!("no tensor {name:?}")))
+    }
+
+    /// A number from `config`.
+    ///
+    /// # Errors
+    /// [`Error::Golden`] when it is missing.
+    pub fn config(&self, key: &str) -> Result<f64> {
+        self.meta
+            .get("config")
+            .and_then(|c| c.get(key))
+            .and_then(|v| v.as_f64())
+            .ok_or_else(|| self.err(format!("no number config.{key}")))
+    }
+
+    fn tolerance(&self, key: &str, default: f64) -> f64 {
+        self.meta.get("tolerances").and_then(|t| t.get(key)).and_then(|v| v.as_f64()).unwrap_or(default)
+    }
+}
+
+/// A parallel strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// Data parallel (batch split with `shard_range`, uneven allowed).
+    Dp,
+    /// Data parallel with gradient accumulation over micro-batches on every rank.
+    Accum,
+    /// Megatron tensor parallel.
+    Tp,
+}
+
+impl Strategy {
+    /// Parse a command-line name.
+    pub fn parse(s: &str) -> Option<Strategy> {
+        Some(match s {
+            "dp" => Strategy::Dp,
+            "accum" => Strategy::Accum,
+            "tp" => Strategy::Tp,
+            _ => return None,
+        })
+    }
+
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Dp => "dp",
+            Strategy::Accum => "accum",
+            Strategy::Tp => "tp",
+        }
+    }
+}
+
+/// Options of a run.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Micro-batches per rank for [`Strategy::Accum`].
+    pub micro_batches: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { micro_batches: 4 }
+    }
+}
+
+/// One compared tensor.
+#[derive(Clone, Debug)]
+pub struct Check {
+    /// Reference tensor name.
+    pub name: String,
+    /// Largest |ours - reference| over all ranks.
+    pub max_abs: f64,
+    /// The allowed difference.
+    pub tolerance: f64,
+}
+
+impl Check {
+    /// Within the tolerance.
+    pub fn ok(&self) -> bool {
+        self.max_abs <= self.tolerance
+    }
+}
+
+/// The outcome of a run (the same on every rank).
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// Case kind.
+    pub case: String,
+    /// Strategy run.
+    pub strategy: Strategy,
+    /// Ranks.
+    pub world: usize,
+    /// Compared tensors.
+    pub checks: Vec<Check>,
+}
+
+impl Report {
+    /// Every check passed (and there was at least one).
+    pub fn ok(&self) -> bool {
+        !self.checks.is_empty() && self.checks.iter().all(Check::ok)
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "# case {}  strategy {}  world {}",
+            self.case,
+            self.strategy.name(),
+            self.world
+        )?;
+        writeln!(f, "# {:<28} {:>12} {:>12}  result", "tensor", "max|diff|", "tolerance")?;
+        for c in &self.checks {
+            let res = if c.ok() { "ok" } else { "FAIL" };
+            writeln!(f, "  {:<28} {:>12.3e} {:>12.3e}  {res}", c.name, c.max_abs, c.tolerance)?;
+        }
+        let bad = self.checks.iter().filter(|c| !c.ok()).count();
+        if self.ok() {
+            write!(f, "PASS: {} tensors within tolerance", self.checks.len())
+        } else {
+            write!(f, "FAIL: {bad} of {} tensors outside tolerance", self.checks.len())
+        }
+    }
+}
+
+/// How a reference is compared.
+#[derive(Clone, Copy)]
+enum Tol {
+    /// Single forward pass: absolute.
+    Forward,
+    /// Gradients, multi-step values: relative to the reference's largest magnitude.
+    Relative,
+}
+
+/// Collects checks; the max difference is reduced over the ranks at the end.
+struct Checker<'a> {
+    case: &'a Case,
+    comm: &'a Comm,
+    checks: Vec<Check>,
+}
+
+impl Checker<'_> {
+    /// Compare `ours` with `part` (this rank's part of the reference `name`; the tolerance uses
+    /// the whole reference).
+    fn part(&mut self, name: &str, ours: &Tensor, part: &Tensor, tol: Tol) -> Result<()> {
+        let full = self.case.tensor(name.trim_end_matches("[0]"))?;
+        let max_ref = full.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let tolerance = match tol {
+            Tol::Forward => self.case.tolerance("forward_max_abs", 1e-5),
+            Tol::Relative => self.case.tolerance("grad_and_multistep_rel", 1e-4) * max_ref + 1e-6,
+        };
+        if ours.dims() != part.dims() && ours.elem_count() != part.elem_count() {
+            return Err(self.case.err(format!(
+                "{name}: computed shape {:?} vs reference {:?}",
+                ours.dims(),
+                part.dims()
+            )));
+        }
+        let ours = ours.flatten_all()?.to_dtype(DType::F64)?;
+        let part = part.flatten_all()?.to_dtype(DType::F64)?;
+        let max_abs = if ours.elem_count() == 0 {
+            0.0
+        } else {
+            (ours - part)?.abs()?.max(0)?.to_scalar::<f64>()?
+        };
+        // NaN never passes.
+        let max_abs = if max_abs.is_nan() { f64::INFINITY } else { max_abs };
+        self.checks.push(Check { name: name.to_string(), max_abs, tolerance });
+        Ok(())
+    }
+
+    /// Compare with the whole reference tensor.
+    fn whole(&mut self, name: &str, ours: &Tensor, tol: Tol) -> Result<()> {
+        let r = self.case.tensor(name)?;
+        self.part(name, ours, &r, tol)
+    }
+
+    fn finish(mut self, strategy: Strategy) -> Result<Report> {
+        let mut d: Vec<f64> = self.checks.iter().map(|c| c.max_abs).collect();
+        self.comm.allreduce(&mut d, ReduceOp::Max)?;
+        for (c, v) in self.checks.iter_mut().zip(d) {
+            c.max_abs = v;
+        }
+        Ok(Report {
+            case: self.case.kind().to_string(),
+            strategy,
+            world: self.comm.size(),
+            checks: self.checks,
+        })
+    }
+}
+
+fn scalar(t: &Tensor) -> Result<f64> {
+    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+fn rows(t: &Tensor, r: std::ops::Range<usize>) -> Result<Tensor> {
+    Ok(t.narrow(0, r.start, r.len())?)
+}
+
+fn mse_mean(out: &Tensor, y: &Tensor) -> Result<Tensor> {
+    Ok((out - y)?.sqr()?.mean_all()?)
+}
+
+/// Run `case` under `strategy` on this rank; every rank of `comm` calls it.
+///
+/// # Errors
+/// [`Error::Golden`] for a case or strategy this runner does not know or tensors it lacks;
+/// [`Error::Shape`] when the world does not divide a dimension the strategy splits evenly;
+/// collective and candle errors.
+pub fn run(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Result<Report> {
+    match (case.kind(), strategy) {
+        ("linear_step", Strategy::Dp | Strategy::Accum) => linear_step_dp(case, strategy, comm, opts),
+        ("linear_step", Strategy::Tp) => linear_step_tp(case, comm),
+        ("mlp_train", Strategy::Dp | Strategy::Accum) => mlp_train_dp(case, strategy, comm, opts),
+        ("mlp_train", Strategy::Tp) => mlp_train_tp(case, comm),
+        (kind, s) => Err(case.err(format!(
+            "no strategy {:?} for case kind {kind:?} (linear_step: dp, accum, tp; mlp_train: dp, accum, tp)",
+            s.name()
+        ))),
+    }
+}
+
+/// The micro-batches of this rank's rows: `(range, samples)`.
+fn micro_ranges(
+    batch: usize,
+    comm: &Comm,
+    strategy: Strategy,
+    opts: &Options,
+) -> Vec<std::ops::Range<usize>> {
+    let mine = shard_range(batch, comm.rank(), comm.size());
+    let m = if strategy == Strategy::Accum { opts.micro_batches.max(1) } else { 1 };
+    (0..m)
+        .map(|k| {
+            let r = shard_range(mine.len(), k, m);
+            mine.start + r.start..mine.start + r.end
+        })
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+/// G1 under data parallel (optionally with accumulation).
+fn linear_step_dp(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Result<Report> {
+    let (x, y) = (case.tensor("x")?, case.tensor("y")?);
+    let w = Var::from_tensor(&case.tensor("w0")?)?;
+    let lr = case.config("lr")?;
+    let mut dp = DataParallel::new(comm.clone(), vec![w.clone()], DpConfig::default())?;
+    for r in micro_ranges(x.dim(0)?, comm, strategy, opts) {
+        let out = rows(&x, r.clone())?.matmul(w.as_tensor())?;
+        let loss = mse_mean(&out, &rows(&y, r.clone())?)?;
+        dp.backward(&loss, r.len())?;
+    }
+    let s = dp.sync()?;
+    let grad = s.grads.get(w.as_tensor()).cloned().ok_or_else(|| case.err("no gradient".into()))?;
+    let mut opt = SGD::new(vec![w.clone()], lr)?;
+    opt.step(&s.grads)?;
+    let mut ck = Checker { case, comm, checks: Vec::new() };
+    ck.whole("loss", &Tensor::new(s.loss as f32, &Device::Cpu)?, Tol::Forward)?;
+    ck.whole("grad_w", &grad, Tol::Relative)?;
+    ck.whole("w1", w.as_tensor(), Tol::Relative)?;
+    ck.finish(strategy)
+}
+
+/// G1 under tensor parallel over the output features.
+fn linear_step_tp(case: &Case, comm: &Comm) -> Result<Report> {
+    let (x, y, w0) = (case.tensor("x")?, case.tensor("y")?, case.tensor("w0")?);
+    let lr = case.config("lr")?;
+    let (batch, out_dim) = y.dims2()?;
+    // w0 is [in, out] (x @ W); the nn.Linear weight is its transpose.
+    let layer = ColumnParallelLinear::from_full(&w0.t()?, None, false, comm)?;
+    let cols = shard_range(out_dim, comm.rank(), comm.size());
+    let y_local = y.narrow(1, cols.start, cols.len())?;
+    let out = layer.forward(&x)?;
+    let sse = ((out - y_local)?.sqr()?.sum_all()? / (batch * out_dim) as f64)?;
+    let loss = ops::reduce_from_parallel_region(&sse, comm)?;
+    let grads = loss.backward()?;
+    let w = layer.weight();
+    let grad = grads.get(w.as_tensor()).cloned().ok_or_else(|| case.err("no gradient".into()))?;
+    SGD::new(layer.vars(), lr)?.step(&grads)?;
+    let part = |name: &str| -> Result<Tensor> {
+        Ok(case.tensor(name)?.narrow(1, cols.start, cols.len())?.t()?)
+    };
+    let mut ck = Checker { case, comm, checks: Vec::new() };
+    ck.whole("loss", &loss, Tol::Forward)?;
+    ck.part("grad_w", &grad, &part("grad_w")?, Tol::Relative)?;
+    ck.part("w1", w.as_tensor(), &part("w1")?, Tol::Relative)?;
+    ck.finish(Strategy::Tp)
+}
+
+fn steps(case: &Case) -> Result<usize> {
+    Ok(case.config("steps")? as usize)
+}
+
+/// G2 under data parallel: uneven shards, weighted combination, `steps` SGD steps.
+fn mlp_train_dp(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Result<Report> {
+    let (x, y) = (case.tensor("x")?, case.tensor("y")?);
+    let w1 = Var::from_tensor(&case.tensor("lin1.weight")?)?;
+    let w2 = Var::from_tensor(&case.tensor("lin2.weight")?)?;
+    let mut dp = DataParallel::new(comm.clone(), vec![w1.clone(), w2.clone()], DpConfig::default())?;
+    let mut opt = SGD::new(vec![w1.clone(), w2.clone()], case.config("lr")?)?;
+    let mut losses = Vec::new();
+    for _ in 0..steps(case)? {
+        for r in micro_ranges(x.dim(0)?, comm, strategy, opts) {
+            let xb = rows(&x, r.clone())?;
+            let out = xb.matmul(&w1.t()?)?.gelu_erf()?.matmul(&w2.t()?)?;
+            dp.backward(&mse_mean(&out, &rows(&y, r.clone())?)?, r.len())?;
+        }
+        let s = dp.sync()?;
+        losses.push(s.loss as f32);
+        opt.step(&s.grads)?;
+    }
+    mlp_report(case, comm, strategy, &losses, w1.as_tensor(), w2.as_tensor(), None)
+}
+
+/// G2 under tensor parallel: lin1 column-parallel, lin2 row-parallel.
+fn mlp_train_tp(case: &Case, comm: &Comm) -> Result<Report> {
+    let (x, y) = (case.tensor("x")?, case.tensor("y")?);
+    let lin1 = ColumnParallelLinear::from_full(&case.tensor("lin1.weight")?, None, false, comm)?;
+    let lin2 = RowParallelLinear::from_full(&case.tensor("lin2.weight")?, None, true, comm)?;
+    let vars: Vec<Var> = lin1.vars().into_iter().chain(lin2.vars()).collect();
+    let mut opt = SGD::new(vars, case.config("lr")?)?;
+    let mut losses = Vec::new();
+    for _ in 0..steps(case)? {
+        let out = lin2.forward(&lin1.forward(&x)?.gelu_erf()?)?;
+        let loss = mse_mean(&out, &y)?;
+        losses.push(scalar(&loss)? as f32);
+        opt.step(&loss.backward()?)?;
+    }
+    let hidden = shard_range(case.tensor("lin1.weight")?.dim(0)?, comm.rank(), comm.size());
+    let w1 = lin1.weight().as_tensor();
+    let w2 = lin2.weight().as_tensor();
+    mlp_report(case, comm, Strategy::Tp, &losses, w1, w2, Some(hidden))
+}
+
+fn mlp_report(
+    case: &Case,
+    comm: &Comm,
+    strategy: Strategy,
+    losses: &[f32],
+    w1: &Tensor,
+    w2: &Tensor,
+    hidden: Option<std::ops::Range<usize>>,
+) -> Result<Report> {
+    let losses = Tensor::new(losses, &Device::Cpu)?;
+    let mut ck = Checker { case, comm, checks: Vec::new() };
+    ck.part("losses[0]", &losses.narrow(0, 0, 1)?, &case.tensor("losses")?.narrow(0, 0, 1)?, Tol::Forward)?;
+    ck.whole("losses", &losses, Tol::Relative)?;
+    let (p1, p2) = match hidden {
+        None => (case.tensor("lin1.weight_final")?, case.tensor("lin2.weight_final")?),
+        Some(h) => (
+            case.tensor("lin1.weight_final")?.narrow(0, h.start, h.len())?,
+            case.tensor("lin2.weight_final")?.narrow(1, h.start, h.len())?,
+        ),
+    };
+    ck.part("lin1.weight_final", w1, &p1, Tol::Relative)?;
+    ck.part("lin2.weight_final", w2, &p2, Tol::Relative)?;
+    ck.finish(strategy)
+}
+
+/// Run several ranks of a case as threads over the in-memory transport (tests, quick runs).
+///
+/// # Errors
+/// The first rank's error.
+pub fn run_threads(case: &Case, strategy: Strategy, world: usize, opts: &Options) -> Result<Report> {
+    let results: Vec<Result<Report>> = std::thread::scope(|s| {
+        let hs: Vec<_> = Comm::mem_world(world)
+            .into_iter()
+            .map(|c| s.spawn(move || run(case, strategy, &c, opts)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(case.err("a rank panicked".into()))))
+            .collect()
+    });
+    let mut first = None;
+    for r in results {
+        match r {
+            Ok(rep) => {
+                first.get_or_insert(rep);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    first.ok_or_else(|| case.err("world of 0 ranks".into()))
+}
+
+/// `tutti-golden`'s main: `--case FILE --strategy S [--micro-batches M] [--threads N]`. Under
+/// a launcher (tutti-run, torchrun, srun) the group comes from the environment; with
+/// `--threads N`, N ranks run as threads over the in-memory transport; with neither, one rank.
+/// Rank 0 prints the table; every rank exits 1 when a tensor is outside its tolerance, 2 on an
+/// error.
+pub fn main() -> std::process::ExitCode {
+    use clap::Parser;
+    #[derive(Parser)]
+    #[command(name = "tutti-golden", about = "Check a parallel strategy against a PyTorch golden case")]
+    struct Args {
+        /// The case's json file (it names its safetensors file).
+        #[arg(long)]
+        case: PathBuf,
+        /// dp, accum or tp.
+        #[arg(long)]
+        strategy: String,
+        /// Micro-batches per rank for `accum`.
+        #[arg(long, default_value_t = 4)]
+        micro_batches: usize,
+        /// Run N ranks as threads in this process (in-memory transport).
+        #[arg(long)]
+        threads: Option<usize>,
+    }
+    let a = Args::parse();
+    let fail = |msg: String| {
+        eprintln!("tutti-golden: {msg}");
+        std::process::ExitCode::from(2)
+    };
+    let Some(strategy) = Strategy::parse(&a.strategy) else {
+        return fail(format!("unknown strategy {:?} (dp, accum, tp)", a.strategy));
+    };
+    let case = match Case::load(&a.case) {
+        Ok(c) => c,
+        Err(e) => return fail(e.to_string()),
+    };
+    let opts = Options { micro_batches: a.micro_batches };
+    let launched = std::env::var_os("WORLD_SIZE").is_some() || std::env::var_os("SLURM_NTASKS").is_some()
+        || std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
+    let (report, rank) = match (a.threads, launched) {
+        (Some(n), _) => (run_threads(&case, strategy, n, &opts), 0),
+        (None, true) => match Comm::from_env() {
+            Ok(c) => (run(&case, strategy, &c, &opts), c.rank()),
+            Err(e) => return fail(e.to_string()),
+        },
+        (None, false) => (run_threads(&case, strategy, 1, &opts), 0),
+    };
+    match report {
+        Ok(r) => {
+            if rank == 0 {
+                println!("{r}");
+            }
+            if r.ok() {
+                std::process::ExitCode::SUCCESS
+            } else {
+                std::process::ExitCode::from(1)
+            }
+        }
+        Err(e) => fail(e.to_string()),
+    }
+}

@@ -1,0 +1,354 @@
+//! Communication on candle tensors: eager functions ([`all_reduce`], [`all_gather`], …) and the
+//! same moves as autograd operations (Megatron's `f` and `g`, gather/scatter to and from the
+//! parallel region, the sequence-parallel pairs and Ulysses' all-to-all).
+//!
+//! Every function takes the [`Comm`] of the group it runs over, so a 2-D layout (data × tensor)
+//! passes the tensor-parallel sub-communicator here and the data-parallel one to
+//! [`crate::DataParallel`].
+//!
+//! # Collective contract
+//! Every rank of the group calls the same functions in the same order with tensors of the same
+//! shape and dtype (the autograd ops' backward passes then also line up, because every rank
+//! builds the same graph). A rank that skips a call, or passes another shape, gets a typed
+//! mismatch or timeout error naming the peer, never a hang.
+
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use tutti_collectives::tensor::{concat_blocks, split_blocks};
+use tutti_collectives::{Comm, Element, ReduceOp};
+
+use crate::error::{Error, Result};
+
+/// One communication step on a row-major buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Move {
+    /// No communication (the backward of `g`, the forward of `f`).
+    Identity,
+    /// Allreduce with the operator.
+    AllReduce(ReduceOp),
+    /// Allgather, concatenating the ranks' tensors along the dim in rank order.
+    AllGather(usize),
+    /// Keep this rank's part of the dim (no communication).
+    Split(usize),
+    /// Sum across ranks and keep this rank's part of the dim.
+    ReduceScatter(usize),
+    /// All-to-all: split the first dim across ranks, concatenate along the second.
+    AllToAll(usize, usize),
+}
+
+fn shape_err(comm: &Comm, layer: &'static str, detail: String) -> Error {
+    Error::Shape { rank: comm.rank(), layer, detail }
+}
+
+fn check_dim(comm: &Comm, layer: &'static str, shape: &[usize], dim: usize) -> Result<()> {
+    if dim >= shape.len() {
+        return Err(shape_err(comm, layer, format!("dim {dim} outside the shape {shape:?}")));
+    }
+    Ok(())
+}
+
+fn check_divides(comm: &Comm, layer: &'static str, shape: &[usize], dim: usize) -> Result<()> {
+    check_dim(comm, layer, shape, dim)?;
+    let n = comm.size();
+    if shape[dim] % n != 0 {
+        return Err(shape_err(
+            comm,
+            layer,
+            format!(
+                "dim {dim} of shape {shape:?} has size {}, which does not divide by the world size {n}",
+                shape[dim]
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Run `mv` on one rank's contiguous data; returns the result and its shape.
+fn run_move<T: Element>(
+    comm: &Comm,
+    layer: &'static str,
+    mv: Move,
+    data: &[T],
+    shape: &[usize],
+) -> Result<(Vec<T>, Vec<usize>)> {
+    let n = comm.size();
+    let mut out_shape = shape.to_vec();
+    let out = match mv {
+        Move::Identity => data.to_vec(),
+        Move::AllReduce(op) => {
+            let mut v = data.to_vec();
+            comm.allreduce(&mut v, op)?;
+            v
+        }
+        Move::AllGather(dim) => {
+            check_dim(comm, layer, shape, dim)?;
+            let mut all = vec![T::default(); data.len() * n];
+            comm.allgather(data, &mut all)?;
+            out_shape[dim] *= n;
+            if dim == 0 || shape[..dim].iter().product::<usize>() == 1 {
+                all
+            } else {
+                let mut out = vec![T::default(); all.len()];
+                concat_blocks(&all, shape, dim, n, &mut out);
+                out
+            }
+        }
+        Move::Split(dim) => {
+            check_divides(comm, layer, shape, dim)?;
+            let outer: usize = shape[..dim].iter().product();
+            let inner: usize = shape[dim + 1..].iter().product();
+            let part = shape[dim] / n;
+            let r = comm.rank();
+            let mut out = Vec::with_capacity(data.len() / n);
+            for o in 0..outer {
+                let base = (o * shape[dim] + r * part) * inner;
+                out.extend_from_slice(&data[base..base + part * inner]);
+            }
+            out_shape[dim] = part;
+            out
+        }
+        Move::ReduceScatter(dim) => {
+            check_divides(comm, layer, shape, dim)?;
+            let packed = split_blocks(data, shape, dim, n);
+            let mut out = vec![T::default(); data.len() / n];
+            comm.reduce_scatter(&packed, &mut out, ReduceOp::Sum)?;
+            out_shape[dim] /= n;
+            out
+        }
+        Move::AllToAll(sd, gd) => {
+            check_divides(comm, layer, shape, sd)?;
+            check_dim(comm, layer, shape, gd)?;
+            let mut out = vec![T::default(); data.len()];
+            comm.all_to_all_tensor(data, shape, sd, gd, &mut out)?;
+            out_shape[sd] /= n;
+            out_shape[gd] *= n;
+            out
+        }
+    };
+    Ok((out, out_shape))
+}
+
+/// Calls `$body` with `$t` bound to the Rust type of a candle dtype the collectives move.
+macro_rules! with_dtype {
+    ($dtype:expr, $t:ident => $body:expr, $other:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            other => $other(other),
+        }
+    };
+}
+
+fn unsupported(comm: &Comm, layer: &'static str, dtype: DType) -> Error {
+    shape_err(comm, layer, format!("dtype {dtype:?} cannot be communicated (f32, f64, bf16, f16, i64, u8 can)"))
+}
+
+/// Eager `mv` on a tensor (any layout; CPU).
+fn move_tensor(comm: &Comm, layer: &'static str, mv: Move, t: &Tensor) -> Result<Tensor> {
+    if mv == Move::Identity {
+        return Ok(t.clone());
+    }
+    let shape = t.dims().to_vec();
+    let flat = t.flatten_all()?;
+    with_dtype!(
+        t.dtype(),
+        T => {
+            let data = flat.to_vec1::<T>()?;
+            let (out, out_shape) = run_move(comm, layer, mv, &data, &shape)?;
+            Ok(Tensor::from_vec(out, out_shape, t.device())?)
+        },
+        |d| Err(unsupported(comm, layer, d))
+    )
+}
+
+/// A communication step with its adjoint, as a candle op.
+struct CommOp {
+    comm: Comm,
+    name: &'static str,
+    fwd: Move,
+    bwd: Move,
+}
+
+impl CustomOp1 for CommOp {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::RequiresContiguous { op: self.name });
+        };
+        let shape = layout.dims().to_vec();
+        with_dtype!(
+            storage.dtype(),
+            T => {
+                let data = &<T as candle_core::WithDType>::cpu_storage_as_slice(storage)?[a..b];
+                let (out, out_shape) = run_move(&self.comm, self.name, self.fwd, data, &shape)?;
+                Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(out), Shape::from(out_shape)))
+            },
+            |d| Err(unsupported(&self.comm, self.name, d).into())
+        )
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(move_tensor(&self.comm, self.name, self.bwd, grad_res)?))
+    }
+}
+
+fn apply(comm: &Comm, name: &'static str, fwd: Move, bwd: Move, x: &Tensor) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let op = CommOp { comm: comm.clone(), name, fwd, bwd };
+    Ok(x.apply_op1(op)?)
+}
+
+/// Megatron's `f`: identity forward, allreduce (sum) of the gradient backward. Put it where a
+/// replicated activation enters a tensor-parallel region (before a column-parallel linear), so
+/// the replicated producers (LayerNorm, the residual stream) receive the full gradient.
+///
+/// # Errors
+/// Collective errors (in backward, through candle's `backward()`), unsupported dtypes.
+pub fn copy_to_parallel_region(x: &Tensor, comm: &Comm) -> Result<Tensor> {
+    apply(comm, "copy_to_parallel_region", Move::Identity, Move::AllReduce(ReduceOp::Sum), x)
+}
+
+/// Megatron's `g`: allreduce (sum) forward, identity backward. Put it where a tensor-parallel
+/// region's partial results leave it (after a row-parallel linear).
+///
+/// # Errors
+/// Collective errors, unsupported dtypes.
+pub fn reduce_from_parallel_region(x: &Tensor, comm: &Comm) -> Result<Tensor> {
+    apply(comm, "reduce_from_parallel_region", Move::AllReduce(ReduceOp::Sum), Move::Identity, x)
+}
+
+/// Allgather along `dim` forward (rank order), keep this rank's part of the gradient backward.
+/// After a column-parallel linear with `dim` = last dim, this gives every rank the full output.
+///
+/// # Errors
+/// Collective errors; [`Error::Shape`] for a dim out of range.
+pub fn gather_from_parallel_region(x: &Tensor, comm: &Comm, dim: usize) -> Result<Tensor> {
+    apply(comm, "gather_from_parallel_region", Move::AllGather(dim), Move::Split(dim), x)
+}
+
+/// Keep this rank's part of `dim` forward, allgather the gradient backward. Before a
+/// row-parallel linear whose input is replicated.
+///
+/// # Errors
+/// [`Error::Shape`] when `dim` does not divide by the world size; collective errors backward.
+pub fn scatter_to_parallel_region(x: &Tensor, comm: &Comm, dim: usize) -> Result<Tensor> {
+    apply(comm, "scatter_to_parallel_region", Move::Split(dim), Move::AllGather(dim), x)
+}
+
+/// Megatron sequence parallel's entry: allgather along the sequence `dim` forward,
+/// reduce-scatter (sum) of the gradient backward.
+///
+/// # Errors
+/// Collective errors; [`Error::Shape`] for a dim out of range or, backward, not divisible.
+pub fn gather_from_sequence_parallel_region(
+    x: &Tensor,
+    comm: &Comm,
+    dim: usize,
+) -> Result<Tensor> {
+    apply(comm, "gather_from_sequence_parallel_region", Move::AllGather(dim), Move::ReduceScatter(dim), x)
+}
+
+/// Megatron sequence parallel's exit: reduce-scatter (sum) along the sequence `dim` forward,
+/// allgather of the gradient backward.
+///
+/// # Errors
+/// [`Error::Shape`] when `dim` does not divide by the world size; collective errors.
+pub fn reduce_scatter_to_sequence_parallel_region(
+    x: &Tensor,
+    comm: &Comm,
+    dim: usize,
+) -> Result<Tensor> {
+    apply(comm, "reduce_scatter_to_sequence_parallel_region", Move::ReduceScatter(dim), Move::AllGather(dim), x)
+}
+
+/// Ulysses' redistribution: all-to-all that splits `scatter_dim` across ranks and concatenates
+/// the parts received along `gather_dim`; backward is the inverse all-to-all.
+///
+/// # Errors
+/// [`Error::Shape`] when `scatter_dim` (or, backward, `gather_dim`) does not divide by the world
+/// size; collective errors.
+pub fn all_to_all(x: &Tensor, comm: &Comm, scatter_dim: usize, gather_dim: usize) -> Result<Tensor> {
+    apply(
+        comm,
+        "all_to_all",
+        Move::AllToAll(scatter_dim, gather_dim),
+        Move::AllToAll(gather_dim, scatter_dim),
+        x,
+    )
+}
+
+/// Eager allreduce of a tensor (no autograd).
+///
+/// # Errors
+/// Collective errors, unsupported dtypes.
+pub fn all_reduce(x: &Tensor, comm: &Comm, op: ReduceOp) -> Result<Tensor> {
+    move_tensor(comm, "all_reduce", Move::AllReduce(op), x)
+}
+
+/// Eager allgather along `dim` (no autograd).
+///
+/// # Errors
+/// Collective errors; [`Error::Shape`] for a dim out of range.
+pub fn all_gather(x: &Tensor, comm: &Comm, dim: usize) -> Result<Tensor> {
+    move_tensor(comm, "all_gather", Move::AllGather(dim), x)
+}
+
+/// Eager reduce-scatter (sum) along `dim` (no autograd).
+///
+/// # Errors
+/// Collective errors; [`Error::Shape`] when `dim` does not divide by the world size.
+pub fn reduce_scatter(x: &Tensor, comm: &Comm, dim: usize) -> Result<Tensor> {
+    move_tensor(comm, "reduce_scatter", Move::ReduceScatter(dim), x)
+}
+
+/// Eager broadcast of a tensor from `root` (no autograd): every rank passes a tensor of the same
+/// shape and dtype and gets `root`'s values.
+///
+/// # Errors
+/// Collective errors, unsupported dtypes.
+pub fn broadcast(x: &Tensor, comm: &Comm, root: usize) -> Result<Tensor> {
+    let shape = x.dims().to_vec();
+    let flat = x.flatten_all()?;
+    with_dtype!(
+        x.dtype(),
+        T => {
+            let mut data = flat.to_vec1::<T>()?;
+            comm.broadcast(&mut data, root)?;
+            Ok(Tensor::from_vec(data, shape, x.device())?)
+        },
+        |d| Err(unsupported(comm, "broadcast", d))
+    )
+}
