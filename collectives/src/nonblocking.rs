@@ -18,9 +18,24 @@ type Job = Box<dyn FnOnce(&Comm) + Send>;
 
 /// The worker thread of one communicator.
 pub(crate) struct Worker {
-    tx: Mutex<mpsc::Sender<Job>>,
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
     /// Jobs submitted and not yet finished.
     pending: Arc<(Mutex<u64>, Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    /// The last handle of the communicator is gone: close the queue and join the thread, so its
+    /// copy of the group (and with it the transport, which says goodbye to its peers) is dropped
+    /// before the program goes on — or exits.
+    fn drop(&mut self) {
+        drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
+        if let Some(t) = self.thread.take() {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
 }
 
 /// A collective in flight. [`wait`](Pending::wait) returns its result (and buffers).
@@ -79,6 +94,8 @@ impl Comm {
         let pending = Arc::new((Mutex::new(0u64), Condvar::new()));
         let mut me = self.clone();
         me.in_worker = true;
+        // The thread's handle must not keep the worker (and so itself) alive.
+        me.worker = Arc::new(std::sync::OnceLock::new());
         let p2 = pending.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("tutti-coll-{}", self.rank()))
@@ -91,14 +108,18 @@ impl Comm {
                     cv.notify_all();
                 }
             });
-        if let Err(e) = spawned {
-            return Err(Error::Runtime(tutti_runtime::Error::Io {
-                rank: self.rank(),
-                what: "spawning the collectives worker".into(),
-                detail: e.to_string(),
-            }));
-        }
-        let _ = self.worker.set(Worker { tx: Mutex::new(tx), pending });
+        let thread = match spawned {
+            Ok(t) => t,
+            Err(e) => {
+                return Err(Error::Runtime(tutti_runtime::Error::Io {
+                    rank: self.rank(),
+                    what: "spawning the collectives worker".into(),
+                    detail: e.to_string(),
+                }))
+            }
+        };
+        // A lost race (another clone set it first) drops this one, which joins its thread.
+        let _ = self.worker.set(Worker { tx: Mutex::new(Some(tx)), pending, thread: Some(thread) });
         self.worker.get().ok_or_else(|| worker_gone(self.rank()))
     }
 
@@ -122,7 +143,11 @@ impl Comm {
                     let (m, _) = &*w.pending;
                     *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
                 }
-                if w.tx.lock().unwrap_or_else(|e| e.into_inner()).send(job).is_err() {
+                let sent = match &*w.tx.lock().unwrap_or_else(|e| e.into_inner()) {
+                    Some(tx) => tx.send(job).is_ok(),
+                    None => false,
+                };
+                if !sent {
                     let (m, cv) = &*w.pending;
                     *m.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
                     cv.notify_all();

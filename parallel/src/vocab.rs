@@ -112,6 +112,10 @@ impl VocabParallelEmbedding {
 /// backward: the gradient of each rank's logits, `softmax - onehot`, is computed locally.
 /// With no valid target the result is NaN, as in PyTorch.
 ///
+/// The LM head that produced `logits` is vocab-parallel too: its (replicated) input must pass
+/// through [`crate::copy_to_parallel_region`] (a [`crate::ColumnParallelLinear`] does), so the
+/// ranks' gradients of that input are summed.
+///
 /// # Collective contract
 /// Every rank calls it with logits of the same leading shape, the same targets and its own
 /// `range` (the ranges partition the vocabulary).

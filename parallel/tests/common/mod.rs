@@ -1,0 +1,59 @@
+//! Helpers shared by the parallel tests.
+#![allow(dead_code, unreachable_pub)]
+
+use candle_core::{DType, Device, Tensor};
+use tutti_parallel::Comm;
+use tutti_runtime::testing::{groups, Kind};
+
+/// Run `f` on every rank of an `n`-rank world (threads) and collect the results in rank order.
+pub fn on_world<T: Send>(kind: Kind, n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
+    let comms: Vec<Comm> = groups(kind, n).unwrap().into_iter().map(Comm::new).collect();
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A tensor of small integers (exact in f32 under any summation order): `(i * 7 + seed) % 11 - 5`.
+pub fn ints(shape: &[usize], seed: usize) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| ((i * 7 + seed) % 11) as f32 - 5.0).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Deterministic pseudo-random values in [-1, 1).
+pub fn rand(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Max |a - b| (shapes must hold the same number of elements).
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.elem_count(), b.elem_count(), "{:?} vs {:?}", a.dims(), b.dims());
+    let a = a.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+    let b = b.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+    (a - b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// Max |a - b| relative to max |b|.
+pub fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let m = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    max_diff(a, b) / m.max(1e-30)
+}
+
+/// Exact equality of values.
+pub fn assert_exact(a: &Tensor, b: &Tensor, what: &str) {
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+    let d = max_diff(a, b);
+    assert_eq!(d, 0.0, "{what}: differs by {d}");
+}
