@@ -432,25 +432,8 @@ fn mlp_report(
 /// # Errors
 /// The first rank's error.
 pub fn run_threads(case: &Case, strategy: Strategy, world: usize, opts: &Options) -> Result<Report> {
-    let results: Vec<Result<Report>> = std::thread::scope(|s| {
-        let hs: Vec<_> = Comm::mem_world(world)
-            .into_iter()
-            .map(|c| s.spawn(move || run(case, strategy, &c, opts)))
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(case.err("a rank panicked".into()))))
-            .collect()
-    });
-    let mut first = None;
-    for r in results {
-        match r {
-            Ok(rep) => {
-                first.get_or_insert(rep);
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    first.ok_or_else(|| case.err("world of 0 ranks".into()))
+    let mut reports = crate::launch::run_threads(world, |c| run(case, strategy, &c, opts))?;
+    Ok(reports.swap_remove(0))
 }
 
 /// `tutti-golden`'s main: `--case FILE --strategy S [--micro-batches M] [--threads N]`. Under
@@ -489,15 +472,17 @@ pub fn main() -> std::process::ExitCode {
         Err(e) => return fail(e.to_string()),
     };
     let opts = Options { micro_batches: a.micro_batches };
-    let launched = std::env::var_os("WORLD_SIZE").is_some() || std::env::var_os("SLURM_NTASKS").is_some()
-        || std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some();
-    let (report, rank) = match (a.threads, launched) {
-        (Some(n), _) => (run_threads(&case, strategy, n, &opts), 0),
-        (None, true) => match Comm::from_env() {
-            Ok(c) => (run(&case, strategy, &c, &opts), c.rank()),
-            Err(e) => return fail(e.to_string()),
-        },
-        (None, false) => (run_threads(&case, strategy, 1, &opts), 0),
+    let threads = a.threads.unwrap_or(1);
+    let report = if a.threads.is_none() && crate::launch::launched() {
+        crate::run_ranks(1, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))
+            .map(|mut v| v.swap_remove(0))
+    } else {
+        crate::launch::run_threads(threads, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))
+            .map(|mut v| v.swap_remove(0))
+    };
+    let (report, rank) = match report {
+        Ok((r, rank)) => (Ok(r), rank),
+        Err(e) => (Err(e), 0),
     };
     match report {
         Ok(r) => {

@@ -42,9 +42,11 @@
 
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod data;
 mod dp;
 mod error;
 pub mod golden;
+mod launch;
 pub mod ops;
 mod shard;
 mod tp;
@@ -52,6 +54,7 @@ mod vocab;
 
 pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
+pub use launch::{launched, run_ranks};
 pub use ops::{
     all_to_all, copy_to_parallel_region, gather_from_parallel_region,
     gather_from_sequence_parallel_region, reduce_from_parallel_region,

@@ -1,0 +1,45 @@
+//! Where the ranks come from: a launcher's environment, or threads in this process.
+
+use tutti_collectives::Comm;
+
+use crate::error::{Error, Result};
+
+/// True when a launcher (tutti-run, torchrun, srun, mpirun) set the rank environment.
+pub fn launched() -> bool {
+    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"].iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// Run `f` on every rank this process hosts and return their results in rank order: under a
+/// launcher, one rank (this process's) from the environment; otherwise `threads` ranks as
+/// threads over the in-memory transport. Examples and tools use it so the same binary runs
+/// alone or under `tutti-run`.
+///
+/// # Errors
+/// Rendezvous errors; the first error of a rank; a rank that panicked.
+pub fn run_ranks<T: Send>(threads: usize, f: impl Fn(Comm) -> Result<T> + Sync) -> Result<Vec<T>> {
+    if launched() {
+        let c = Comm::from_env()?;
+        return Ok(vec![f(c)?]);
+    }
+    run_threads(threads, f)
+}
+
+/// `threads` ranks as threads over the in-memory transport; results in rank order.
+pub(crate) fn run_threads<T: Send>(
+    threads: usize,
+    f: impl Fn(Comm) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let results: Vec<Result<T>> = std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = Comm::mem_world(threads.max(1)).into_iter().map(|c| s.spawn(move || f(c))).collect();
+        hs.into_iter()
+            .enumerate()
+            .map(|(r, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Shape { rank: r, layer: "run_ranks", detail: "the rank's thread panicked".into() })
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
