@@ -61,7 +61,13 @@ pub fn two_moons(n: usize, noise: f64, seed: u64) -> Result<(Tensor, Tensor)> {
     let outer = n / 2;
     let inner = n - outer;
     let mut pts: Vec<([f64; 2], f32)> = Vec::with_capacity(n);
-    let lin = |i: usize, m: usize| if m > 1 { std::f64::consts::PI * i as f64 / (m - 1) as f64 } else { 0.0 };
+    let lin = |i: usize, m: usize| {
+        if m > 1 {
+            std::f64::consts::PI * i as f64 / (m - 1) as f64
+        } else {
+            0.0
+        }
+    };
     for i in 0..outer {
         let t = lin(i, outer);
         pts.push(([t.cos(), t.sin()], 0.0));

@@ -214,7 +214,8 @@ impl DataParallel {
         }
         match &mut self.acc {
             None => {
-                self.acc = Some(Accum { store, grads, samples: samples as u64, loss_sum: value * w })
+                self.acc =
+                    Some(Accum { store, grads, samples: samples as u64, loss_sum: value * w })
             }
             Some(acc) => {
                 for (a, g) in acc.grads.iter_mut().zip(grads) {

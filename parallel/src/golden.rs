@@ -83,7 +83,11 @@ impl Case {
     }
 
     fn tolerance(&self, key: &str, default: f64) -> f64 {
-        self.meta.get("tolerances").and_then(|t| t.get(key)).and_then(|v| v.as_f64()).unwrap_or(default)
+        self.meta
+            .get("tolerances")
+            .and_then(|t| t.get(key))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(default)
     }
 }
 
@@ -214,7 +218,8 @@ impl Checker<'_> {
     /// the whole reference).
     fn part(&mut self, name: &str, ours: &Tensor, part: &Tensor, tol: Tol) -> Result<()> {
         let full = self.case.tensor(name.trim_end_matches("[0]"))?;
-        let max_ref = full.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let max_ref =
+            full.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let tolerance = match tol {
             Tol::Forward => self.case.tolerance("forward_max_abs", 1e-5),
             Tol::Relative => self.case.tolerance("grad_and_multistep_rel", 1e-4) * max_ref + 1e-6,
@@ -366,7 +371,8 @@ fn mlp_train_dp(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) ->
     let (x, y) = (case.tensor("x")?, case.tensor("y")?);
     let w1 = Var::from_tensor(&case.tensor("lin1.weight")?)?;
     let w2 = Var::from_tensor(&case.tensor("lin2.weight")?)?;
-    let mut dp = DataParallel::new(comm.clone(), vec![w1.clone(), w2.clone()], DpConfig::default())?;
+    let mut dp =
+        DataParallel::new(comm.clone(), vec![w1.clone(), w2.clone()], DpConfig::default())?;
     let mut opt = SGD::new(vec![w1.clone(), w2.clone()], case.config("lr")?)?;
     let mut losses = Vec::new();
     for _ in 0..steps(case)? {
@@ -413,7 +419,12 @@ fn mlp_report(
 ) -> Result<Report> {
     let losses = Tensor::new(losses, &Device::Cpu)?;
     let mut ck = Checker { case, comm, checks: Vec::new() };
-    ck.part("losses[0]", &losses.narrow(0, 0, 1)?, &case.tensor("losses")?.narrow(0, 0, 1)?, Tol::Forward)?;
+    ck.part(
+        "losses[0]",
+        &losses.narrow(0, 0, 1)?,
+        &case.tensor("losses")?.narrow(0, 0, 1)?,
+        Tol::Forward,
+    )?;
     ck.whole("losses", &losses, Tol::Relative)?;
     let (p1, p2) = match hidden {
         None => (case.tensor("lin1.weight_final")?, case.tensor("lin2.weight_final")?),
@@ -431,7 +442,12 @@ fn mlp_report(
 ///
 /// # Errors
 /// The first rank's error.
-pub fn run_threads(case: &Case, strategy: Strategy, world: usize, opts: &Options) -> Result<Report> {
+pub fn run_threads(
+    case: &Case,
+    strategy: Strategy,
+    world: usize,
+    opts: &Options,
+) -> Result<Report> {
     let mut reports = crate::launch::run_threads(world, |c| run(case, strategy, &c, opts))?;
     Ok(reports.swap_remove(0))
 }
@@ -444,7 +460,10 @@ pub fn run_threads(case: &Case, strategy: Strategy, world: usize, opts: &Options
 pub fn main() -> std::process::ExitCode {
     use clap::Parser;
     #[derive(Parser)]
-    #[command(name = "tutti-golden", about = "Check a parallel strategy against a PyTorch golden case")]
+    #[command(
+        name = "tutti-golden",
+        about = "Check a parallel strategy against a PyTorch golden case"
+    )]
     struct Args {
         /// The case's json file (it names its safetensors file).
         #[arg(long)]

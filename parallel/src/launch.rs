@@ -6,7 +6,9 @@ use crate::error::{Error, Result};
 
 /// True when a launcher (tutti-run, torchrun, srun, mpirun) set the rank environment.
 pub fn launched() -> bool {
-    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"].iter().any(|v| std::env::var_os(v).is_some())
+    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
 }
 
 /// Run `f` on every rank this process hosts and return their results in rank order: under a
@@ -31,12 +33,17 @@ pub(crate) fn run_threads<T: Send>(
 ) -> Result<Vec<T>> {
     let results: Vec<Result<T>> = std::thread::scope(|s| {
         let f = &f;
-        let hs: Vec<_> = Comm::mem_world(threads.max(1)).into_iter().map(|c| s.spawn(move || f(c))).collect();
+        let hs: Vec<_> =
+            Comm::mem_world(threads.max(1)).into_iter().map(|c| s.spawn(move || f(c))).collect();
         hs.into_iter()
             .enumerate()
             .map(|(r, h)| {
                 h.join().unwrap_or_else(|_| {
-                    Err(Error::Shape { rank: r, layer: "run_ranks", detail: "the rank's thread panicked".into() })
+                    Err(Error::Shape {
+                        rank: r,
+                        layer: "run_ranks",
+                        detail: "the rank's thread panicked".into(),
+                    })
                 })
             })
             .collect()

@@ -161,7 +161,11 @@ macro_rules! with_dtype {
 }
 
 fn unsupported(comm: &Comm, layer: &'static str, dtype: DType) -> Error {
-    shape_err(comm, layer, format!("dtype {dtype:?} cannot be communicated (f32, f64, bf16, f16, i64, u8 can)"))
+    shape_err(
+        comm,
+        layer,
+        format!("dtype {dtype:?} cannot be communicated (f32, f64, bf16, f16, i64, u8 can)"),
+    )
 }
 
 /// Eager `mv` on a tensor (any layout; CPU).
@@ -273,12 +277,14 @@ pub fn scatter_to_parallel_region(x: &Tensor, comm: &Comm, dim: usize) -> Result
 ///
 /// # Errors
 /// Collective errors; [`Error::Shape`] for a dim out of range or, backward, not divisible.
-pub fn gather_from_sequence_parallel_region(
-    x: &Tensor,
-    comm: &Comm,
-    dim: usize,
-) -> Result<Tensor> {
-    apply(comm, "gather_from_sequence_parallel_region", Move::AllGather(dim), Move::ReduceScatter(dim), x)
+pub fn gather_from_sequence_parallel_region(x: &Tensor, comm: &Comm, dim: usize) -> Result<Tensor> {
+    apply(
+        comm,
+        "gather_from_sequence_parallel_region",
+        Move::AllGather(dim),
+        Move::ReduceScatter(dim),
+        x,
+    )
 }
 
 /// Megatron sequence parallel's exit: reduce-scatter (sum) along the sequence `dim` forward,
@@ -291,7 +297,13 @@ pub fn reduce_scatter_to_sequence_parallel_region(
     comm: &Comm,
     dim: usize,
 ) -> Result<Tensor> {
-    apply(comm, "reduce_scatter_to_sequence_parallel_region", Move::ReduceScatter(dim), Move::AllGather(dim), x)
+    apply(
+        comm,
+        "reduce_scatter_to_sequence_parallel_region",
+        Move::ReduceScatter(dim),
+        Move::AllGather(dim),
+        x,
+    )
 }
 
 /// Ulysses' redistribution: all-to-all that splits `scatter_dim` across ranks and concatenates
@@ -300,7 +312,12 @@ pub fn reduce_scatter_to_sequence_parallel_region(
 /// # Errors
 /// [`Error::Shape`] when `scatter_dim` (or, backward, `gather_dim`) does not divide by the world
 /// size; collective errors.
-pub fn all_to_all(x: &Tensor, comm: &Comm, scatter_dim: usize, gather_dim: usize) -> Result<Tensor> {
+pub fn all_to_all(
+    x: &Tensor,
+    comm: &Comm,
+    scatter_dim: usize,
+    gather_dim: usize,
+) -> Result<Tensor> {
     apply(
         comm,
         "all_to_all",

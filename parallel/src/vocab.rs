@@ -79,7 +79,11 @@ impl VocabParallelEmbedding {
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
         let ids = token_ids(tokens)?;
         let (rows, mask) = localise(&ids, &self.range, self.weight.device())?;
-        let e = self.weight.as_tensor().index_select(&rows, 0)?.broadcast_mul(&mask.to_dtype(self.weight.dtype())?)?;
+        let e = self
+            .weight
+            .as_tensor()
+            .index_select(&rows, 0)?
+            .broadcast_mul(&mask.to_dtype(self.weight.dtype())?)?;
         let mut shape = tokens.dims().to_vec();
         shape.push(self.weight.dim(1)?);
         ops::reduce_from_parallel_region(&e.reshape(shape)?, &self.comm)
@@ -160,7 +164,9 @@ pub fn vocab_parallel_cross_entropy(
     let sumexp = ops::reduce_from_parallel_region(&shifted.exp()?.sum_keepdim(1)?, comm)?;
     // 3: the target's (shifted) logit, from the rank that owns it.
     let (rows, owned) = localise(&ids, &range, device)?;
-    let picked = shifted.gather(&rows.reshape((n, 1))?, 1)?.broadcast_mul(&owned.to_dtype(shifted.dtype())?)?;
+    let picked = shifted
+        .gather(&rows.reshape((n, 1))?, 1)?
+        .broadcast_mul(&owned.to_dtype(shifted.dtype())?)?;
     let target = ops::reduce_from_parallel_region(&picked, comm)?;
     let per_token = (sumexp.log()? - target)?;
     let valid: Vec<f32> =

@@ -63,7 +63,8 @@ fn a_wrong_answer_fails() {
     // Corrupt one reference value: the runner must say FAIL for that tensor.
     let mut c = case("g1_linear_step.json");
     let w1 = c.tensors["w1"].clone();
-    let bumped = w1.broadcast_add(&candle_core::Tensor::new(1e-3f32, w1.device()).unwrap()).unwrap();
+    let bumped =
+        w1.broadcast_add(&candle_core::Tensor::new(1e-3f32, w1.device()).unwrap()).unwrap();
     c.tensors.insert("w1".into(), bumped);
     let r = run_threads(&c, Strategy::Dp, 2, &Options::default()).unwrap();
     assert!(!r.ok());

@@ -85,7 +85,11 @@ fn dp_case(kind: Kind, n: usize, micro: usize) {
         assert!((s.loss as f32 - ref_loss).abs() <= 1e-6, "loss {} vs {ref_loss}", s.loss);
         for (v, want) in vars.iter().zip(&ref_grads) {
             let got = s.grads.get(v.as_tensor()).unwrap();
-            assert!(rel_diff(got, want) <= TOL, "n={n} micro={micro}: grad {}", rel_diff(got, want));
+            assert!(
+                rel_diff(got, want) <= TOL,
+                "n={n} micro={micro}: grad {}",
+                rel_diff(got, want)
+            );
         }
         // One SGD step keeps the replicas identical.
         SGD::new(vars.clone(), 0.1).unwrap().step(&s.grads).unwrap();
@@ -175,7 +179,7 @@ fn ref_ce(logits: &Tensor, targets: &[i64], ignore: i64) -> Tensor {
         }
     }
     let oh = Tensor::from_vec(onehot, (targets.len(), v), &Device::Cpu).unwrap();
-    ((ls * oh).unwrap().sum_all().unwrap() / -count as f64).unwrap()
+    ((ls * oh).unwrap().sum_all().unwrap() / -count).unwrap()
 }
 
 fn vocab_case(kind: Kind, n: usize) {
@@ -212,7 +216,9 @@ fn vocab_case(kind: Kind, n: usize) {
         let want_ge = ref_ge.narrow(0, r.start, r.len()).unwrap();
         let want_gh = ref_gh.narrow(0, r.start, r.len()).unwrap();
         // Relative to the whole reference gradient's scale.
-        let scale = |t: &Tensor| t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        let scale = |t: &Tensor| {
+            t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+        };
         let d = |a: &Tensor, b: &Tensor| common::max_diff(a, b);
         assert!(d(ge, &want_ge) <= TOL * scale(ref_ge), "n={n} grad embed");
         assert!(d(gh, &want_gh) <= TOL * scale(ref_gh), "n={n} grad head");
@@ -261,7 +267,10 @@ fn replicas_that_differ_are_named() {
         dp.check_replicas().unwrap_err().to_string()
     });
     for e in &out {
-        assert!(e.contains("parameter \"#1 [3] F32\" differs across ranks: the values differ"), "{e}");
+        assert!(
+            e.contains("parameter \"#1 [3] F32\" differs across ranks: the values differ"),
+            "{e}"
+        );
     }
     // Different shapes: caught when wrapping.
     let out = on_world(Kind::Mem, 2, |c: Comm| {

@@ -83,8 +83,7 @@ fn check_all(kind: Kind, n: usize) {
         assert_exact(&y, &Tensor::cat(&want, 1).unwrap(), "all_to_all forward");
         // The gradient of rank q's output block from rank r is rank q's cotangent's block r.
         let g = grad(&loss(&y, 70 + r), &x);
-        let blocks: Vec<Tensor> =
-            (0..n).map(|q| part(&ints(y.dims(), 70 + q), 1, r, n)).collect();
+        let blocks: Vec<Tensor> = (0..n).map(|q| part(&ints(y.dims(), 70 + q), 1, r, n)).collect();
         assert_exact(&g, &Tensor::cat(&blocks, 2).unwrap(), "all_to_all backward");
     });
 }

@@ -12,21 +12,23 @@ fn golden(case: &str, strategy: &str, np: usize, extra: &[&str]) -> (bool, Strin
     cmd.args(["--nproc", &np.to_string(), "--", env!("CARGO_BIN_EXE_tt-golden")]);
     cmd.args(["--case", &case, "--strategy", strategy]).args(extra);
     let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(!killed, "tutti-golden hung:\n{text}");
     (out.status.success(), text)
 }
 
 #[test]
 fn g1_across_processes() {
-    for (s, np, extra) in [("dp", 4, &[][..]), ("accum", 2, &["--micro-batches", "4"][..]), ("tp", 4, &[][..])] {
+    for (s, np, extra) in
+        [("dp", 4, &[][..]), ("accum", 2, &["--micro-batches", "4"][..]), ("tp", 4, &[][..])]
+    {
         let (ok, text) = golden("g1_linear_step.json", s, np, extra);
         assert!(ok, "{s} np{np}:\n{text}");
-        assert!(text.contains(&format!("[0] # case linear_step  strategy {s}  world {np}")), "{text}");
+        assert!(
+            text.contains(&format!("[0] # case linear_step  strategy {s}  world {np}")),
+            "{text}"
+        );
         assert!(text.contains("[0] PASS: 3 tensors within tolerance"), "{text}");
     }
 }

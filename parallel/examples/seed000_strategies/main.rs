@@ -69,7 +69,10 @@ fn report(rank: usize, what: &str, got: &Tensor, want: &Tensor) -> Result<bool> 
     let d = (got - want)?.abs()?.flatten_all()?;
     let max = d.max(0)?.to_scalar::<f32>()?;
     let mean = d.mean(0)?.to_scalar::<f32>()?;
-    println!("[Rank {rank}] {what:<22} match: {} | max diff: {max:.3e} | mean diff: {mean:.3e}", max <= 1e-5);
+    println!(
+        "[Rank {rank}] {what:<22} match: {} | max diff: {max:.3e} | mean diff: {mean:.3e}",
+        max <= 1e-5
+    );
     Ok(max <= 1e-5)
 }
 

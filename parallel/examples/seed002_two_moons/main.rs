@@ -88,9 +88,11 @@ fn main() -> std::process::ExitCode {
         let dp = data_parallel(&c, &x, &y)?;
         // Tensor parallel needs the hidden width to divide by the world.
         let tp = if HIDDEN % c.size() == 0 { Some(tensor_parallel(&c, &x, &y)?) } else { None };
-        let max_diff = |v: &[f32]| v.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let max_diff =
+            |v: &[f32]| v.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         if c.rank() == 0 {
-            let sizes: Vec<usize> = (0..c.size()).map(|r| shard_range(N, r, c.size()).len()).collect();
+            let sizes: Vec<usize> =
+                (0..c.size()).map(|r| shard_range(N, r, c.size()).len()).collect();
             println!("# two moons, {N} samples, {} ranks, DP shards {sizes:?}", c.size());
             println!("# epoch   reference          dp          tp");
             for e in 0..EPOCHS {
@@ -100,7 +102,12 @@ fn main() -> std::process::ExitCode {
         }
         let tol = 1e-6;
         let mut ok = max_diff(&dp) <= tol;
-        println!("[Rank {}] data parallel   match: {} | max diff: {:.3e}", c.rank(), ok, max_diff(&dp));
+        println!(
+            "[Rank {}] data parallel   match: {} | max diff: {:.3e}",
+            c.rank(),
+            ok,
+            max_diff(&dp)
+        );
         if let Some(tp) = &tp {
             let d = max_diff(tp);
             ok &= d <= tol;
