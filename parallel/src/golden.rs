@@ -20,7 +20,9 @@ use tutti_collectives::{Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::shard::shard_range;
+use crate::block::{Block, BlockConfig, BlockMode, Param};
 use crate::{ColumnParallelLinear, DataParallel, DpConfig, RowParallelLinear};
+use candle_core::backprop::GradStore;
 
 /// A loaded case.
 #[derive(Debug)]
@@ -100,6 +102,14 @@ pub enum Strategy {
     Accum,
     /// Megatron tensor parallel.
     Tp,
+    /// Megatron tensor + sequence parallel.
+    TpSp,
+    /// Ulysses sequence parallel.
+    Ulysses,
+    /// Tensor parallel with the vocabulary sharded (tiny LM).
+    Vocab,
+    /// Pipeline parallel.
+    Pp,
 }
 
 impl Strategy {
@@ -109,6 +119,10 @@ impl Strategy {
             "dp" => Strategy::Dp,
             "accum" => Strategy::Accum,
             "tp" => Strategy::Tp,
+            "tp-sp" => Strategy::TpSp,
+            "ulysses" => Strategy::Ulysses,
+            "vocab" => Strategy::Vocab,
+            "pp" => Strategy::Pp,
             _ => return None,
         })
     }
@@ -119,6 +133,10 @@ impl Strategy {
             Strategy::Dp => "dp",
             Strategy::Accum => "accum",
             Strategy::Tp => "tp",
+            Strategy::TpSp => "tp-sp",
+            Strategy::Ulysses => "ulysses",
+            Strategy::Vocab => "vocab",
+            Strategy::Pp => "pp",
         }
     }
 }
@@ -289,8 +307,13 @@ pub fn run(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Resu
         ("linear_step", Strategy::Tp) => linear_step_tp(case, comm),
         ("mlp_train", Strategy::Dp | Strategy::Accum) => mlp_train_dp(case, strategy, comm, opts),
         ("mlp_train", Strategy::Tp) => mlp_train_tp(case, comm),
+        ("transformer_block", s @ (Strategy::Tp | Strategy::TpSp | Strategy::Ulysses)) => {
+            transformer_block(case, s, comm)
+        }
         (kind, s) => Err(case.err(format!(
-            "no strategy {:?} for case kind {kind:?} (linear_step: dp, accum, tp; mlp_train: dp, accum, tp)",
+            "no strategy {:?} for case kind {kind:?} (linear_step: dp, accum, tp; mlp_train: dp, \
+             accum, tp; transformer_block: tp, tp-sp, ulysses; tiny_lm: tp, tp-sp, vocab; \
+             pipeline_mlp: pp)",
             s.name()
         ))),
     }
@@ -438,6 +461,63 @@ fn mlp_report(
     ck.finish(strategy)
 }
 
+fn block_config(case: &Case) -> Result<BlockConfig> {
+    let causal = case
+        .meta
+        .get("config")
+        .and_then(|c| c.get("causal"))
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+    let eps = case.config("layernorm_eps").unwrap_or(1e-5);
+    Ok(BlockConfig { n_heads: case.config("n_heads")? as usize, causal, eps })
+}
+
+/// G3: one block forward and backward of `loss = sum(y * g)`.
+fn transformer_block(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Report> {
+    let mode = match strategy {
+        Strategy::Tp => BlockMode::Tp,
+        Strategy::TpSp => BlockMode::TpSp,
+        _ => BlockMode::Ulysses,
+    };
+    let block = Block::from_weights(&case.tensors, "", block_config(case)?, mode, comm)?;
+    let sharded = mode != BlockMode::Tp;
+    let local = |t: Tensor| -> Result<Tensor> {
+        if sharded {
+            crate::block::sequence_shard(&t, comm)
+        } else {
+            Ok(t)
+        }
+    };
+    let x = Var::from_tensor(&local(case.tensor("x")?)?)?;
+    let g = local(case.tensor("g")?)?;
+    let y = block.forward(x.as_tensor())?;
+    let local_loss = (&y * &g)?.sum_all()?;
+    let mut grads = local_loss.backward()?;
+    crate::block::sum_replicated_grads(block.params(), &mut grads, comm)?;
+    let loss = if sharded { ops::all_reduce(&local_loss, comm, ReduceOp::Sum)? } else { local_loss };
+    let mut ck = Checker { case, comm, checks: Vec::new() };
+    ck.part("y", &y, &local(case.tensor("y")?)?, Tol::Forward)?;
+    ck.whole("loss", &loss, Tol::Relative)?;
+    let gx = grads.get(x.as_tensor()).cloned().ok_or_else(|| case.err("no grad of x".into()))?;
+    ck.part("grad.x", &gx, &local(case.tensor("grad.x")?)?, Tol::Relative)?;
+    check_params(&mut ck, block.params(), &grads)?;
+    ck.finish(strategy)
+}
+
+/// Compare every parameter's gradient with the part of `grad.<name>` this rank holds.
+fn check_params(ck: &mut Checker<'_>, params: &[Param], grads: &GradStore) -> Result<()> {
+    for p in params {
+        let name = format!("grad.{}", p.name);
+        let full = ck.case.tensor(&name)?;
+        let got = grads
+            .get(p.var.as_tensor())
+            .cloned()
+            .ok_or_else(|| ck.case.err(format!("no gradient for {}", p.name)))?;
+        ck.part(&name, &got, &p.part_of(&full, ck.comm)?, Tol::Relative)?;
+    }
+    Ok(())
+}
+
 /// Run several ranks of a case as threads over the in-memory transport (tests, quick runs).
 ///
 /// # Errors
@@ -468,7 +548,7 @@ pub fn main() -> std::process::ExitCode {
         /// The case's json file (it names its safetensors file).
         #[arg(long)]
         case: PathBuf,
-        /// dp, accum or tp.
+        /// dp, accum, tp, tp-sp, ulysses, vocab or pp (which apply depends on the case).
         #[arg(long)]
         strategy: String,
         /// Micro-batches per rank for `accum`.
@@ -484,7 +564,7 @@ pub fn main() -> std::process::ExitCode {
         std::process::ExitCode::from(2)
     };
     let Some(strategy) = Strategy::parse(&a.strategy) else {
-        return fail(format!("unknown strategy {:?} (dp, accum, tp)", a.strategy));
+        return fail(format!("unknown strategy {:?} (dp, accum, tp, tp-sp, ulysses, vocab, pp)", a.strategy));
     };
     let case = match Case::load(&a.case) {
         Ok(c) => c,

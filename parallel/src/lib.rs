@@ -42,6 +42,7 @@
 
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod block;
 pub mod data;
 mod dp;
 mod error;
@@ -52,6 +53,10 @@ mod shard;
 mod tp;
 mod vocab;
 
+pub use block::{
+    attention, layer_norm, sequence_shard, sum_replicated_grads, Block, BlockConfig, BlockMode, Held,
+    Param, BLOCK_PARAMS,
+};
 pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
 pub use launch::{launched, run_ranks};

@@ -49,7 +49,7 @@ pub fn shard_even(t: &Tensor, dim: usize, comm: &Comm, layer: &'static str) -> R
             rank: comm.rank(),
             layer,
             detail: format!(
-                "cannot split dim {dim} of a {dims:?} weight over {n} ranks: it must divide by the world size"
+                "cannot split dim {dim} of a {dims:?} tensor over {n} ranks: it must divide by the world size"
             ),
         });
     }

@@ -248,7 +248,7 @@ fn shapes_that_do_not_divide_are_refused() {
     for (r, (a, b, typed)) in errs.into_iter().enumerate() {
         assert!(typed);
         assert!(a.starts_with(&format!("rank {r}: ColumnParallelLinear")), "{a}");
-        assert!(a.contains("dim 0 of a [8, 4] weight over 3 ranks"), "{a}");
+        assert!(a.contains("dim 0 of a [8, 4] tensor over 3 ranks"), "{a}");
         assert!(b.contains("RowParallelLinear") && b.contains("dim 1"), "{b}");
     }
 }
