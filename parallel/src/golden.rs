@@ -310,6 +310,7 @@ pub fn run(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Resu
         ("transformer_block", s @ (Strategy::Tp | Strategy::TpSp | Strategy::Ulysses)) => {
             transformer_block(case, s, comm)
         }
+        ("tiny_lm", s @ (Strategy::Tp | Strategy::TpSp | Strategy::Vocab)) => tiny_lm(case, s, comm),
         (kind, s) => Err(case.err(format!(
             "no strategy {:?} for case kind {kind:?} (linear_step: dp, accum, tp; mlp_train: dp, \
              accum, tp; transformer_block: tp, tp-sp, ulysses; tiny_lm: tp, tp-sp, vocab; \
@@ -501,6 +502,38 @@ fn transformer_block(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Rep
     let gx = grads.get(x.as_tensor()).cloned().ok_or_else(|| case.err("no grad of x".into()))?;
     ck.part("grad.x", &gx, &local(case.tensor("grad.x")?)?, Tol::Relative)?;
     check_params(&mut ck, block.params(), &grads)?;
+    ck.finish(strategy)
+}
+
+/// G4: the tiny LM trained `steps` SGD steps with TP + vocab-parallel loss (`tp`/`vocab`), or
+/// with sequence parallelism too (`tp-sp`).
+fn tiny_lm(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Report> {
+    let mut block = block_config(case)?;
+    block.causal = true;
+    let ignore = case.config("ignore_index").ok().map(|v| v as i64);
+    let cfg = crate::LmConfig { block, n_blocks: 1, ignore_index: ignore };
+    let mode = if strategy == Strategy::TpSp { crate::LmMode::TpSp } else { crate::LmMode::Tp };
+    let lm = crate::TinyLm::from_weights(&case.tensors, cfg, mode, comm)?;
+    let tokens = case.tensor("tokens")?;
+    let mut opt = SGD::new(lm.vars(), case.config("lr")?)?;
+    let mut ck = Checker { case, comm, checks: Vec::new() };
+    let mut losses = Vec::new();
+    for step in 0..steps(case)? {
+        let (loss, logits) = lm.loss(&tokens)?;
+        losses.push(scalar(&loss)? as f32);
+        let grads = lm.backward(&loss)?;
+        if step == 0 {
+            let range = crate::shard_range(case.tensor("act.logits")?.dim(2)?, comm.rank(), comm.size());
+            let want = case.tensor("act.logits")?.narrow(2, range.start, range.len())?;
+            ck.part("act.logits", &logits, &want, Tol::Forward)?;
+            check_params(&mut ck, lm.params(), &grads)?;
+        }
+        opt.step(&grads)?;
+    }
+    let losses = Tensor::new(losses.as_slice(), &Device::Cpu)?;
+    let first = case.tensor("losses")?.narrow(0, 0, 1)?;
+    ck.part("losses[0]", &losses.narrow(0, 0, 1)?, &first, Tol::Forward)?;
+    ck.whole("losses", &losses, Tol::Relative)?;
     ck.finish(strategy)
 }
 

@@ -48,6 +48,7 @@ mod dp;
 mod error;
 pub mod golden;
 mod launch;
+pub mod lm;
 pub mod ops;
 mod shard;
 mod tp;
@@ -60,6 +61,7 @@ pub use block::{
 pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
 pub use launch::{launched, run_ranks};
+pub use lm::{LmConfig, LmMode, TinyLm};
 pub use ops::{
     all_to_all, copy_to_parallel_region, gather_from_parallel_region,
     gather_from_sequence_parallel_region, reduce_from_parallel_region,

@@ -11,7 +11,7 @@ use crate::ops;
 use crate::shard::{shard, shard_range};
 
 /// Token ids of an integer tensor, on the host.
-fn token_ids(tokens: &Tensor) -> Result<Vec<i64>> {
+pub(crate) fn token_ids(tokens: &Tensor) -> Result<Vec<i64>> {
     let flat = tokens.flatten_all()?;
     Ok(match tokens.dtype() {
         DType::I64 => flat.to_vec1::<i64>()?,
@@ -77,6 +77,16 @@ impl VocabParallelEmbedding {
     /// Candle and collective errors; ids outside the vocabulary give zero rows on every rank
     /// (as no rank owns them) — check them upstream.
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        ops::reduce_from_parallel_region(&self.forward_partial(tokens)?, &self.comm)
+    }
+
+    /// This rank's contribution before the sum over the group: rows of the ids it owns, zeros
+    /// for the others (`[..., d]`). Megatron-SP reduce-scatters it along the sequence instead of
+    /// allreducing it.
+    ///
+    /// # Errors
+    /// Candle errors.
+    pub fn forward_partial(&self, tokens: &Tensor) -> Result<Tensor> {
         let ids = token_ids(tokens)?;
         let (rows, mask) = localise(&ids, &self.range, self.weight.device())?;
         let e = self
@@ -86,7 +96,7 @@ impl VocabParallelEmbedding {
             .broadcast_mul(&mask.to_dtype(self.weight.dtype())?)?;
         let mut shape = tokens.dims().to_vec();
         shape.push(self.weight.dim(1)?);
-        ops::reduce_from_parallel_region(&e.reshape(shape)?, &self.comm)
+        Ok(e.reshape(shape)?)
     }
 
     /// The ids this rank owns.
