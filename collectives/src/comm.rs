@@ -1043,4 +1043,27 @@ impl Comm {
         self.drain()?;
         Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / std::mem::size_of::<T>())
     }
+
+    /// Several sends and receives posted together and waited for together (PyTorch's
+    /// `batch_isend_irecv`); see [`Group::batch_p2p`]. Returns the elements received per
+    /// receive.
+    ///
+    /// # Collective contract
+    /// Point to point: each send is matched by a receive with the same tag on its destination.
+    ///
+    /// # Errors
+    /// As [`Group::batch_p2p`].
+    pub fn batch_p2p<T: Element>(
+        &self,
+        sends: &[(usize, u32, &[T])],
+        recvs: &mut [(usize, u32, &mut [T])],
+    ) -> Result<Vec<usize>> {
+        self.drain()?;
+        let s: Vec<(usize, u32, &[u8])> =
+            sends.iter().map(|(d, t, b)| (*d, *t, as_bytes(b))).collect();
+        let mut r: Vec<(usize, u32, &mut [u8])> =
+            recvs.iter_mut().map(|(src, t, b)| (*src, *t, as_bytes_mut(b))).collect();
+        let got = self.group.batch_p2p(&s, &mut r)?;
+        Ok(got.into_iter().map(|n| n / std::mem::size_of::<T>()).collect())
+    }
 }

@@ -144,13 +144,18 @@ impl Strategy {
 /// Options of a run.
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
-    /// Micro-batches per rank for [`Strategy::Accum`].
+    /// Micro-batches per rank for [`Strategy::Accum`]; for [`Strategy::Pp`], overrides the
+    /// case's `micro_batches` when set explicitly.
     pub micro_batches: usize,
+    /// Micro-batches for [`Strategy::Pp`] (`None`: the case's `config.micro_batches`).
+    pub pp_micro_batches: Option<usize>,
+    /// Pipeline schedule for [`Strategy::Pp`].
+    pub schedule: crate::Schedule,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { micro_batches: 4 }
+        Options { micro_batches: 4, pp_micro_batches: None, schedule: crate::Schedule::OneFOneB }
     }
 }
 
@@ -268,6 +273,39 @@ impl Checker<'_> {
         self.part(name, ours, &r, tol)
     }
 
+    /// As `finish`, when ranks compare different tensors (pipeline stages): every rank's
+    /// checks are exchanged, so every rank reports all of them.
+    fn finish_ragged(self, strategy: Strategy) -> Result<Report> {
+        let n = self.comm.size();
+        let mine = self.checks.iter().map(|c| format!("{}\t{:e}\t{:e}", c.name, c.max_abs, c.tolerance)).collect::<Vec<_>>().join("\n");
+        let bytes = mine.into_bytes();
+        let mut lens = vec![0i64; n];
+        self.comm.allgather(&[bytes.len() as i64], &mut lens)?;
+        let counts: Vec<usize> = lens.iter().map(|l| *l as usize).collect();
+        let mut all = vec![0u8; counts.iter().sum()];
+        self.comm.allgatherv(&bytes, &mut all, &counts)?;
+        let text = String::from_utf8_lossy(&all).to_string();
+        let mut checks: Vec<Check> = Vec::new();
+        let mut off = 0;
+        for c in counts {
+            let part = &text[off..off + c];
+            off += c;
+            for line in part.lines().filter(|l| !l.is_empty()) {
+                let f: Vec<&str> = line.split('\t').collect();
+                if f.len() != 3 {
+                    continue;
+                }
+                let max_abs = f[1].parse().unwrap_or(f64::INFINITY);
+                let tolerance = f[2].parse().unwrap_or(0.0);
+                match checks.iter_mut().find(|c| c.name == f[0]) {
+                    Some(c) => c.max_abs = c.max_abs.max(max_abs),
+                    None => checks.push(Check { name: f[0].to_string(), max_abs, tolerance }),
+                }
+            }
+        }
+        Ok(Report { case: self.case.kind().to_string(), strategy, world: n, checks })
+    }
+
     fn finish(mut self, strategy: Strategy) -> Result<Report> {
         let mut d: Vec<f64> = self.checks.iter().map(|c| c.max_abs).collect();
         self.comm.allreduce(&mut d, ReduceOp::Max)?;
@@ -310,6 +348,7 @@ pub fn run(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Resu
         ("transformer_block", s @ (Strategy::Tp | Strategy::TpSp | Strategy::Ulysses)) => {
             transformer_block(case, s, comm)
         }
+        ("pipeline_mlp", Strategy::Pp) => pipeline_mlp(case, comm, opts),
         ("tiny_lm", s @ (Strategy::Tp | Strategy::TpSp | Strategy::Vocab)) => tiny_lm(case, s, comm),
         (kind, s) => Err(case.err(format!(
             "no strategy {:?} for case kind {kind:?} (linear_step: dp, accum, tp; mlp_train: dp, \
@@ -537,6 +576,71 @@ fn tiny_lm(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Report> {
     ck.finish(strategy)
 }
 
+/// G5: the deep GELU MLP (`x = gelu(x @ w.i)`) over pipeline stages, AdamW, `steps` steps.
+fn pipeline_mlp(case: &Case, comm: &Comm, opts: &Options) -> Result<Report> {
+    let layers = case.config("num_layers")? as usize;
+    let x = case.tensor("x")?;
+    let batch = x.dim(0)?;
+    let m = match opts.pp_micro_batches {
+        Some(m) => m,
+        None => case.config("micro_batches")? as usize,
+    };
+    let mine = shard_range(layers, comm.rank(), comm.size());
+    let ws: Vec<Var> = mine
+        .clone()
+        .map(|i| Ok(Var::from_tensor(&case.tensor(&format!("w.{i}"))?.copy()?)?))
+        .collect::<Result<_>>()?;
+    let adam = case.meta.get("config").and_then(|c| c.get("optimizer"));
+    let num = |k: &str, d: f64| adam.and_then(|a| a.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
+    let betas = adam.and_then(|a| a.get("betas")).and_then(|b| b.as_array());
+    let beta = |i: usize, d: f64| betas.and_then(|b| b.get(i)).and_then(|v| v.as_f64()).unwrap_or(d);
+    let params = candle_nn::ParamsAdamW {
+        lr: num("lr", 1e-3),
+        beta1: beta(0, 0.9),
+        beta2: beta(1, 0.999),
+        eps: num("eps", 1e-8),
+        weight_decay: num("weight_decay", 1e-2),
+    };
+    let mut opt = candle_nn::AdamW::new(ws.clone(), params)?;
+    let pipe = crate::Pipeline::new(comm.clone(), opts.schedule);
+    let mb = |i: usize| shard_range(batch, i, m);
+    let dim = x.dim(1)?;
+    let mut ck = Checker { case, comm, checks: Vec::new() };
+    let mut losses = Vec::new();
+    for step in 0..steps(case)? {
+        let r = pipe.step(
+            m,
+            |i| rows(&x, mb(i)),
+            |i| vec![mb(i).len(), dim],
+            |t| {
+                let mut t = t.clone();
+                for w in &ws {
+                    t = t.matmul(w.as_tensor())?.gelu_erf()?;
+                }
+                Ok(t)
+            },
+            |i, y| Ok((y.sqr()?.mean_all()? * (mb(i).len() as f64 / batch as f64))?),
+            &ws,
+        )?;
+        losses.push(r.loss as f32);
+        if step == 0 {
+            for (w, i) in ws.iter().zip(mine.clone()) {
+                let g = r.grads.get(w.as_tensor()).cloned().ok_or_else(|| case.err("no gradient".into()))?;
+                ck.whole(&format!("grad.w.{i}"), &g, Tol::Relative)?;
+            }
+        }
+        opt.step(&r.grads)?;
+    }
+    let losses = Tensor::new(losses.as_slice(), &Device::Cpu)?;
+    ck.part("losses[0]", &losses.narrow(0, 0, 1)?, &case.tensor("losses")?.narrow(0, 0, 1)?, Tol::Forward)?;
+    ck.whole("losses", &losses, Tol::Relative)?;
+    for (w, i) in ws.iter().zip(mine) {
+        ck.whole(&format!("w.{i}_final"), w.as_tensor(), Tol::Relative)?;
+    }
+    // Each stage compares its own layers; the table lists every rank's (max over ranks).
+    ck.finish_ragged(Strategy::Pp)
+}
+
 /// Compare every parameter's gradient with the part of `grad.<name>` this rank holds.
 fn check_params(ck: &mut Checker<'_>, params: &[Param], grads: &GradStore) -> Result<()> {
     for p in params {
@@ -587,6 +691,12 @@ pub fn main() -> std::process::ExitCode {
         /// Micro-batches per rank for `accum`.
         #[arg(long, default_value_t = 4)]
         micro_batches: usize,
+        /// Pipeline micro-batches for `pp` (default: the case's).
+        #[arg(long)]
+        pp_micro_batches: Option<usize>,
+        /// Pipeline schedule for `pp`: gpipe or 1f1b.
+        #[arg(long, default_value = "1f1b")]
+        schedule: String,
         /// Run N ranks as threads in this process (in-memory transport).
         #[arg(long)]
         threads: Option<usize>,
@@ -603,7 +713,10 @@ pub fn main() -> std::process::ExitCode {
         Ok(c) => c,
         Err(e) => return fail(e.to_string()),
     };
-    let opts = Options { micro_batches: a.micro_batches };
+    let Some(schedule) = crate::Schedule::parse(&a.schedule) else {
+        return fail(format!("unknown schedule {:?} (gpipe, 1f1b)", a.schedule));
+    };
+    let opts = Options { micro_batches: a.micro_batches, pp_micro_batches: a.pp_micro_batches, schedule };
     let threads = a.threads.unwrap_or(1);
     let report = if a.threads.is_none() && crate::launch::launched() {
         crate::run_ranks(1, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))

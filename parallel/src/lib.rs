@@ -50,6 +50,7 @@ pub mod golden;
 mod launch;
 pub mod lm;
 pub mod ops;
+pub mod pipeline;
 mod shard;
 mod tp;
 mod vocab;
@@ -62,6 +63,7 @@ pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
 pub use launch::{launched, run_ranks};
 pub use lm::{LmConfig, LmMode, TinyLm};
+pub use pipeline::{Pipeline, Schedule, StepResult};
 pub use ops::{
     all_to_all, copy_to_parallel_region, gather_from_parallel_region,
     gather_from_sequence_parallel_region, reduce_from_parallel_region,

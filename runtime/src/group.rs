@@ -326,6 +326,54 @@ impl Group {
         }
     }
 
+    /// Several point-to-point sends and receives at once (PyTorch's `batch_isend_irecv`): all
+    /// are posted, then all waited for, so neighbours that send to each other at the same time
+    /// never deadlock whatever the sizes. `sends` are `(dst, tag, data)`, `recvs` are
+    /// `(src, tag, buf)`; returns the bytes received per receive.
+    ///
+    /// # Collective contract
+    /// Point to point: every send is matched by a receive of the same tag on its destination.
+    ///
+    /// # Errors
+    /// As [`Group::send`] and [`Group::recv`].
+    pub fn batch_p2p(
+        &self,
+        sends: &[(usize, u32, &[u8])],
+        recvs: &mut [(usize, u32, &mut [u8])],
+    ) -> Result<Vec<usize>> {
+        self.check()?;
+        for (dst, _, _) in sends {
+            self.check_rank(*dst, "batch_p2p", "destination rank")?;
+        }
+        for (src, _, _) in recvs.iter() {
+            self.check_rank(*src, "batch_p2p", "source rank")?;
+        }
+        let mut ops: Vec<crate::transport::Op<'_>> = Vec::with_capacity(sends.len() + recvs.len());
+        for (src, tag, buf) in recvs.iter_mut() {
+            ops.push(crate::transport::Op::Recv {
+                peer: self.global_rank(*src),
+                desc: self.p2p_desc(*tag),
+                buf,
+                received: 0,
+            });
+        }
+        for (dst, tag, data) in sends {
+            ops.push(crate::transport::Op::Send {
+                peer: self.global_rank(*dst),
+                desc: self.p2p_desc(*tag),
+                data,
+            });
+        }
+        self.inner.transport.exchange(&mut ops, self.timeout()).inspect_err(|e| self.fail(e))?;
+        Ok(ops
+            .iter()
+            .filter_map(|op| match op {
+                crate::transport::Op::Recv { received, .. } => Some(*received),
+                crate::transport::Op::Send { .. } => None,
+            })
+            .collect())
+    }
+
     /// Post a non-blocking point-to-point send; see [`Group::send`].
     ///
     /// # Safety
