@@ -113,9 +113,8 @@ pub fn attention(
     let (q, k, v) = (split(q)?, split(k)?, split(v)?);
     let mut scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
     if causal {
-        let mask: Vec<f32> = (0..s * s)
-            .map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 })
-            .collect();
+        let mask: Vec<f32> =
+            (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
         let mask = Tensor::from_vec(mask, (s, s), q.device())?.to_dtype(scores.dtype())?;
         scores = scores.broadcast_add(&mask)?;
     }
@@ -218,7 +217,12 @@ impl Block {
                 BlockMode::TpSp => held == Held::Whole,
                 BlockMode::Ulysses => true,
             };
-            params.push(Param { name: format!("{prefix}{name}"), var: var(&t)?, held, needs_grad_sum });
+            params.push(Param {
+                name: format!("{prefix}{name}"),
+                var: var(&t)?,
+                held,
+                needs_grad_sum,
+            });
         }
         let comm = (mode != BlockMode::Reference).then(|| comm.clone());
         Ok(Block { mode, cfg, comm, params })
@@ -256,9 +260,14 @@ impl Block {
     /// [`Error::Shape`] for an input that is not `[B, S, D]` or (sequence-parallel modes) a
     /// sequence that does not divide; candle and collective errors.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (_, _, d) = x.dims3().map_err(|_| self.shape_err(format!("input {:?} is not [B, S, D]", x.dims())))?;
+        let (_, _, d) = x
+            .dims3()
+            .map_err(|_| self.shape_err(format!("input {:?} is not [B, S, D]", x.dims())))?;
         if d % self.cfg.n_heads != 0 {
-            return Err(self.shape_err(format!("d_model {d} does not divide into {} heads", self.cfg.n_heads)));
+            return Err(self.shape_err(format!(
+                "d_model {d} does not divide into {} heads",
+                self.cfg.n_heads
+            )));
         }
         let heads_local = self.cfg.n_heads / self.world();
         let eps = self.cfg.eps;
@@ -275,7 +284,13 @@ impl Block {
             (Some(c), BlockMode::Ulysses) => {
                 // Sequence shards → head shards (full sequence), attention, and back.
                 let to_heads = |t: &Tensor| ops::all_to_all(t, c, 2, 1);
-                let att = attention(&to_heads(&q)?, &to_heads(&k)?, &to_heads(&v)?, heads_local, self.cfg.causal)?;
+                let att = attention(
+                    &to_heads(&q)?,
+                    &to_heads(&k)?,
+                    &to_heads(&v)?,
+                    heads_local,
+                    self.cfg.causal,
+                )?;
                 ops::all_to_all(&att, c, 1, 2)?
             }
             _ => attention(&q, &k, &v, heads_local, self.cfg.causal)?,
@@ -283,7 +298,9 @@ impl Block {
         let o = linear(&att, self.p(5), None)?;
         let o = match (&self.comm, self.mode) {
             (Some(c), BlockMode::Tp) => ops::reduce_from_parallel_region(&o, c)?,
-            (Some(c), BlockMode::TpSp) => ops::reduce_scatter_to_sequence_parallel_region(&o, c, 1)?,
+            (Some(c), BlockMode::TpSp) => {
+                ops::reduce_scatter_to_sequence_parallel_region(&o, c, 1)?
+            }
             _ => o,
         };
         let h = (x + o)?;
@@ -297,7 +314,9 @@ impl Block {
         let f = linear(&f, self.p(10), None)?;
         let f = match (&self.comm, self.mode) {
             (Some(c), BlockMode::Tp) => ops::reduce_from_parallel_region(&f, c)?,
-            (Some(c), BlockMode::TpSp) => ops::reduce_scatter_to_sequence_parallel_region(&f, c, 1)?,
+            (Some(c), BlockMode::TpSp) => {
+                ops::reduce_scatter_to_sequence_parallel_region(&f, c, 1)?
+            }
             _ => f,
         };
         // fc2's bias once, after the reduction.

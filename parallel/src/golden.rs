@@ -17,10 +17,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, SGD};
 use tutti_collectives::{Comm, ReduceOp};
 
+use crate::block::{Block, BlockConfig, BlockMode, Param};
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::shard::shard_range;
-use crate::block::{Block, BlockConfig, BlockMode, Param};
 use crate::{ColumnParallelLinear, DataParallel, DpConfig, RowParallelLinear};
 use candle_core::backprop::GradStore;
 
@@ -277,7 +277,12 @@ impl Checker<'_> {
     /// checks are exchanged, so every rank reports all of them.
     fn finish_ragged(self, strategy: Strategy) -> Result<Report> {
         let n = self.comm.size();
-        let mine = self.checks.iter().map(|c| format!("{}\t{:e}\t{:e}", c.name, c.max_abs, c.tolerance)).collect::<Vec<_>>().join("\n");
+        let mine = self
+            .checks
+            .iter()
+            .map(|c| format!("{}\t{:e}\t{:e}", c.name, c.max_abs, c.tolerance))
+            .collect::<Vec<_>>()
+            .join("\n");
         let bytes = mine.into_bytes();
         let mut lens = vec![0i64; n];
         self.comm.allgather(&[bytes.len() as i64], &mut lens)?;
@@ -341,7 +346,9 @@ fn mse_mean(out: &Tensor, y: &Tensor) -> Result<Tensor> {
 /// collective and candle errors.
 pub fn run(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Result<Report> {
     match (case.kind(), strategy) {
-        ("linear_step", Strategy::Dp | Strategy::Accum) => linear_step_dp(case, strategy, comm, opts),
+        ("linear_step", Strategy::Dp | Strategy::Accum) => {
+            linear_step_dp(case, strategy, comm, opts)
+        }
         ("linear_step", Strategy::Tp) => linear_step_tp(case, comm),
         ("mlp_train", Strategy::Dp | Strategy::Accum) => mlp_train_dp(case, strategy, comm, opts),
         ("mlp_train", Strategy::Tp) => mlp_train_tp(case, comm),
@@ -349,7 +356,9 @@ pub fn run(case: &Case, strategy: Strategy, comm: &Comm, opts: &Options) -> Resu
             transformer_block(case, s, comm)
         }
         ("pipeline_mlp", Strategy::Pp) => pipeline_mlp(case, comm, opts),
-        ("tiny_lm", s @ (Strategy::Tp | Strategy::TpSp | Strategy::Vocab)) => tiny_lm(case, s, comm),
+        ("tiny_lm", s @ (Strategy::Tp | Strategy::TpSp | Strategy::Vocab)) => {
+            tiny_lm(case, s, comm)
+        }
         (kind, s) => Err(case.err(format!(
             "no strategy {:?} for case kind {kind:?} (linear_step: dp, accum, tp; mlp_train: dp, \
              accum, tp; transformer_block: tp, tp-sp, ulysses; tiny_lm: tp, tp-sp, vocab; \
@@ -534,7 +543,8 @@ fn transformer_block(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Rep
     let local_loss = (&y * &g)?.sum_all()?;
     let mut grads = local_loss.backward()?;
     crate::block::sum_replicated_grads(block.params(), &mut grads, comm)?;
-    let loss = if sharded { ops::all_reduce(&local_loss, comm, ReduceOp::Sum)? } else { local_loss };
+    let loss =
+        if sharded { ops::all_reduce(&local_loss, comm, ReduceOp::Sum)? } else { local_loss };
     let mut ck = Checker { case, comm, checks: Vec::new() };
     ck.part("y", &y, &local(case.tensor("y")?)?, Tol::Forward)?;
     ck.whole("loss", &loss, Tol::Relative)?;
@@ -562,7 +572,8 @@ fn tiny_lm(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Report> {
         losses.push(scalar(&loss)? as f32);
         let grads = lm.backward(&loss)?;
         if step == 0 {
-            let range = crate::shard_range(case.tensor("act.logits")?.dim(2)?, comm.rank(), comm.size());
+            let range =
+                crate::shard_range(case.tensor("act.logits")?.dim(2)?, comm.rank(), comm.size());
             let want = case.tensor("act.logits")?.narrow(2, range.start, range.len())?;
             ck.part("act.logits", &logits, &want, Tol::Forward)?;
             check_params(&mut ck, lm.params(), &grads)?;
@@ -593,7 +604,8 @@ fn pipeline_mlp(case: &Case, comm: &Comm, opts: &Options) -> Result<Report> {
     let adam = case.meta.get("config").and_then(|c| c.get("optimizer"));
     let num = |k: &str, d: f64| adam.and_then(|a| a.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
     let betas = adam.and_then(|a| a.get("betas")).and_then(|b| b.as_array());
-    let beta = |i: usize, d: f64| betas.and_then(|b| b.get(i)).and_then(|v| v.as_f64()).unwrap_or(d);
+    let beta =
+        |i: usize, d: f64| betas.and_then(|b| b.get(i)).and_then(|v| v.as_f64()).unwrap_or(d);
     let params = candle_nn::ParamsAdamW {
         lr: num("lr", 1e-3),
         beta1: beta(0, 0.9),
@@ -625,14 +637,23 @@ fn pipeline_mlp(case: &Case, comm: &Comm, opts: &Options) -> Result<Report> {
         losses.push(r.loss as f32);
         if step == 0 {
             for (w, i) in ws.iter().zip(mine.clone()) {
-                let g = r.grads.get(w.as_tensor()).cloned().ok_or_else(|| case.err("no gradient".into()))?;
+                let g = r
+                    .grads
+                    .get(w.as_tensor())
+                    .cloned()
+                    .ok_or_else(|| case.err("no gradient".into()))?;
                 ck.whole(&format!("grad.w.{i}"), &g, Tol::Relative)?;
             }
         }
         opt.step(&r.grads)?;
     }
     let losses = Tensor::new(losses.as_slice(), &Device::Cpu)?;
-    ck.part("losses[0]", &losses.narrow(0, 0, 1)?, &case.tensor("losses")?.narrow(0, 0, 1)?, Tol::Forward)?;
+    ck.part(
+        "losses[0]",
+        &losses.narrow(0, 0, 1)?,
+        &case.tensor("losses")?.narrow(0, 0, 1)?,
+        Tol::Forward,
+    )?;
     ck.whole("losses", &losses, Tol::Relative)?;
     for (w, i) in ws.iter().zip(mine) {
         ck.whole(&format!("w.{i}_final"), w.as_tensor(), Tol::Relative)?;
@@ -707,7 +728,10 @@ pub fn main() -> std::process::ExitCode {
         std::process::ExitCode::from(2)
     };
     let Some(strategy) = Strategy::parse(&a.strategy) else {
-        return fail(format!("unknown strategy {:?} (dp, accum, tp, tp-sp, ulysses, vocab, pp)", a.strategy));
+        return fail(format!(
+            "unknown strategy {:?} (dp, accum, tp, tp-sp, ulysses, vocab, pp)",
+            a.strategy
+        ));
     };
     let case = match Case::load(&a.case) {
         Ok(c) => c,
@@ -716,7 +740,8 @@ pub fn main() -> std::process::ExitCode {
     let Some(schedule) = crate::Schedule::parse(&a.schedule) else {
         return fail(format!("unknown schedule {:?} (gpipe, 1f1b)", a.schedule));
     };
-    let opts = Options { micro_batches: a.micro_batches, pp_micro_batches: a.pp_micro_batches, schedule };
+    let opts =
+        Options { micro_batches: a.micro_batches, pp_micro_batches: a.pp_micro_batches, schedule };
     let threads = a.threads.unwrap_or(1);
     let report = if a.threads.is_none() && crate::launch::launched() {
         crate::run_ranks(1, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))

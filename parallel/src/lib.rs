@@ -56,19 +56,19 @@ mod tp;
 mod vocab;
 
 pub use block::{
-    attention, layer_norm, sequence_shard, sum_replicated_grads, Block, BlockConfig, BlockMode, Held,
-    Param, BLOCK_PARAMS,
+    attention, layer_norm, sequence_shard, sum_replicated_grads, Block, BlockConfig, BlockMode,
+    Held, Param, BLOCK_PARAMS,
 };
 pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
 pub use launch::{launched, run_ranks};
 pub use lm::{LmConfig, LmMode, TinyLm};
-pub use pipeline::{Pipeline, Schedule, StepResult};
 pub use ops::{
     all_to_all, copy_to_parallel_region, gather_from_parallel_region,
     gather_from_sequence_parallel_region, reduce_from_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_parallel_region,
 };
+pub use pipeline::{Pipeline, Schedule, StepResult};
 pub use shard::{shard, shard_even, shard_range};
 pub use tp::{ColumnParallelLinear, RowParallelLinear};
 pub use tutti_collectives::{Comm, ReduceOp};

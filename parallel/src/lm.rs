@@ -84,7 +84,12 @@ impl TinyLm {
         let embed_full = tensor(map, "embed.weight")?;
         let (embed, embed_ref) = if mode == LmMode::Reference {
             let v = Var::from_tensor(&embed_full.copy()?)?;
-            params.push(Param { name: "embed.weight".into(), var: v.clone(), held: Held::Whole, needs_grad_sum: false });
+            params.push(Param {
+                name: "embed.weight".into(),
+                var: v.clone(),
+                held: Held::Whole,
+                needs_grad_sum: false,
+            });
             (None, Some(v))
         } else {
             let e = VocabParallelEmbedding::from_full(&embed_full, comm)?;
@@ -98,7 +103,8 @@ impl TinyLm {
         };
         let mut blocks = Vec::with_capacity(cfg.n_blocks);
         for i in 0..cfg.n_blocks {
-            let prefix = if cfg.n_blocks == 1 { "block.".to_string() } else { format!("block.{i}.") };
+            let prefix =
+                if cfg.n_blocks == 1 { "block.".to_string() } else { format!("block.{i}.") };
             let b = Block::from_weights(map, &prefix, cfg.block, bmode, comm)?;
             params.extend(b.params().iter().cloned());
             blocks.push(b);
@@ -108,7 +114,12 @@ impl TinyLm {
             Var::from_tensor(&tensor(map, "lnf.bias")?.copy()?)?,
         ];
         for (name, v) in ["lnf.weight", "lnf.bias"].iter().zip(&lnf) {
-            params.push(Param { name: (*name).into(), var: v.clone(), held: Held::Whole, needs_grad_sum: sp });
+            params.push(Param {
+                name: (*name).into(),
+                var: v.clone(),
+                held: Held::Whole,
+                needs_grad_sum: sp,
+            });
         }
         let head_full = tensor(map, "lm_head.weight")?;
         let (head, held) = if mode == LmMode::Reference {
@@ -116,7 +127,12 @@ impl TinyLm {
         } else {
             (Var::from_tensor(&crate::shard::shard(&head_full, 0, comm)?)?, Held::Split(0))
         };
-        params.push(Param { name: "lm_head.weight".into(), var: head.clone(), held, needs_grad_sum: false });
+        params.push(Param {
+            name: "lm_head.weight".into(),
+            var: head.clone(),
+            held,
+            needs_grad_sum: false,
+        });
         Ok(TinyLm { mode, cfg, comm: comm.clone(), embed, embed_ref, blocks, lnf, head, params })
     }
 
@@ -154,7 +170,10 @@ impl TinyLm {
                     return Err(Error::Shape {
                         rank: c.rank(),
                         layer: "TinyLm (sequence parallel)",
-                        detail: format!("sequence length {s} does not divide by the world size {}", c.size()),
+                        detail: format!(
+                            "sequence length {s} does not divide by the world size {}",
+                            c.size()
+                        ),
                     });
                 }
                 ops::reduce_scatter_to_sequence_parallel_region(&e.forward_partial(tokens)?, c, 1)?
@@ -170,7 +189,8 @@ impl TinyLm {
         for b in &self.blocks {
             x = b.forward(&x)?;
         }
-        let z = layer_norm(&x, self.lnf[0].as_tensor(), self.lnf[1].as_tensor(), self.cfg.block.eps)?;
+        let z =
+            layer_norm(&x, self.lnf[0].as_tensor(), self.lnf[1].as_tensor(), self.cfg.block.eps)?;
         let z = match self.mode {
             LmMode::Reference => z,
             LmMode::Tp => ops::copy_to_parallel_region(&z, c)?,
@@ -191,7 +211,13 @@ impl TinyLm {
         let pred = logits.narrow(1, 0, s - 1)?.contiguous()?;
         let targets = tokens.narrow(1, 1, s - 1)?.contiguous()?;
         let loss = match &self.embed {
-            Some(e) => vocab_parallel_cross_entropy(&pred, &targets, e.range(), self.cfg.ignore_index, &self.comm)?,
+            Some(e) => vocab_parallel_cross_entropy(
+                &pred,
+                &targets,
+                e.range(),
+                self.cfg.ignore_index,
+                &self.comm,
+            )?,
             None => {
                 let ids = token_ids(&targets)?;
                 let ls = candle_nn::ops::log_softmax(&pred.reshape((b * (s - 1), v))?, D::Minus1)?;
@@ -203,7 +229,8 @@ impl TinyLm {
                         count += 1.0;
                     }
                 }
-                let pick = Tensor::from_vec(pick, (ids.len(), v), ls.device())?.to_dtype(ls.dtype())?;
+                let pick =
+                    Tensor::from_vec(pick, (ids.len(), v), ls.device())?.to_dtype(ls.dtype())?;
                 ((ls * pick)?.sum_all()? / -f64::from(count))?
             }
         };

@@ -34,7 +34,9 @@ impl Schedule {
     /// `m` micro-batches, with the micro-batch index.
     pub fn actions(self, stage: usize, stages: usize, m: usize) -> Vec<(bool, usize)> {
         match self {
-            Schedule::GPipe => (0..m).map(|i| (true, i)).chain((0..m).map(|i| (false, i))).collect(),
+            Schedule::GPipe => {
+                (0..m).map(|i| (true, i)).chain((0..m).map(|i| (false, i))).collect()
+            }
             Schedule::OneFOneB => {
                 let warm = (stages - stage - 1).min(m);
                 let mut out: Vec<(bool, usize)> = (0..warm).map(|i| (true, i)).collect();
@@ -135,7 +137,8 @@ impl Pipeline {
         let start = Instant::now();
         let (s, p) = (self.stage(), self.stages());
         let (first, last) = (s == 0, s + 1 == p);
-        let mut slots: Vec<Slot> = (0..micro_batches).map(|_| Slot { input: None, output: None }).collect();
+        let mut slots: Vec<Slot> =
+            (0..micro_batches).map(|_| Slot { input: None, output: None }).collect();
         let mut outbox: Vec<(usize, u32, Vec<f32>)> = Vec::new();
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let mut store: Option<GradStore> = None;
@@ -178,7 +181,9 @@ impl Pipeline {
             waiting += t0.elapsed();
             Ok(got)
         };
-        let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+        let flat = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        };
         for (is_fwd, i) in self.schedule.actions(s, p, micro_batches) {
             if is_fwd {
                 let x = if first {
@@ -209,8 +214,13 @@ impl Pipeline {
                     loss_sum += l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                     l
                 } else {
-                    let g = exchange(&mut outbox, Some((s + 1, tag(TAG_GRAD, i), y.dims().to_vec())))?;
-                    let g = g.ok_or_else(|| Error::Shape { rank: s, layer: "pipeline", detail: "no gradient".into() })?;
+                    let g =
+                        exchange(&mut outbox, Some((s + 1, tag(TAG_GRAD, i), y.dims().to_vec())))?;
+                    let g = g.ok_or_else(|| Error::Shape {
+                        rank: s,
+                        layer: "pipeline",
+                        detail: "no gradient".into(),
+                    })?;
                     (&y * g.to_dtype(y.dtype())?)?.sum_all()?
                 };
                 let grads = target.backward()?;
@@ -223,10 +233,10 @@ impl Pipeline {
                     }
                 }
                 if let Some(inp) = slots[i].input.take() {
-                    let gx = grads.get(inp.as_tensor()).cloned().map_or_else(
-                        || inp.as_tensor().zeros_like(),
-                        Ok,
-                    )?;
+                    let gx = grads
+                        .get(inp.as_tensor())
+                        .cloned()
+                        .map_or_else(|| inp.as_tensor().zeros_like(), Ok)?;
                     outbox.push((s - 1, tag(TAG_GRAD, i), flat(&gx)?));
                 }
                 store.get_or_insert(grads);

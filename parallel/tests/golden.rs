@@ -34,7 +34,7 @@ fn g1_linear_step_dp_accum_tp() {
         pass(&c, Strategy::Tp, n, &Options::default());
         // The README checks m = each world size micro-batches.
         for m in [1, 2, 4, 8] {
-            pass(&c, Strategy::Accum, n, &Options { micro_batches: m });
+            pass(&c, Strategy::Accum, n, &Options { micro_batches: m, ..Options::default() });
         }
     }
 }
@@ -45,7 +45,7 @@ fn g2_mlp_train_dp_uneven_and_tp() {
     for n in worlds(&c, Some("data_parallel")) {
         pass(&c, Strategy::Dp, n, &Options::default());
     }
-    pass(&c, Strategy::Accum, 3, &Options { micro_batches: 3 });
+    pass(&c, Strategy::Accum, 3, &Options { micro_batches: 3, ..Options::default() });
     for n in worlds(&c, Some("tensor_parallel")) {
         pass(&c, Strategy::Tp, n, &Options::default());
     }
@@ -70,4 +70,39 @@ fn a_wrong_answer_fails() {
     assert!(!r.ok());
     let bad: Vec<&str> = r.checks.iter().filter(|k| !k.ok()).map(|k| k.name.as_str()).collect();
     assert_eq!(bad, ["w1"]);
+}
+
+#[test]
+fn g3_transformer_block_tp_tpsp_ulysses() {
+    let c = case("g3_transformer_block.json");
+    for n in worlds(&c, Some("tensor_parallel")) {
+        pass(&c, Strategy::Tp, n, &Options::default());
+        pass(&c, Strategy::TpSp, n, &Options::default());
+    }
+    for n in worlds(&c, Some("ulysses_sequence_parallel")) {
+        pass(&c, Strategy::Ulysses, n, &Options::default());
+    }
+}
+
+#[test]
+fn g4_tiny_lm_vocab_parallel_with_and_without_sp() {
+    let c = case("g4_tiny_lm.json");
+    for n in worlds(&c, Some("tensor_parallel_and_vocab_parallel")) {
+        pass(&c, Strategy::Vocab, n, &Options::default());
+        pass(&c, Strategy::TpSp, n, &Options::default());
+    }
+}
+
+#[test]
+fn g5_pipeline_both_schedules() {
+    let c = case("g5_pipeline_mlp.json");
+    for n in worlds(&c, Some("pipeline_stages")) {
+        for schedule in [tutti_parallel::Schedule::GPipe, tutti_parallel::Schedule::OneFOneB] {
+            pass(&c, Strategy::Pp, n, &Options { schedule, ..Options::default() });
+        }
+    }
+    // Other micro-batch counts (the loss scaling keeps the sum equal) and an uneven 3-stage split.
+    for m in [1, 2, 8] {
+        pass(&c, Strategy::Pp, 3, &Options { pp_micro_batches: Some(m), ..Options::default() });
+    }
 }

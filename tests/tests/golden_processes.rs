@@ -43,6 +43,23 @@ fn g2_across_processes_uneven_dp_and_tp() {
 }
 
 #[test]
+fn g3_g4_g5_across_processes() {
+    for (case, s, np, extra, n) in [
+        ("g3_transformer_block.json", "tp", 4, &[][..], 15),
+        ("g3_transformer_block.json", "tp-sp", 2, &[][..], 15),
+        ("g3_transformer_block.json", "ulysses", 4, &[][..], 15),
+        ("g4_tiny_lm.json", "vocab", 2, &[][..], 19),
+        ("g4_tiny_lm.json", "tp-sp", 4, &[][..], 19),
+        ("g5_pipeline_mlp.json", "pp", 4, &["--schedule", "1f1b"][..], 10),
+        ("g5_pipeline_mlp.json", "pp", 2, &["--schedule", "gpipe"][..], 10),
+    ] {
+        let (ok, text) = golden(case, s, np, extra);
+        assert!(ok, "{case} {s} np{np}:\n{text}");
+        assert!(text.contains(&format!("[0] PASS: {n} tensors within tolerance")), "{text}");
+    }
+}
+
+#[test]
 fn indivisible_world_fails_with_the_reason() {
     let (ok, text) = golden("g2_mlp_train.json", "tp", 3, &[]);
     assert!(!ok);
