@@ -59,7 +59,11 @@ fn run(block: &Block, x: &Tensor, g: &Tensor, c: &Comm) -> Result<(Tensor, Tenso
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args().skip_while(|a| a != "--threads").nth(1).and_then(|v| v.parse().ok()).unwrap_or(4);
+    let threads = std::env::args()
+        .skip_while(|a| a != "--threads")
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
     let res = run_ranks(threads, |c| {
         let w = weights()?;
         let cfg = BlockConfig { n_heads: HEADS, causal: false, eps: 1e-5 };

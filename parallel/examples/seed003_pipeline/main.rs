@@ -17,7 +17,9 @@ const MICRO: usize = 8;
 const STEPS: usize = 3;
 
 fn layer_weights() -> Result<Vec<Tensor>> {
-    (0..LAYERS).map(|i| Ok((randn(&[DIM, DIM], 100 + i as u64)? * (1.7 / (DIM as f64).sqrt()))?)).collect()
+    (0..LAYERS)
+        .map(|i| Ok((randn(&[DIM, DIM], 100 + i as u64)? * (1.7 / (DIM as f64).sqrt()))?))
+        .collect()
 }
 
 fn stack(x: &Tensor, ws: &[Var]) -> Result<Tensor> {
@@ -29,7 +31,8 @@ fn stack(x: &Tensor, ws: &[Var]) -> Result<Tensor> {
 }
 
 fn reference(x: &Tensor) -> Result<Vec<f64>> {
-    let ws: Vec<Var> = layer_weights()?.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;
+    let ws: Vec<Var> =
+        layer_weights()?.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;
     let mut opt = AdamW::new(ws.clone(), ParamsAdamW::default())?;
     let mut out = Vec::new();
     for _ in 0..STEPS {
@@ -43,7 +46,8 @@ fn reference(x: &Tensor) -> Result<Vec<f64>> {
 fn pipelined(c: &Comm, x: &Tensor, schedule: Schedule) -> Result<(Vec<f64>, f64)> {
     let mine = shard_range(LAYERS, c.rank(), c.size());
     let all = layer_weights()?;
-    let ws: Vec<Var> = mine.map(|i| Var::from_tensor(&all[i])).collect::<candle_core::Result<_>>()?;
+    let ws: Vec<Var> =
+        mine.map(|i| Var::from_tensor(&all[i])).collect::<candle_core::Result<_>>()?;
     let mut opt = AdamW::new(ws.clone(), ParamsAdamW::default())?;
     let pipe = Pipeline::new(c.clone(), schedule);
     let mb = |i: usize| shard_range(BATCH, i, MICRO);
@@ -55,7 +59,10 @@ fn pipelined(c: &Comm, x: &Tensor, schedule: Schedule) -> Result<(Vec<f64>, f64)
             |i| vec![mb(i).len(), DIM],
             |t| stack(t, &ws),
             // The loss in f64: a float32 mean over 65 536 squares is itself off by ~1e-4.
-            |i, y| Ok((y.to_dtype(DType::F64)?.sqr()?.mean_all()? * (mb(i).len() as f64 / BATCH as f64))?),
+            |i, y| {
+                Ok((y.to_dtype(DType::F64)?.sqr()?.mean_all()?
+                    * (mb(i).len() as f64 / BATCH as f64))?)
+            },
             &ws,
         )?;
         losses.push(r.loss);
@@ -67,7 +74,11 @@ fn pipelined(c: &Comm, x: &Tensor, schedule: Schedule) -> Result<(Vec<f64>, f64)
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args().skip_while(|a| a != "--threads").nth(1).and_then(|v| v.parse().ok()).unwrap_or(4);
+    let threads = std::env::args()
+        .skip_while(|a| a != "--threads")
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
     let res = run_ranks(threads, |c| {
         let x = randn(&[BATCH, DIM], 1)?;
         let want = reference(&x)?;

@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use candle_nn::{Optimizer, SGD};
 use tutti_parallel::data::{randn, Rng};
-use tutti_parallel::{run_ranks, BlockConfig, Comm, LmConfig, LmMode, Result, TinyLm, BLOCK_PARAMS};
+use tutti_parallel::{
+    run_ranks, BlockConfig, Comm, LmConfig, LmMode, Result, TinyLm, BLOCK_PARAMS,
+};
 
 const VOCAB: usize = 96;
 const D: usize = 64;
@@ -49,7 +51,13 @@ fn weights() -> Result<HashMap<String, Tensor>> {
 fn tokens() -> Result<Tensor> {
     let mut r = Rng::new(7);
     let v: Vec<i64> = (0..B * S)
-        .map(|i| if i % S >= S - 1 - (i / S) { 0 } else { 1 + (r.uniform() * (VOCAB - 1) as f64) as i64 })
+        .map(|i| {
+            if i % S >= S - 1 - (i / S) {
+                0
+            } else {
+                1 + (r.uniform() * (VOCAB - 1) as f64) as i64
+            }
+        })
         .collect();
     Ok(Tensor::from_vec(v, (B, S), &Device::Cpu)?)
 }
@@ -66,7 +74,11 @@ fn train(lm: &TinyLm, tokens: &Tensor) -> Result<Vec<f32>> {
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args().skip_while(|a| a != "--threads").nth(1).and_then(|v| v.parse().ok()).unwrap_or(4);
+    let threads = std::env::args()
+        .skip_while(|a| a != "--threads")
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
     let res = run_ranks(threads, |c| {
         let (w, toks) = (weights()?, tokens()?);
         let cfg = LmConfig {
@@ -82,10 +94,16 @@ fn main() -> std::process::ExitCode {
         let sp = TinyLm::from_weights(&w, cfg, LmMode::TpSp, &c)?;
         let sp_losses = train(&sp, &toks)?;
         if c.rank() == 0 {
-            println!("# tiny LM vocab={VOCAB} d={D} heads={HEADS} d_ff={FF}, batch {B}x{S}, {} ranks", c.size());
+            println!(
+                "# tiny LM vocab={VOCAB} d={D} heads={HEADS} d_ff={FF}, batch {B}x{S}, {} ranks",
+                c.size()
+            );
             println!("# step   one process   TP+vocab    TP+vocab+SP");
             for s in 0..STEPS {
-                println!("  {s:>4}  {:>12.7}  {:>10.7}  {:>12.7}", want[s], tp_losses[s], sp_losses[s]);
+                println!(
+                    "  {s:>4}  {:>12.7}  {:>10.7}  {:>12.7}",
+                    want[s], tp_losses[s], sp_losses[s]
+                );
             }
         }
         c.barrier()?;
