@@ -11,7 +11,11 @@
 //!   micro-batches with one exchange per optimizer step.
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`]: Megatron tensor parallel.
 //! - [`VocabParallelEmbedding`], [`vocab_parallel_cross_entropy`]: the vocabulary sharded.
-//! - [`golden`]: runs the PyTorch golden cases (`tutti-golden`).
+//! - [`Block`]: a pre-LN transformer block as the single-process reference, Megatron TP,
+//!   TP + sequence parallel, or Ulysses sequence parallel ([`BlockMode`]).
+//! - [`TinyLm`]: embedding → blocks → LayerNorm → LM head with the vocab-parallel loss.
+//! - [`Pipeline`]: pipeline stages over send/recv with GPipe and 1F1B schedules.
+//! - [`golden`]: runs the PyTorch golden cases G1–G5 (`tutti-golden`).
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
