@@ -92,6 +92,8 @@ pub struct LiveJob {
     pub children: Vec<std::process::Child>,
     /// Lines printed by each rank so far.
     pub lines: Vec<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
+    /// Set when a rank's output reached its end (all its lines are in `lines`).
+    eof: Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     _store: tutti_runtime::rendezvous::StoreServer,
 }
 
@@ -111,6 +113,7 @@ impl LiveJob {
         let url = format!("tcp://{}", store.addr());
         let mut children = Vec::new();
         let mut lines = Vec::new();
+        let mut eofs = Vec::new();
         for r in 0..n {
             let mut c = Command::new(exe);
             c.args(args)
@@ -127,16 +130,20 @@ impl LiveJob {
             let out = child.stdout.take().expect("stdout");
             let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
             let b2 = buf.clone();
+            let eof = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let e2 = eof.clone();
             std::thread::spawn(move || {
                 for line in std::io::BufReader::new(out).lines() {
                     let Ok(line) = line else { break };
                     b2.lock().unwrap_or_else(|p| p.into_inner()).push(line);
                 }
+                e2.store(true, std::sync::atomic::Ordering::SeqCst);
             });
             children.push(child);
             lines.push(buf);
+            eofs.push(eof);
         }
-        LiveJob { children, lines, _store: store }
+        LiveJob { children, lines, eof: eofs, _store: store }
     }
 
     /// Wait until every rank printed a line starting with `prefix`, up to `limit`.
@@ -169,11 +176,16 @@ impl LiveJob {
         unsafe { libc::kill(self.children[r].id() as i32, sig) };
     }
 
-    /// Wait for the ranks in `which` to exit, up to `limit`; true if all did.
+    /// Wait for the ranks in `which` to exit, up to `limit`; true if all did. Their output is
+    /// then read to the end (a process can exit before its last line has been read from the
+    /// pipe).
     pub fn wait_exit(&mut self, which: &[usize], limit: Duration) -> bool {
         let start = Instant::now();
         loop {
-            if which.iter().all(|r| matches!(self.children[*r].try_wait(), Ok(Some(_)))) {
+            if which.iter().all(|r| {
+                matches!(self.children[*r].try_wait(), Ok(Some(_)))
+                    && self.eof[*r].load(std::sync::atomic::Ordering::SeqCst)
+            }) {
                 return true;
             }
             if start.elapsed() > limit {
