@@ -32,9 +32,6 @@ mod tls;
 
 /// Largest abort reason accepted.
 const MAX_REASON: u64 = 4096;
-/// Bytes read from a stream per copy into the destination.
-const CHUNK: usize = 1 << 20;
-
 /// Store key under which rank `r` publishes `addr|fingerprint`.
 pub fn quic_key(r: usize) -> String {
     format!("tutti/quic/{r}")
@@ -63,6 +60,69 @@ struct Shared {
     unexpected_limit: u64,
     probe_after: Duration,
     spin: Duration,
+    /// Until when (ns since `epoch`) the runtime's worker should busy-poll instead of parking.
+    spin_until: std::sync::atomic::AtomicU64,
+    epoch: Instant,
+    /// Wakes the spinner task.
+    spin_wake: tokio::sync::Notify,
+    /// Send buffers, reused.
+    pool: Arc<SendPool>,
+}
+
+/// Reused send buffers. A message is copied once at post time (so a cancelled send can never
+/// leave quinn reading the caller's freed memory); copying into a fresh allocation page-faulted
+/// on every large message (7 % of the sender's time at 64 MiB), so buffers come back here when
+/// quinn drops them.
+#[derive(Default)]
+struct SendPool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+/// Pooled bytes kept: enough for a few pipeline segments of every size in flight.
+const POOL_BYTES: usize = 256 << 20;
+
+struct Pooled {
+    buf: Vec<u8>,
+    pool: Arc<SendPool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        let held: usize = free.iter().map(Vec::capacity).sum();
+        if held + buf.capacity() <= POOL_BYTES {
+            free.push(buf);
+        }
+    }
+}
+
+impl SendPool {
+    /// `data` copied into a pooled buffer (the smallest free one that fits).
+    fn copy(self: &Arc<Self>, data: &[u8]) -> Bytes {
+        let mut buf = {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.capacity() >= data.len())
+                .min_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i);
+            match best {
+                Some(i) => free.swap_remove(i),
+                None => Vec::with_capacity(data.len()),
+            }
+        };
+        buf.clear();
+        buf.extend_from_slice(data);
+        Bytes::from_owner(Pooled { buf, pool: self.clone() })
+    }
 }
 
 /// Where an arriving payload goes.
@@ -75,6 +135,22 @@ enum Sink {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the worker should still busy-poll.
+    fn spinning(&self) -> bool {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        now < self.spin_until.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A thread starts waiting: busy-poll for the spin period.
+    fn spin_for_waiter(&self) {
+        let until = (self.epoch.elapsed() + self.spin).as_nanos() as u64;
+        let prev = self.spin_until.fetch_max(until, std::sync::atomic::Ordering::Relaxed);
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        if prev <= now {
+            self.spin_wake.notify_one();
+        }
     }
 
     fn send_frame(&self, peer: usize, out: Out) -> bool {
@@ -275,7 +351,6 @@ async fn sender(
 
 async fn reader(shared: Arc<Shared>, peer: usize, mut stream: quinn::RecvStream) {
     let mut hb = [0u8; HEADER_LEN];
-    let mut chunk = vec![0u8; CHUNK];
     loop {
         if let Err(e) = stream.read_exact(&mut hb).await {
             shared.peer_failed(peer, format!("stream from the peer ended: {e}"));
@@ -323,16 +398,27 @@ async fn reader(shared: Arc<Shared>, peer: usize, mut stream: quinn::RecvStream)
                 let mut sink = shared.start_data(peer, &hdr.desc, hdr.len);
                 let mut done = 0;
                 while done < len {
-                    let n = CHUNK.min(len - done);
-                    if let Err(e) = stream.read_exact(&mut chunk[..n]).await {
-                        return shared.peer_failed(
-                            peer,
-                            format!("stream from the peer ended mid-message: {e}"),
-                        );
-                    }
+                    // Chunks straight from quinn's receive buffers: one copy, into the posted
+                    // receive (or the unexpected queue).
+                    let chunk = match stream.read_chunk(len - done, true).await {
+                        Ok(Some(c)) => c.bytes,
+                        Ok(None) => {
+                            return shared.peer_failed(
+                                peer,
+                                "stream from the peer ended mid-message".to_string(),
+                            )
+                        }
+                        Err(e) => {
+                            return shared.peer_failed(
+                                peer,
+                                format!("stream from the peer ended mid-message: {e}"),
+                            )
+                        }
+                    };
+                    let n = chunk.len();
                     match &mut sink {
-                        Sink::Posted(post) => shared.fill(post, done, &chunk[..n]),
-                        Sink::Unexpected(v) => v.extend_from_slice(&chunk[..n]),
+                        Sink::Posted(post) => shared.fill(post, done, &chunk),
+                        Sink::Unexpected(v) => v.extend_from_slice(&chunk),
                         Sink::Discard => {}
                     }
                     done += n;
@@ -369,13 +455,61 @@ impl std::fmt::Debug for QuicTransport {
     }
 }
 
-fn transport_config(cfg: &TcpConfig, loopback: bool) -> quinn::TransportConfig {
+/// Datagram size on loopback: the largest UDP payload (65,527) less IP options headroom.
+const LOOPBACK_MTU: u16 = 65_000;
+
+/// Set the UDP socket buffers to `want` bytes (forcing past `net.core.rmem_max` where the process
+/// may, as root does); returns the receive buffer the kernel granted.
+fn udp_buffers(s: &socket2::SockRef<'_>, want: usize) -> usize {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    for (force, plain) in
+        [(libc::SO_RCVBUFFORCE, libc::SO_RCVBUF), (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)]
+    {
+        let v = want as libc::c_int;
+        // SAFETY: setsockopt with a valid fd and a c_int option value.
+        let forced = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                force,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        } == 0;
+        if !forced {
+            // SAFETY: as above.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    plain,
+                    (&v as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+    }
+    s.recv_buffer_size().unwrap_or(212_992)
+}
+
+/// Bytes a peer may have unacknowledged towards us: the kernel's receive buffer shared by the
+/// `world - 1` peers, with headroom (the buffer also pays per-datagram overhead).
+fn in_flight_limit(rcvbuf: usize, world: usize) -> u64 {
+    let per_peer = rcvbuf / 2 / world.saturating_sub(1).max(1);
+    per_peer.clamp(256 << 10, 128 << 20) as u64
+}
+
+fn transport_config(cfg: &TcpConfig, loopback: bool, in_flight: u64) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     // Windows sized for a datacenter bandwidth-delay product (10 GB/s x 2 ms = 20 MB) and so
     // that a 64 MiB message never waits for window updates more than a few times.
     t.stream_receive_window(quinn::VarInt::from_u32(64 << 20));
     t.receive_window(quinn::VarInt::from_u32(128 << 20));
-    t.send_window(128 << 20);
+    // What this rank sends unacknowledged; sized from our own receive buffer, as the peers run
+    // with the same settings (more than their kernel holds is dropped, and a drop halves the
+    // congestion window).
+    t.send_window(in_flight);
     t.keep_alive_interval(Some(cfg.keepalive_interval));
     // Collectives are latency-bound request/response chains: acknowledge at once (the default
     // lets a receiver wait up to 25 ms, which stalls a sender whose window is full) and start
@@ -391,13 +525,15 @@ fn transport_config(cfg: &TcpConfig, loopback: bool) -> quinn::TransportConfig {
         t.max_idle_timeout(Some(idle));
     }
     if loopback {
-        // Loopback carries 64 KiB datagrams: let path MTU discovery climb that far.
-        let mut m = quinn::MtuDiscoveryConfig::default();
-        m.upper_bound(65_000);
-        t.mtu_discovery_config(Some(m));
-        if let Some(v) = std::env::var("TUTTI_QUIC_MTU").ok().and_then(|v| v.parse::<u16>().ok()) {
-            t.initial_mtu(v);
-        }
+        // Loopback carries 64 KiB datagrams: start there. One datagram per `sendmsg` (no GSO):
+        // a GSO batch of 64 KiB segments exceeds the kernel's 64 KiB limit per send, the batch
+        // is dropped, quinn counts the losses, its black-hole detection falls back to 1,200-byte
+        // packets and the congestion window collapses (measured: 1.3 M datagrams of 1,200
+        // bytes and ~100 losses per 32 MiB run before, see docs/transport.md).
+        let mtu = std::env::var("TUTTI_QUIC_MTU").ok().and_then(|v| v.parse::<u16>().ok());
+        t.initial_mtu(mtu.unwrap_or(LOOPBACK_MTU));
+        t.mtu_discovery_config(None);
+        t.enable_segmentation_offload(false);
     }
     t
 }
@@ -415,7 +551,9 @@ impl QuicTransport {
         let deadline = start + cfg.connect_timeout;
         let rv = |detail: String| Error::Rendezvous { rank, detail };
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+            .worker_threads(
+                std::env::var("TUTTI_QUIC_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1),
+            )
             .thread_name(format!("tutti-quic-{rank}"))
             .enable_all()
             .build()
@@ -425,13 +563,14 @@ impl QuicTransport {
             .map_err(|e| Error::io(rank, format!("binding UDP {}", cfg.bind_ip), &e))?;
         let local = sock.local_addr().map_err(|e| Error::io(rank, "UDP address", &e))?;
         // Bursts of a pipeline segment overflow the default UDP receive buffer (~200 KiB) and
-        // every drop halves the congestion window: ask for 8 MiB (the kernel caps it at
-        // net.core.rmem_max / wmem_max).
-        {
+        // every drop halves the congestion window: ask for 32 MiB (the kernel caps it at
+        // net.core.rmem_max / wmem_max unless we may force it), then keep what the peers may
+        // have in flight towards us within what the kernel will actually hold.
+        let rcvbuf = {
             let s2 = socket2::SockRef::from(&sock);
-            let _ = s2.set_recv_buffer_size(8 << 20);
-            let _ = s2.set_send_buffer_size(8 << 20);
-        }
+            udp_buffers(&s2, 32 << 20)
+        };
+        let in_flight = in_flight_limit(rcvbuf, world);
         store.set(&quic_key(rank), format!("{local}|{}", tls::hex(&me.fp)).as_bytes())?;
         // Everyone's address and fingerprint, from the authenticated store.
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
@@ -457,8 +596,13 @@ impl QuicTransport {
         let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls)
             .map_err(|e| rv(format!("QUIC TLS: {e}")))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
-        let loopback = cfg.bind_ip.is_loopback();
-        server.transport_config(Arc::new(transport_config(cfg, loopback)));
+        // Every peer on this host's loopback (a single-machine job): 64 KiB datagrams work.
+        let loopback = cfg.bind_ip.is_loopback()
+            || peers
+                .iter()
+                .flatten()
+                .all(|(addr, _): &(SocketAddr, [u8; 32])| addr.ip().is_loopback());
+        server.transport_config(Arc::new(transport_config(cfg, loopback, in_flight)));
         let endpoint = {
             let _g = rt.enter();
             let mut ec = quinn::EndpointConfig::default();
@@ -481,7 +625,27 @@ impl QuicTransport {
             unexpected_limit: cfg.unexpected_limit,
             probe_after: cfg.probe_after,
             spin: cfg.spin,
+            spin_until: std::sync::atomic::AtomicU64::new(0),
+            epoch: Instant::now(),
+            spin_wake: tokio::sync::Notify::new(),
+            pool: Arc::new(SendPool::default()),
         });
+        // While a thread waits for an operation, keep the runtime's worker polling the socket
+        // instead of parking: a parked worker takes tens of µs to wake on this kind of VM, twice
+        // per message (the sender's and the receiver's), which was most of QUIC's latency.
+        {
+            let sh = shared.clone();
+            rt.spawn(async move {
+                loop {
+                    sh.spin_wake.notified().await;
+                    while sh.spinning() {
+                        // Give the CPU to the waiting thread between polls (2 cores, 2+ ranks).
+                        std::thread::yield_now();
+                        tokio::task::yield_now().await;
+                    }
+                }
+            });
+        }
         let timeout = cfg.connect_timeout;
         let conns: Result<Vec<(usize, quinn::Connection)>> = rt.block_on(async {
             let mut out = Vec::new();
@@ -492,7 +656,7 @@ impl QuicTransport {
                 let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client_tls)
                     .map_err(|e| rv(format!("QUIC TLS: {e}")))?;
                 let mut cc = quinn::ClientConfig::new(Arc::new(crypto));
-                cc.transport_config(Arc::new(transport_config(cfg, loopback)));
+                cc.transport_config(Arc::new(transport_config(cfg, loopback, in_flight)));
                 let connecting = endpoint
                     .connect_with(cc, *addr, "tutti")
                     .map_err(|e| rv(format!("connecting to rank {j} at {addr}: {e}")))?;
@@ -593,7 +757,27 @@ impl QuicTransport {
             let sh = shared.clone();
             rt.spawn(async move {
                 let e = conn.closed().await;
+                let st = conn.stats();
+                debug!(
+                    rank = sh.rank,
+                    peer = j,
+                    mtu = st.path.current_mtu,
+                    cwnd = st.path.cwnd,
+                    rtt = ?st.path.rtt,
+                    lost = st.path.lost_packets,
+                    congestion_events = st.path.congestion_events,
+                    sent = st.path.sent_packets,
+                    udp_tx = ?st.udp_tx,
+                    "quic connection statistics"
+                );
                 let detail = match e {
+                    // The peer dropped its transport (our own shutdown closes with code 0): the
+                    // same clean close as a close frame, which may still be queued behind it.
+                    quinn::ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(0) => {
+                        sh.peer_closing(j);
+                        return;
+                    }
+                    quinn::ConnectionError::LocallyClosed => return,
                     quinn::ConnectionError::TimedOut => "nothing (not even a keep-alive) arrived from the peer within the idle timeout: the process is stopped (SIGSTOP), hung, or its host is unreachable".to_string(),
                     other => format!("QUIC connection lost: {other}"),
                 };
@@ -608,7 +792,7 @@ impl QuicTransport {
                 incoming.refuse();
             }
         });
-        info!(rank, world, %local, elapsed = ?start.elapsed(), "quic transport connected");
+        info!(rank, world, %local, loopback, elapsed = ?start.elapsed(), "quic transport connected");
         Ok(QuicTransport { rank, world, shared, local, endpoint, rt: Some(rt), fp: me.fp })
     }
 
@@ -677,7 +861,7 @@ impl Transport for QuicTransport {
         let hdr = Header::data(desc, self.rank, len).encode();
         if !self
             .shared
-            .send_frame(peer, Out { id: Some(id), hdr, data: Bytes::copy_from_slice(slice) })
+            .send_frame(peer, Out { id: Some(id), hdr, data: self.shared.pool.copy(slice) })
         {
             st.ops.forget(id);
             return Err(Error::PeerLost {
@@ -731,6 +915,7 @@ impl Transport for QuicTransport {
     fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
         let start = Instant::now();
         let mut probed = false;
+        self.shared.spin_for_waiter();
         let mut st = self.shared.lock();
         loop {
             if let Some(r) = st.ops.take_finished(op) {
