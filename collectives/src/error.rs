@@ -52,6 +52,29 @@ pub enum Error {
         /// What broke.
         detail: String,
     },
+
+    /// A GPU was asked for and cannot be used: tutti was built without the `cuda` (or `nccl`)
+    /// feature, or the CUDA driver / NCCL library is not installed, or the device does not exist.
+    /// Nothing was sent; use host buffers or install the driver.
+    #[error("rank {rank}: CUDA unavailable: {detail}")]
+    CudaUnavailable {
+        /// Local (group) rank (0 before a group exists).
+        rank: usize,
+        /// What is missing.
+        detail: String,
+    },
+
+    /// A device operation (allocation, copy, synchronisation, NCCL call) failed. The copies
+    /// this call had queued were waited for before returning.
+    #[error("rank {rank}: device error in {op}: {detail}")]
+    Device {
+        /// Local (group) rank.
+        rank: usize,
+        /// Operation.
+        op: &'static str,
+        /// The device's message.
+        detail: String,
+    },
 }
 
 impl Error {

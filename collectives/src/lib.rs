@@ -25,6 +25,7 @@
 
 pub mod algo;
 mod comm;
+pub mod device;
 pub mod dtype;
 mod error;
 mod exec;

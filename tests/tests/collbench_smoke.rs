@@ -124,3 +124,43 @@ fn min_bw_fails_the_run() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("below --min-bw"));
 }
+
+#[test]
+fn device_sim_is_staged_verified_and_reports_overlap() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args([
+        "all", "-b", "1K", "-e", "4M", "-f", "64", "-n", "2", "-w", "1", "--np", "2", "--device",
+        "sim",
+    ]);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(300));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!killed, "collbench hung:\n{text}");
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let rs = rows(&text);
+    // allreduce, allgather, reduce_scatter, alltoall x 3 sizes; nothing else on a device.
+    assert_eq!(rs.len(), 4 * 3, "{text}");
+    for r in &rs {
+        assert_eq!(r[r.len() - 1], "0", "in-place #wrong in {r:?}");
+        assert_eq!(r[r.len() - 5], "0", "out-of-place #wrong in {r:?}");
+    }
+    assert!(text.contains("staged:"), "algorithm column names the staged path:\n{text}");
+    assert!(
+        text.contains("allreduce on sim: ")
+            && text.contains("% of the copy time ran while a segment was on the network"),
+        "{text}"
+    );
+}
+
+#[test]
+fn device_cuda_without_a_gpu_fails_with_the_reason() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["allreduce", "-b", "1K", "-e", "1K", "-n", "1", "--np", "2", "--device", "cuda"]);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!killed);
+    if out.status.success() {
+        // A machine with a GPU and a `cuda` build: nothing to check here.
+        return;
+    }
+    assert!(err.contains("CUDA unavailable"), "{err}");
+}

@@ -4,8 +4,10 @@ use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use half::{bf16, f16};
+use tutti_collectives::device::{overlap_fraction, Device, DeviceBuffer, Staged, StagingConfig};
+use tutti_collectives::dtype::{as_bytes, as_bytes_mut};
 use tutti_collectives::verify::{count_wrong, fill, reduced, value};
-use tutti_collectives::{Comm, DType, Element, ReduceOp, Result, Stats};
+use tutti_collectives::{Comm, DType, Element, Error, ReduceOp, Result, Stats};
 
 use super::report::{self, Mode, Row, Run};
 use super::Settings;
@@ -18,7 +20,19 @@ pub struct Bench {
     s: Settings,
     transport: String,
     progress: bool,
+    dev: Option<DevCtx>,
 }
+
+/// Device buffers: the device, its staging engine, and (feature `nccl`) the NCCL communicator.
+struct DevCtx {
+    device: std::sync::Arc<dyn Device>,
+    staged: Staged,
+    #[cfg(feature = "nccl")]
+    nccl: Option<tutti_collectives::device::nccl::NcclComm>,
+}
+
+/// Collectives a device run covers.
+const DEVICE_COLLS: [&str; 4] = ["allreduce", "allgather", "reduce_scatter", "alltoall"];
 
 /// The shape of one size of one collective.
 #[derive(Debug, Clone, Copy)]
@@ -93,7 +107,50 @@ impl Bench {
     /// A benchmark over `comm`.
     pub fn new(comm: Comm, s: Settings, transport: &str) -> Bench {
         let progress = comm.rank() == 0 && std::io::stderr().is_terminal();
-        Bench { comm, s, transport: transport.to_string(), progress }
+        Bench { comm, s, transport: transport.to_string(), progress, dev: None }
+    }
+
+    /// Open the device of `--device` (GPU `LOCAL_RANK` for cuda/nccl).
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] when the GPU path is not compiled in or not present.
+    fn open_device(&mut self) -> Result<()> {
+        let name = self.s.args.device.clone();
+        if name == "host" {
+            return Ok(());
+        }
+        let local: usize =
+            std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let device = tutti_collectives::device::open(&name, local).map_err(|e| match e {
+            Error::CudaUnavailable { detail, .. } => {
+                Error::CudaUnavailable { rank: self.comm.rank(), detail }
+            }
+            e => e,
+        })?;
+        let staged = self.comm.staged(device.clone(), StagingConfig::default());
+        #[cfg(feature = "nccl")]
+        let nccl = if name == "nccl" {
+            let cuda =
+                std::sync::Arc::new(tutti_collectives::device::cuda::CudaDevice::new(local)?);
+            Some(tutti_collectives::device::nccl::NcclComm::new(&self.comm, cuda)?)
+        } else {
+            None
+        };
+        #[cfg(not(feature = "nccl"))]
+        if name == "nccl" {
+            return Err(Error::CudaUnavailable {
+                rank: self.comm.rank(),
+                detail: "tutti was built without the `nccl` feature (cargo build --features nccl)"
+                    .into(),
+            });
+        }
+        self.dev = Some(DevCtx {
+            device,
+            staged,
+            #[cfg(feature = "nccl")]
+            nccl,
+        });
+        Ok(())
     }
 
     /// This rank.
@@ -107,6 +164,10 @@ impl Bench {
     /// # Errors
     /// Any collective failure.
     pub fn run(&mut self) -> Result<i32> {
+        self.open_device()?;
+        if self.dev.is_some() {
+            self.s.colls.retain(|c| DEVICE_COLLS.contains(c));
+        }
         let me = self.comm.rank();
         let n = self.comm.size();
         let a = &self.s.args;
@@ -130,7 +191,11 @@ impl Bench {
             println!("# Using devices");
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             for r in 0..n {
-                println!("#  Rank {r:>2} Group  0 on {:>10} device {:>2} [cpu]", host.trim(), r);
+                let kind = match a.device.as_str() {
+                    "host" => "cpu".to_string(),
+                    d => format!("{d}, staged through host memory"),
+                };
+                println!("#  Rank {r:>2} Group  0 on {:>10} device {:>2} [{kind}]", host.trim(), r);
             }
         }
         let mut runs = Vec::new();
@@ -212,6 +277,18 @@ impl Bench {
         }
         if me == 0 {
             print!("{}", report::footer(&run));
+        }
+        if let Some(dev) = &self.dev {
+            let (net, copies) = dev.staged.take_trace();
+            if me == 0 && !copies.is_empty() {
+                println!(
+                    "# {coll} on {}: {:.0} % of the copy time ran while a segment was on the network ({} copies, {} segment collectives)",
+                    dev.device.name(),
+                    100.0 * overlap_fraction(&net, &copies),
+                    copies.len(),
+                    net.len()
+                );
+            }
         }
         Ok(run)
     }
@@ -322,23 +399,115 @@ impl Bench {
         d: Dims,
         ip: bool,
     ) -> Result<(Mode, String)> {
+        if self.dev.is_some() {
+            return self.mode_dev::<T>(coll, d, ip);
+        }
         let c = match self.s.algo {
             Some(a) => self.comm.with_algo(a),
             None => self.comm.clone(),
         };
-        let a = self.s.args.clone();
         let (inp, mut out) = self.buffers::<T>(coll, d, ip);
         let mut wrong = 0u64;
         let mut algo = String::from("-");
-        if a.check > 0 {
+        if self.s.args.check > 0 {
             if let Some(st) = self.call(&c, coll, ip, &inp, &mut out)? {
                 algo = st.algo.name().to_string();
             }
             wrong = self.verify(coll, d, ip, &out);
         }
+        let mut call = |b: &Bench| -> Result<Option<String>> {
+            Ok(b.call(&c, coll, ip, &inp, &mut out)?.map(|st| st.algo.name().to_string()))
+        };
+        self.measure(d, wrong, algo, &mut call)
+    }
+
+    /// The same on device buffers: the input uploaded once, the collective staged (or NCCL),
+    /// the output downloaded once for the check. In-place modes run allreduce in place; the
+    /// other collectives repeat the out-of-place call.
+    fn mode_dev<T: Element>(
+        &mut self,
+        coll: &'static str,
+        d: Dims,
+        ip: bool,
+    ) -> Result<(Mode, String)> {
+        let Some(dev) = &self.dev else {
+            return Err(Error::InvalidArgument {
+                rank: self.rank(),
+                op: "collbench",
+                detail: "no device".into(),
+            });
+        };
+        let device = dev.device.clone();
+        let (inp, out) = self.buffers::<T>(coll, d, false);
+        let esz = std::mem::size_of::<T>();
+        let din = device.alloc(d.in_len.max(1) * esz)?;
+        let dout = device.alloc(d.out_len.max(1) * esz)?;
+        let in_place = ip && coll == "allreduce";
+        device.upload(as_bytes(&inp), if in_place { &*dout } else { &*din })?;
+        let mut call = |b: &Bench| -> Result<Option<String>> {
+            b.call_dev::<T>(coll, d, in_place, &*din, &*dout).map(Some)
+        };
+        let check = self.s.args.check > 0;
+        let mut algo = String::from("-");
+        let mut wrong = 0u64;
+        if check {
+            algo = call(self)?.unwrap_or_default();
+            let mut host = out;
+            device.download(&*dout, as_bytes_mut(&mut host))?;
+            wrong = self.verify(coll, d, false, &host);
+        }
+        self.measure(d, wrong, algo, &mut call)
+    }
+
+    fn call_dev<T: Element>(
+        &self,
+        coll: &str,
+        d: Dims,
+        in_place: bool,
+        din: &dyn DeviceBuffer,
+        dout: &dyn DeviceBuffer,
+    ) -> Result<String> {
+        let Some(dev) = &self.dev else { return Ok("-".into()) };
+        let op = self.s.op;
+        #[cfg(feature = "nccl")]
+        if let Some(nc) = &dev.nccl {
+            match coll {
+                "allreduce" if in_place => nc.allreduce::<T>(dout, d.count, op)?,
+                "allreduce" => nc.allreduce_from::<T>(din, dout, d.count, op)?,
+                "allgather" => nc.allgather::<T>(din, dout, d.count)?,
+                "reduce_scatter" => nc.reduce_scatter::<T>(din, dout, d.count, op)?,
+                _ => {
+                    return Err(Error::InvalidArgument {
+                        rank: self.rank(),
+                        op: "collbench",
+                        detail: format!("{coll} has no NCCL path here"),
+                    })
+                }
+            }
+            return Ok("nccl".into());
+        }
+        let st = match coll {
+            "allreduce" if in_place => dev.staged.allreduce::<T>(dout, d.count, op)?,
+            "allreduce" => dev.staged.allreduce_from::<T>(din, dout, d.count, op)?,
+            "allgather" => dev.staged.allgather::<T>(din, dout, d.count)?,
+            "reduce_scatter" => dev.staged.reduce_scatter::<T>(din, dout, d.count, op)?,
+            _ => dev.staged.all_to_all::<T>(din, dout, d.count / self.comm.size().max(1))?,
+        };
+        Ok(format!("staged:{}", st.algo.map_or("-", |a| a.name())))
+    }
+
+    /// Warm up, time `iters`, combine over ranks.
+    fn measure(
+        &mut self,
+        d: Dims,
+        wrong: u64,
+        mut algo: String,
+        call: &mut dyn FnMut(&Bench) -> Result<Option<String>>,
+    ) -> Result<(Mode, String)> {
+        let a = self.s.args.clone();
         for _ in 0..a.warmup {
-            if let Some(st) = self.call(&c, coll, ip, &inp, &mut out)? {
-                algo = st.algo.name().to_string();
+            if let Some(x) = call(self)? {
+                algo = x;
             }
         }
         self.comm.barrier()?;
@@ -346,8 +515,8 @@ impl Bench {
         for _ in 0..a.iters {
             let t = Instant::now();
             for _ in 0..a.agg.max(1) {
-                if let Some(st) = self.call(&c, coll, ip, &inp, &mut out)? {
-                    algo = st.algo.name().to_string();
+                if let Some(x) = call(self)? {
+                    algo = x;
                 }
             }
             iter_us.push(t.elapsed().as_secs_f64() * 1e6 / a.agg.max(1) as f64);

@@ -105,6 +105,12 @@ pub struct Args {
     /// Transport for --np runs: tcp, quic or mem.
     #[arg(long, default_value = "tcp")]
     pub transport: String,
+    /// Where the buffers live: host, sim (simulated device: staged through host buffers with
+    /// modelled copy latency and bandwidth), cuda (GPU buffers staged through pinned memory;
+    /// feature `cuda`) or nccl (GPU buffers, NCCL; feature `nccl`). Device runs cover
+    /// allreduce, allgather, reduce_scatter and alltoall.
+    #[arg(long, default_value = "host")]
+    pub device: String,
     /// Force an algorithm (ring, rd, rabenseifner, halving, tree, chain, bruck, pairwise,
     /// postall, linear, dissemination).
     #[arg(long)]
@@ -196,6 +202,12 @@ impl Settings {
         };
         if args.iters == 0 {
             return Err("-n must be at least 1".into());
+        }
+        if !matches!(args.device.as_str(), "host" | "sim" | "cuda" | "nccl") {
+            return Err(format!(
+                "unknown device {:?}; choose from host, sim, cuda, nccl",
+                args.device
+            ));
         }
         Ok(Settings { args, colls, dtype, op, algo })
     }

@@ -1,0 +1,241 @@
+//! CUDA device buffers (feature `cuda`): cudarc with the driver loaded at run time, so tutti
+//! builds and runs on machines without CUDA and asking for a GPU there returns
+//! [`Error::CudaUnavailable`], never a panic.
+//!
+//! Staging uses a dedicated stream for the copies and page-locked host buffers
+//! (`cuMemHostAlloc`, not write-combined: the host reduces in them, and write-combined memory
+//! is slow to read).
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+
+use super::{Device, DeviceBuffer, HostStage, Ticket};
+use crate::error::{Error, Result};
+
+/// True when the CUDA driver library can be loaded (checked before any cudarc call, which
+/// would panic without it).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { sys::is_culib_present() }
+}
+
+fn dev_err(op: &'static str, e: impl std::fmt::Display) -> Error {
+    Error::Device { rank: 0, op, detail: e.to_string() }
+}
+
+/// GPU memory.
+pub struct CudaBuffer(CudaSlice<u8>);
+
+impl CudaBuffer {
+    /// The cudarc slice (for NCCL and for callers' kernels).
+    pub fn slice(&self) -> &CudaSlice<u8> {
+        &self.0
+    }
+}
+
+impl DeviceBuffer for CudaBuffer {
+    fn len_bytes(&self) -> usize {
+        self.0.len()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Page-locked host memory.
+pub struct PinnedStage {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: plain host memory; access is ordered by the staging engine.
+unsafe impl Send for PinnedStage {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedStage {}
+
+impl HostStage for PinnedStage {
+    fn len_bytes(&self) -> usize {
+        self.len
+    }
+    fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl Drop for PinnedStage {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `cuMemHostAlloc` in `alloc_stage`, freed once.
+        let _ = unsafe { result::free_host(self.ptr.cast()) };
+    }
+}
+
+/// Recorded events: the last ticket issued, and the events not yet known to be complete.
+type Events = (u64, VecDeque<(u64, Arc<CudaEvent>)>);
+
+/// One GPU with a copy stream.
+pub struct CudaDevice {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    events: Mutex<Events>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("ordinal", &self.ordinal).finish_non_exhaustive()
+    }
+}
+
+impl CudaDevice {
+    /// Open GPU `ordinal` (for a rank, usually `LOCAL_RANK`).
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] when the driver is not installed or the GPU does not exist.
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        if !driver_present() {
+            return Err(Error::CudaUnavailable {
+                rank: 0,
+                detail: "the CUDA driver library (libcuda.so) is not installed on this machine"
+                    .into(),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::CudaUnavailable {
+            rank: 0,
+            detail: format!("cannot open GPU {ordinal}: {e}"),
+        })?;
+        let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
+        Ok(CudaDevice { ordinal, ctx, stream, events: Mutex::new((0, VecDeque::new())) })
+    }
+
+    /// The cudarc stream the copies run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn buf<'a>(&self, b: &'a dyn DeviceBuffer) -> Result<&'a CudaBuffer> {
+        b.as_any()
+            .downcast_ref::<CudaBuffer>()
+            .ok_or_else(|| dev_err("copy", "the buffer was not allocated by a CUDA device"))
+    }
+
+    fn ptr(&self, b: &CudaBuffer, off: usize, len: usize) -> Result<sys::CUdeviceptr> {
+        if off.checked_add(len).is_none_or(|e| e > b.0.len()) {
+            return Err(dev_err(
+                "copy",
+                format!("device range {off}+{len} outside {} bytes", b.0.len()),
+            ));
+        }
+        let (p, _sync) = b.0.device_ptr(&self.stream);
+        Ok(p + off as u64)
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn DeviceBuffer>> {
+        let s = self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| dev_err("alloc", e))?;
+        Ok(Box::new(CudaBuffer(s)))
+    }
+
+    fn alloc_stage(&self, bytes: usize) -> Result<Box<dyn HostStage>> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("alloc_stage", e))?;
+        // SAFETY: a plain page-locked allocation (flags 0: portable to this context only,
+        // cached), freed by `PinnedStage::drop`.
+        let ptr = unsafe { result::malloc_host(bytes.max(16), 0) }
+            .map_err(|e| dev_err("alloc_stage", e))?;
+        Ok(Box::new(PinnedStage { ptr: ptr.cast(), len: bytes, ctx: self.ctx.clone() }))
+    }
+
+    fn upload(&self, src: &[u8], dst: &dyn DeviceBuffer) -> Result<()> {
+        let d = self.buf(dst)?;
+        let p = self.ptr(d, 0, src.len())?;
+        self.ctx.bind_to_thread().map_err(|e| dev_err("upload", e))?;
+        // SAFETY: in bounds; synchronised before `src` can go away.
+        unsafe { result::memcpy_htod_async(p, src, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("upload", e))?;
+        self.stream.synchronize().map_err(|e| dev_err("upload", e))
+    }
+
+    fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> Result<()> {
+        let s = self.buf(src)?;
+        let p = self.ptr(s, 0, dst.len())?;
+        self.ctx.bind_to_thread().map_err(|e| dev_err("download", e))?;
+        // SAFETY: in bounds; synchronised before `dst` can go away.
+        unsafe { result::memcpy_dtoh_async(dst, p, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("download", e))?;
+        self.stream.synchronize().map_err(|e| dev_err("download", e))
+    }
+
+    unsafe fn d2h(
+        &self,
+        src: &dyn DeviceBuffer,
+        src_off: usize,
+        dst: &dyn HostStage,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        let p = self.ptr(self.buf(src)?, src_off, len)?;
+        if dst_off.checked_add(len).is_none_or(|e| e > dst.len_bytes()) {
+            return Err(dev_err("copy", "host range out of bounds"));
+        }
+        self.ctx.bind_to_thread().map_err(|e| dev_err("copy", e))?;
+        // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.
+        let host = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(dst_off), len) };
+        // SAFETY: as above.
+        unsafe { result::memcpy_dtoh_async(host, p, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("copy", e))
+    }
+
+    unsafe fn h2d(
+        &self,
+        src: &dyn HostStage,
+        src_off: usize,
+        dst: &dyn DeviceBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        let p = self.ptr(self.buf(dst)?, dst_off, len)?;
+        if src_off.checked_add(len).is_none_or(|e| e > src.len_bytes()) {
+            return Err(dev_err("copy", "host range out of bounds"));
+        }
+        self.ctx.bind_to_thread().map_err(|e| dev_err("copy", e))?;
+        // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.
+        let host = unsafe { std::slice::from_raw_parts(src.ptr().add(src_off), len) };
+        // SAFETY: as above.
+        unsafe { result::memcpy_htod_async(p, host, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("copy", e))
+    }
+
+    fn record(&self) -> Result<Ticket> {
+        let ev = self.stream.record_event(None).map_err(|e| dev_err("record", e))?;
+        let mut g = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        let t = g.0;
+        g.1.push_back((t, Arc::new(ev)));
+        Ok(Ticket(t))
+    }
+
+    fn wait(&self, t: Ticket) -> Result<()> {
+        // Events complete in order: synchronise on the first one at or after `t`, drop the
+        // older ones.
+        let ev = {
+            let mut g = self.events.lock().unwrap_or_else(|p| p.into_inner());
+            while g.1.front().is_some_and(|(k, _)| *k < t.0) {
+                g.1.pop_front();
+            }
+            match g.1.front() {
+                Some((_, ev)) => ev.clone(),
+                None => return Ok(()),
+            }
+        };
+        ev.synchronize().map_err(|e| dev_err("wait", e))
+    }
+}

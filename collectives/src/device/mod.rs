@@ -1,0 +1,648 @@
+//! Device buffers (GPU memory) in the collectives: a small device trait, a staging engine that
+//! moves device data through pinned host buffers segment by segment — copying segment `k + 1`
+//! down and segment `k - 1` up while segment `k` is on the network (Gloo's
+//! `cuda_allreduce_ring_chunked` pattern) — and the backends: [`sim::SimDevice`] (host memory
+//! with an artificial copy latency and bandwidth, so the pipeline's ordering, overlap and errors
+//! are tested without a GPU), `cuda::CudaDevice` (feature `cuda`) and `nccl::NcclComm` (feature
+//! `nccl`).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tutti_collectives::device::{sim::SimDevice, Device, StagingConfig};
+//! use tutti_collectives::{Comm, ReduceOp};
+//!
+//! std::thread::scope(|s| {
+//!     for c in Comm::mem_world(2) {
+//!         s.spawn(move || {
+//!             let dev: Arc<dyn Device> = Arc::new(SimDevice::new(Default::default()));
+//!             let buf = dev.alloc(4 * 1000).unwrap();
+//!             let x: Vec<f32> = vec![c.rank() as f32 + 1.0; 1000];
+//!             dev.upload(tutti_collectives::dtype::as_bytes(&x), &*buf).unwrap();
+//!             let staged = c.staged(dev.clone(), StagingConfig::default());
+//!             staged.allreduce::<f32>(&*buf, 1000, ReduceOp::Sum).unwrap();
+//!             let mut out = vec![0f32; 1000];
+//!             dev.download(&*buf, tutti_collectives::dtype::as_bytes_mut(&mut out)).unwrap();
+//!             assert!(out.iter().all(|v| *v == 3.0));
+//!         });
+//!     }
+//! });
+//! ```
+
+pub mod sim;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::comm::{Comm, Stats};
+use crate::dtype::{as_bytes_mut, Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::select::Algo;
+
+/// Memory on a device, as a handle: reads and writes go through [`Device`] calls (device memory
+/// is not addressable from the host).
+pub trait DeviceBuffer: Send + Sync {
+    /// Size in bytes.
+    fn len_bytes(&self) -> usize;
+    /// For the backend that allocated it.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Host memory the device copies to and from asynchronously (pinned memory for CUDA).
+pub trait HostStage: Send + Sync {
+    /// Size in bytes.
+    fn len_bytes(&self) -> usize;
+    /// Start of the memory. Valid for `len_bytes()` bytes while the stage lives; aligned to at
+    /// least 16 bytes.
+    fn ptr(&self) -> *mut u8;
+}
+
+/// A point in a device's copy queue; [`Device::wait`] blocks until every copy queued before it
+/// has finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Ticket(pub u64);
+
+/// A device the collectives can stage: allocation, synchronous upload/download (tests, setup)
+/// and an ordered queue of asynchronous copies (a CUDA stream).
+pub trait Device: Send + Sync {
+    /// Backend name (`sim`, `cuda:0`).
+    fn name(&self) -> String;
+    /// Allocate `bytes` of device memory.
+    ///
+    /// # Errors
+    /// [`Error::Device`] when the device cannot allocate.
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn DeviceBuffer>>;
+    /// Allocate a host staging buffer (pinned where the backend has pinned memory).
+    ///
+    /// # Errors
+    /// [`Error::Device`] when it cannot be allocated.
+    fn alloc_stage(&self, bytes: usize) -> Result<Box<dyn HostStage>>;
+    /// Copy `src` into the start of `dst` and wait for it.
+    ///
+    /// # Errors
+    /// [`Error::Device`]; [`Error::InvalidArgument`] when `src` is longer than `dst`.
+    fn upload(&self, src: &[u8], dst: &dyn DeviceBuffer) -> Result<()>;
+    /// Copy the start of `src` into `dst` and wait for it.
+    ///
+    /// # Errors
+    /// As [`Device::upload`].
+    fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> Result<()>;
+    /// Queue a copy of `len` bytes from `src` at `src_off` to `dst` at `dst_off`.
+    ///
+    /// # Safety
+    /// Both ranges are in bounds, and neither is read or written by anyone else until a
+    /// [`Device::wait`] on a ticket recorded after this call has returned; both buffers outlive
+    /// that wait.
+    ///
+    /// # Errors
+    /// [`Error::Device`] when the copy cannot be queued.
+    unsafe fn d2h(
+        &self,
+        src: &dyn DeviceBuffer,
+        src_off: usize,
+        dst: &dyn HostStage,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()>;
+    /// Queue a copy of `len` bytes from host `src` to device `dst`.
+    ///
+    /// # Safety
+    /// As [`Device::d2h`].
+    ///
+    /// # Errors
+    /// As [`Device::d2h`].
+    unsafe fn h2d(
+        &self,
+        src: &dyn HostStage,
+        src_off: usize,
+        dst: &dyn DeviceBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()>;
+    /// Mark the current end of the copy queue.
+    ///
+    /// # Errors
+    /// [`Error::Device`].
+    fn record(&self) -> Result<Ticket>;
+    /// Block until every copy queued before `t` has finished.
+    ///
+    /// # Errors
+    /// [`Error::Device`] when a copy failed.
+    fn wait(&self, t: Ticket) -> Result<()>;
+    /// Copy spans the backend measured (the simulated device records them), for overlap
+    /// reports; empty when the backend does not measure.
+    fn copy_spans(&self) -> Vec<CopySpan> {
+        Vec::new()
+    }
+}
+
+/// One measured copy.
+#[derive(Clone, Copy, Debug)]
+pub struct CopySpan {
+    /// Device-to-host (`true`) or host-to-device.
+    pub d2h: bool,
+    /// Bytes.
+    pub bytes: usize,
+    /// Start.
+    pub start: Instant,
+    /// End.
+    pub end: Instant,
+}
+
+/// Settings of the staging engine.
+#[derive(Clone, Copy, Debug)]
+pub struct StagingConfig {
+    /// Elements of one block per segment are `segment_bytes / size_of::<T>()`. Default 1 MiB:
+    /// large enough that the network runs at full speed per segment, small enough that the first
+    /// copy down and the last copy up (not overlapped) are short.
+    pub segment_bytes: usize,
+    /// Host staging slots in the pool (each holds one segment in and out). Default 3: one being
+    /// copied down, one on the network, one being copied up.
+    pub depth: usize,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        StagingConfig { segment_bytes: 1 << 20, depth: 3 }
+    }
+}
+
+/// What a staged collective did.
+#[derive(Clone, Copy, Debug)]
+pub struct StagedStats {
+    /// The host algorithm of the segments' collectives (`None` for an empty call).
+    pub algo: Option<Algo>,
+    /// Segments.
+    pub segments: usize,
+    /// Bytes this rank sent.
+    pub bytes_sent: u64,
+    /// Time spent waiting for copies (not hidden behind the network).
+    pub copy_wait: Duration,
+    /// Wall time of the call.
+    pub elapsed: Duration,
+}
+
+/// What happened when, for overlap reports (one entry per segment and phase).
+#[derive(Clone, Copy, Debug)]
+pub struct NetSpan {
+    /// Segment index.
+    pub segment: usize,
+    /// When the host collective of the segment started.
+    pub start: Instant,
+    /// When it ended.
+    pub end: Instant,
+}
+
+/// A step of the staging pipeline, in the order the engine took it (see [`Staged::take_actions`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Segment's copies down queued.
+    QueueDown(usize),
+    /// Segment's host collective started (its copy down was waited for).
+    Collective(usize),
+    /// Segment's copies up queued.
+    QueueUp(usize),
+}
+
+struct Slot {
+    input: Box<dyn HostStage>,
+    /// `None`: the collective runs in place in `input` (allreduce).
+    output: Option<Box<dyn HostStage>>,
+}
+
+/// Collectives on device buffers through a staging pipeline; made by [`Comm::staged`].
+///
+/// # Collective contract
+/// As the host collectives: every rank of the group calls the same operations in the same order
+/// with the same counts (and the same [`StagingConfig`], so the segments line up).
+pub struct Staged {
+    comm: Comm,
+    device: Arc<dyn Device>,
+    cfg: StagingConfig,
+    pool: Mutex<Vec<Slot>>,
+    trace: Mutex<Vec<NetSpan>>,
+    actions: Mutex<Vec<Action>>,
+}
+
+impl std::fmt::Debug for Staged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staged")
+            .field("rank", &self.comm.rank())
+            .field("device", &self.device.name())
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Comm {
+    /// Collectives on `device`'s buffers over this communicator, staged through host memory.
+    pub fn staged(&self, device: Arc<dyn Device>, cfg: StagingConfig) -> Staged {
+        Staged {
+            comm: self.clone(),
+            device,
+            cfg: StagingConfig { segment_bytes: cfg.segment_bytes.max(1), depth: cfg.depth.max(2) },
+            pool: Mutex::new(Vec::new()),
+            trace: Mutex::new(Vec::new()),
+            actions: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+/// The shape of a staged collective: `n_in` input blocks and `n_out` output blocks of `count`
+/// elements each.
+#[derive(Clone, Copy)]
+struct Shape {
+    n_in: usize,
+    n_out: usize,
+    count: usize,
+    in_place: bool,
+}
+
+impl Staged {
+    /// The communicator.
+    pub fn comm(&self) -> &Comm {
+        &self.comm
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Host-collective spans of every call so far (then cleared), with the device's copy spans,
+    /// for overlap reports.
+    pub fn take_trace(&self) -> (Vec<NetSpan>, Vec<CopySpan>) {
+        let net = std::mem::take(&mut *self.trace.lock().unwrap_or_else(|p| p.into_inner()));
+        (net, self.device.copy_spans())
+    }
+
+    /// The pipeline steps of every call so far (then cleared): shows that segment `k + 1`'s
+    /// copy down is queued before segment `k`'s collective starts.
+    pub fn take_actions(&self) -> Vec<Action> {
+        std::mem::take(&mut *self.actions.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn invalid(&self, op: &'static str, detail: String) -> Error {
+        Error::InvalidArgument { rank: self.comm.rank(), op, detail }
+    }
+
+    fn check_len(
+        &self,
+        op: &'static str,
+        what: &str,
+        b: &dyn DeviceBuffer,
+        need: usize,
+    ) -> Result<()> {
+        if b.len_bytes() < need {
+            return Err(self.invalid(
+                op,
+                format!("{what} holds {} bytes, the call needs {need}", b.len_bytes()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Allreduce of `count` elements of `buf`, in place.
+    ///
+    /// # Collective contract
+    /// As [`Comm::allreduce`].
+    ///
+    /// # Errors
+    /// As [`Comm::allreduce`]; [`Error::Device`] for a failed copy;
+    /// [`Error::InvalidArgument`] when `buf` is too small.
+    pub fn allreduce<T: Element>(
+        &self,
+        buf: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<StagedStats> {
+        self.check_len("allreduce", "buffer", buf, count * size_of::<T>())?;
+        let shape = Shape { n_in: 1, n_out: 1, count, in_place: true };
+        self.run::<T>("allreduce", buf, buf, shape, |c, inp, _out| c.allreduce(inp, op))
+    }
+
+    /// Allreduce of `count` elements of `input` into `output` (`input` unchanged).
+    ///
+    /// # Collective contract
+    /// As [`Comm::allreduce_from`].
+    ///
+    /// # Errors
+    /// As [`Staged::allreduce`].
+    pub fn allreduce_from<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<StagedStats> {
+        self.check_len("allreduce", "input", input, count * size_of::<T>())?;
+        self.check_len("allreduce", "output", output, count * size_of::<T>())?;
+        let shape = Shape { n_in: 1, n_out: 1, count, in_place: false };
+        self.run::<T>("allreduce", input, output, shape, |c, inp, out| {
+            c.allreduce_from(inp, out, op)
+        })
+    }
+
+    /// Allgather: `input` holds `count` elements, `output` receives `size() * count`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::allgather`].
+    ///
+    /// # Errors
+    /// As [`Staged::allreduce`].
+    pub fn allgather<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+    ) -> Result<StagedStats> {
+        let n = self.comm.size();
+        self.check_len("allgather", "input", input, count * size_of::<T>())?;
+        self.check_len("allgather", "output", output, n * count * size_of::<T>())?;
+        let shape = Shape { n_in: 1, n_out: n, count, in_place: false };
+        self.run::<T>("allgather", input, output, shape, |c, inp, out| c.allgather(inp, out))
+    }
+
+    /// Reduce-scatter: `input` holds `size() * count` elements, rank `r` receives block `r`
+    /// (`count` elements) of the reduction in `output`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::reduce_scatter`].
+    ///
+    /// # Errors
+    /// As [`Staged::allreduce`].
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<StagedStats> {
+        let n = self.comm.size();
+        self.check_len("reduce_scatter", "input", input, n * count * size_of::<T>())?;
+        self.check_len("reduce_scatter", "output", output, count * size_of::<T>())?;
+        let shape = Shape { n_in: n, n_out: 1, count, in_place: false };
+        self.run::<T>("reduce_scatter", input, output, shape, |c, inp, out| {
+            c.reduce_scatter(inp, out, op)
+        })
+    }
+
+    /// All-to-all: block `j` (`count` elements) of `input` goes to rank `j`; block `i` of
+    /// `output` comes from rank `i`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::all_to_all`].
+    ///
+    /// # Errors
+    /// As [`Staged::allreduce`].
+    pub fn all_to_all<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+    ) -> Result<StagedStats> {
+        let n = self.comm.size();
+        self.check_len("all_to_all", "input", input, n * count * size_of::<T>())?;
+        self.check_len("all_to_all", "output", output, n * count * size_of::<T>())?;
+        let shape = Shape { n_in: n, n_out: n, count, in_place: false };
+        self.run::<T>("all_to_all", input, output, shape, |c, inp, out| c.all_to_all(inp, out))
+    }
+
+    fn take_slot(&self, in_bytes: usize, out_bytes: Option<usize>) -> Result<Slot> {
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        let fits = |s: &Slot| {
+            s.input.len_bytes() >= in_bytes
+                && match (out_bytes, &s.output) {
+                    (None, _) => true,
+                    (Some(b), Some(o)) => o.len_bytes() >= b,
+                    (Some(_), None) => false,
+                }
+        };
+        if let Some(i) = pool.iter().position(fits) {
+            return Ok(pool.swap_remove(i));
+        }
+        drop(pool);
+        Ok(Slot {
+            input: self.device.alloc_stage(in_bytes)?,
+            output: out_bytes.map(|b| self.device.alloc_stage(b)).transpose()?,
+        })
+    }
+
+    /// The pipeline: per segment, copy the input blocks' part down, run the host collective on
+    /// the packed segment, copy the output blocks' part up.
+    fn run<T: Element>(
+        &self,
+        name: &'static str,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        shape: Shape,
+        host: impl Fn(&Comm, &mut [T], &mut [T]) -> Result<Stats>,
+    ) -> Result<StagedStats> {
+        let start = Instant::now();
+        let esz = size_of::<T>();
+        let seg = (self.cfg.segment_bytes / esz).max(1);
+        let nseg = shape.count.div_ceil(seg);
+        let depth = self.cfg.depth;
+        let mut slots = Vec::with_capacity(depth.min(nseg));
+        for _ in 0..depth.min(nseg) {
+            slots.push(self.take_slot(
+                shape.n_in * seg * esz,
+                (!shape.in_place).then_some(shape.n_out * seg * esz),
+            )?);
+        }
+        let mut down: Vec<Option<Ticket>> = vec![None; nseg];
+        let mut up: Vec<Option<Ticket>> = vec![None; nseg];
+        let mut bytes = 0u64;
+        let mut algo = None;
+        let mut copy_wait = Duration::ZERO;
+        let mut spans = Vec::with_capacity(nseg);
+        let actions = Mutex::new(Vec::with_capacity(3 * nseg));
+        let act = |a: Action| actions.lock().unwrap_or_else(|p| p.into_inner()).push(a);
+        let res = (|| -> Result<()> {
+            let range = |k: usize| (k * seg, ((k + 1) * seg).min(shape.count) - k * seg);
+            // Queue segment k's copy down into its slot (after the slot's previous copy up).
+            let issue_down = |k: usize, up: &[Option<Ticket>]| -> Result<Ticket> {
+                if k >= depth {
+                    if let Some(t) = up[k - depth] {
+                        self.device.wait(t)?;
+                    }
+                }
+                let (first, len) = range(k);
+                let slot = &slots[k % depth];
+                act(Action::QueueDown(k));
+                for b in 0..shape.n_in {
+                    // SAFETY: in bounds (lengths checked by the callers, slots sized for a full
+                    // segment of every block); the slot is free (its previous copy up was waited
+                    // for above) and nothing touches the range until this segment's ticket is
+                    // waited for; every ticket is waited for before `run` returns.
+                    unsafe {
+                        self.device.d2h(
+                            input,
+                            (b * shape.count + first) * esz,
+                            &*slot.input,
+                            b * len * esz,
+                            len * esz,
+                        )?
+                    };
+                }
+                self.device.record()
+            };
+            if nseg > 0 {
+                down[0] = Some(issue_down(0, &up)?);
+            }
+            for k in 0..nseg {
+                if let Some(t) = down[k] {
+                    let w = Instant::now();
+                    self.device.wait(t)?;
+                    copy_wait += w.elapsed();
+                }
+                if k + 1 < nseg {
+                    down[k + 1] = Some(issue_down(k + 1, &up)?);
+                }
+                let (first, len) = range(k);
+                let slot = &slots[k % depth];
+                // SAFETY: the slot's copy down was waited for; its copy up (below) is queued
+                // only after the host collective is done with it; stages are aligned to 16 bytes
+                // and sized for `n * seg` elements.
+                let inp = unsafe {
+                    std::slice::from_raw_parts_mut(slot.input.ptr().cast::<T>(), shape.n_in * len)
+                };
+                let t0 = Instant::now();
+                act(Action::Collective(k));
+                // A pooled slot may carry an output stage from an earlier call: an in-place
+                // collective ignores it.
+                let out_stage = if shape.in_place { None } else { slot.output.as_deref() };
+                let st = match out_stage {
+                    None => host(&self.comm, inp, &mut [])?,
+                    Some(o) => {
+                        // SAFETY: as above, for the output stage.
+                        let out = unsafe {
+                            std::slice::from_raw_parts_mut(o.ptr().cast::<T>(), shape.n_out * len)
+                        };
+                        host(&self.comm, inp, out)?
+                    }
+                };
+                spans.push(NetSpan { segment: k, start: t0, end: Instant::now() });
+                bytes += st.bytes_sent;
+                algo = Some(st.algo);
+                let src: &dyn HostStage = out_stage.unwrap_or(&*slot.input);
+                act(Action::QueueUp(k));
+                for b in 0..shape.n_out {
+                    // SAFETY: as for the copy down; the destination range is this segment's
+                    // part of block b, written by no one else.
+                    unsafe {
+                        self.device.h2d(
+                            src,
+                            b * len * esz,
+                            output,
+                            (b * shape.count + first) * esz,
+                            len * esz,
+                        )?
+                    };
+                }
+                up[k] = Some(self.device.record()?);
+            }
+            Ok(())
+        })();
+        // Whatever happened, no copy may still reference the stages or the caller's buffers.
+        let w = Instant::now();
+        let drained = self.device.record().and_then(|t| self.device.wait(t));
+        copy_wait += w.elapsed();
+        let res = res.and(drained);
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).extend(slots);
+        self.trace.lock().unwrap_or_else(|p| p.into_inner()).extend(spans);
+        self.actions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(actions.into_inner().unwrap_or_else(|p| p.into_inner()));
+        if let Err(Error::Device { detail, .. }) = res {
+            // This rank cannot take part in the rest of the collective: abort the group so the
+            // others learn who failed and why at once instead of timing out.
+            let e = Error::Device { rank: self.comm.rank(), op: name, detail };
+            self.comm.group().abort(&e.to_string());
+            return Err(e);
+        }
+        res?;
+        Ok(StagedStats {
+            algo,
+            segments: nseg,
+            bytes_sent: bytes,
+            copy_wait,
+            elapsed: start.elapsed(),
+        })
+    }
+}
+
+/// Open a device by name: `sim` (the simulated device, default settings) or `cuda`
+/// (GPU `ordinal`, usually `LOCAL_RANK`).
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] for `cuda` when tutti was built without the `cuda` feature or the
+/// driver or GPU is missing; [`Error::InvalidArgument`] for another name.
+pub fn open(name: &str, ordinal: usize) -> Result<Arc<dyn Device>> {
+    match name {
+        "sim" => Ok(Arc::new(sim::SimDevice::new(sim::SimConfig::default()))),
+        "cuda" | "nccl" => open_cuda(ordinal),
+        other => Err(Error::InvalidArgument {
+            rank: 0,
+            op: "device::open",
+            detail: format!("unknown device {other:?} (sim, cuda)"),
+        }),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> Result<Arc<dyn Device>> {
+    Ok(Arc::new(cuda::CudaDevice::new(ordinal)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_ordinal: usize) -> Result<Arc<dyn Device>> {
+    Err(Error::CudaUnavailable {
+        rank: 0,
+        detail: "tutti was built without the `cuda` feature (cargo build --features cuda)".into(),
+    })
+}
+
+/// The fraction of the copy time that ran while a host collective was on the network
+/// (`0.0` = fully serial, `1.0` = every copy hidden). Spans of copies that overlap several
+/// network spans count once.
+pub fn overlap_fraction(net: &[NetSpan], copies: &[CopySpan]) -> f64 {
+    let total: f64 = copies.iter().map(|c| (c.end - c.start).as_secs_f64()).sum();
+    if total == 0.0 {
+        return 0.0;
+    }
+    let hidden: f64 = copies
+        .iter()
+        .map(|c| {
+            net.iter()
+                .map(|n| {
+                    let s = c.start.max(n.start);
+                    let e = c.end.min(n.end);
+                    if e > s {
+                        (e - s).as_secs_f64()
+                    } else {
+                        0.0
+                    }
+                })
+                .sum::<f64>()
+                .min((c.end - c.start).as_secs_f64())
+        })
+        .sum();
+    hidden / total
+}
+
+/// The elements of `v` as bytes (helper for uploads of typed data).
+pub fn bytes_of_mut<T: Element>(v: &mut [T]) -> &mut [u8] {
+    as_bytes_mut(v)
+}
+
+/// How long a copy of `bytes` takes at `bandwidth` bytes/s after `latency`.
+pub(crate) fn copy_time(bytes: usize, latency: Duration, bandwidth: f64) -> Duration {
+    latency + Duration::from_secs_f64(bytes as f64 / bandwidth.max(1.0))
+}

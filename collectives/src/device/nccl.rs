@@ -1,0 +1,288 @@
+//! The NCCL fast path (feature `nccl`): a communicator over the same ranks as a tutti [`Comm`],
+//! its unique id made by rank 0 and sent to the others over tutti's own (authenticated) group,
+//! running collectives on [`CudaBuffer`]s with the same contracts as the staged path.
+//!
+//! NCCL is loaded at run time: without `libnccl.so.2` (or without a GPU) [`NcclComm::new`]
+//! returns [`Error::CudaUnavailable`].
+
+use cudarc::nccl::{result, sys};
+
+use super::cuda::{CudaBuffer, CudaDevice};
+use super::DeviceBuffer;
+use crate::comm::Comm;
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+
+/// True when the NCCL library can be loaded.
+pub fn library_present() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// An NCCL communicator bound to one GPU's copy stream.
+pub struct NcclComm {
+    comm: sys::ncclComm_t,
+    rank: usize,
+    size: usize,
+    stream: sys::cudaStream_t,
+    device: std::sync::Arc<CudaDevice>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls are not concurrent;
+// `&mut self`-free methods are serialised by the caller's collective contract (one call at a
+// time per communicator, like every tutti communicator).
+unsafe impl Send for NcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
+}
+
+fn nccl_type(d: DType) -> Option<sys::ncclDataType_t> {
+    Some(match d {
+        DType::U8 => sys::ncclDataType_t::ncclUint8,
+        DType::I8 => sys::ncclDataType_t::ncclInt8,
+        DType::I32 => sys::ncclDataType_t::ncclInt32,
+        DType::I64 => sys::ncclDataType_t::ncclInt64,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::F64 => sys::ncclDataType_t::ncclFloat64,
+        _ => return None,
+    })
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Prod => sys::ncclRedOp_t::ncclProd,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+    }
+}
+
+impl NcclComm {
+    /// Build the NCCL communicator of `comm`'s ranks on `device`.
+    ///
+    /// # Collective contract
+    /// Every rank of `comm` calls it (rank 0's NCCL id travels over `comm`).
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] without the NCCL library; collective errors of the id
+    /// exchange; [`Error::Device`] when NCCL cannot initialise.
+    pub fn new(comm: &Comm, device: std::sync::Arc<CudaDevice>) -> Result<NcclComm> {
+        let rank = comm.rank();
+        if !library_present() {
+            return Err(Error::CudaUnavailable {
+                rank,
+                detail: "the NCCL library (libnccl.so.2) is not installed on this machine".into(),
+            });
+        }
+        let err = |op: &'static str, e: result::NcclError| Error::Device {
+            rank,
+            op,
+            detail: format!("{e:?}"),
+        };
+        let mut id = [0u8; 128];
+        if rank == 0 {
+            let uid = result::get_uniqueid().map_err(|e| err("ncclGetUniqueId", e))?;
+            for (d, s) in id.iter_mut().zip(uid.internal.iter()) {
+                *d = *s as u8;
+            }
+        }
+        comm.broadcast(&mut id, 0)?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (d, s) in internal.iter_mut().zip(id) {
+            *d = s as std::ffi::c_char;
+        }
+        let mut raw = std::mem::MaybeUninit::<sys::ncclComm_t>::uninit();
+        // SAFETY: `raw` is written by NCCL on success; the id is the one rank 0 created.
+        unsafe {
+            result::comm_init_rank(
+                raw.as_mut_ptr(),
+                comm.size() as i32,
+                sys::ncclUniqueId { internal },
+                rank as i32,
+            )
+            .map_err(|e| err("ncclCommInitRank", e))?;
+        }
+        // SAFETY: initialised by the successful call above.
+        let raw = unsafe { raw.assume_init() };
+        let stream = device.stream().cu_stream() as sys::cudaStream_t;
+        Ok(NcclComm { comm: raw, rank, size: comm.size(), stream, device })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn ptr(
+        &self,
+        op: &'static str,
+        b: &dyn DeviceBuffer,
+        bytes: usize,
+    ) -> Result<*mut std::ffi::c_void> {
+        let cb = b.as_any().downcast_ref::<CudaBuffer>().ok_or_else(|| Error::InvalidArgument {
+            rank: self.rank,
+            op,
+            detail: "the buffer was not allocated by a CUDA device".into(),
+        })?;
+        if cb.len_bytes() < bytes {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op,
+                detail: format!("buffer holds {} bytes, the call needs {bytes}", cb.len_bytes()),
+            });
+        }
+        let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(cb.slice(), self.device.stream());
+        Ok(p as usize as *mut std::ffi::c_void)
+    }
+
+    fn finish(
+        &self,
+        op: &'static str,
+        r: std::result::Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<()> {
+        r.map_err(|e| Error::Device { rank: self.rank, op, detail: format!("{e:?}") })?;
+        self.device.stream().synchronize().map_err(|e| Error::Device {
+            rank: self.rank,
+            op,
+            detail: e.to_string(),
+        })
+    }
+
+    fn dtype<T: Element>(&self, op: &'static str) -> Result<sys::ncclDataType_t> {
+        nccl_type(T::DTYPE).ok_or_else(|| Error::InvalidArgument {
+            rank: self.rank,
+            op,
+            detail: format!("NCCL has no {:?}", T::DTYPE),
+        })
+    }
+
+    /// Allreduce of `count` elements of `buf` in place.
+    ///
+    /// # Collective contract
+    /// As [`Comm::allreduce`].
+    ///
+    /// # Errors
+    /// [`Error::Device`] for an NCCL failure; [`Error::InvalidArgument`] for a short buffer.
+    pub fn allreduce<T: Element>(
+        &self,
+        buf: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let p = self.ptr("allreduce", buf, count * size_of::<T>())?;
+        let dt = self.dtype::<T>("allreduce")?;
+        // SAFETY: `p` holds `count` elements (checked); the stream is synchronised before return.
+        let r = unsafe { result::all_reduce(p, p, count, dt, nccl_op(op), self.comm, self.stream) };
+        self.finish("allreduce", r)
+    }
+
+    /// Allreduce of `count` elements of `input` into `output`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::allreduce_from`].
+    ///
+    /// # Errors
+    /// As [`NcclComm::allreduce`].
+    pub fn allreduce_from<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let i = self.ptr("allreduce", input, count * size_of::<T>())?;
+        let o = self.ptr("allreduce", output, count * size_of::<T>())?;
+        let dt = self.dtype::<T>("allreduce")?;
+        // SAFETY: sizes checked; synchronised before return.
+        let r = unsafe { result::all_reduce(i, o, count, dt, nccl_op(op), self.comm, self.stream) };
+        self.finish("allreduce", r)
+    }
+
+    /// Allgather: `input` holds `count` elements, `output` `size() * count`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::allgather`].
+    ///
+    /// # Errors
+    /// As [`NcclComm::allreduce`].
+    pub fn allgather<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+    ) -> Result<()> {
+        let i = self.ptr("allgather", input, count * size_of::<T>())?;
+        let o = self.ptr("allgather", output, self.size * count * size_of::<T>())?;
+        let dt = self.dtype::<T>("allgather")?;
+        // SAFETY: sizes checked; synchronised before return.
+        let r = unsafe { result::all_gather(i, o, count, dt, self.comm, self.stream) };
+        self.finish("allgather", r)
+    }
+
+    /// Reduce-scatter: `input` holds `size() * count` elements, `output` receives this rank's
+    /// `count`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::reduce_scatter`].
+    ///
+    /// # Errors
+    /// As [`NcclComm::allreduce`].
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let i = self.ptr("reduce_scatter", input, self.size * count * size_of::<T>())?;
+        let o = self.ptr("reduce_scatter", output, count * size_of::<T>())?;
+        let dt = self.dtype::<T>("reduce_scatter")?;
+        // SAFETY: sizes checked; synchronised before return.
+        let r =
+            unsafe { result::reduce_scatter(i, o, count, dt, nccl_op(op), self.comm, self.stream) };
+        self.finish("reduce_scatter", r)
+    }
+
+    /// Broadcast `count` elements of `buf` from `root`.
+    ///
+    /// # Collective contract
+    /// As [`Comm::broadcast`].
+    ///
+    /// # Errors
+    /// As [`NcclComm::allreduce`].
+    pub fn broadcast<T: Element>(
+        &self,
+        buf: &dyn DeviceBuffer,
+        count: usize,
+        root: usize,
+    ) -> Result<()> {
+        let p = self.ptr("broadcast", buf, count * size_of::<T>())?;
+        let dt = self.dtype::<T>("broadcast")?;
+        // SAFETY: size checked; synchronised before return.
+        let r = unsafe { result::broadcast(p, p, count, dt, root as i32, self.comm, self.stream) };
+        self.finish("broadcast", r)
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: created by `ncclCommInitRank`, destroyed once.
+        let _ = unsafe { result::comm_destroy(self.comm) };
+    }
+}

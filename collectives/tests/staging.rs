@@ -1,0 +1,194 @@
+//! The staging engine on the simulated device: every staged collective bit-exact against the
+//! host collective on the same data, at worlds 1–4 (memory) and 3 (TCP), with segment sizes that
+//! leave a short last segment and pool depths 2 and 3; the pipeline order (segment k+1's copy
+//! down queued before segment k's collective); and a failing copy reported on every rank.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tutti_collectives::device::sim::{SimConfig, SimDevice};
+use tutti_collectives::device::{Action, Device, DeviceBuffer, StagingConfig};
+use tutti_collectives::dtype::{as_bytes, as_bytes_mut};
+use tutti_collectives::verify::input;
+use tutti_collectives::{Comm, Element, Error, ReduceOp};
+use tutti_runtime::testing::{groups, Kind};
+
+fn world<T: Send>(kind: Kind, n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
+    let comms: Vec<Comm> = groups(kind, n).unwrap().into_iter().map(Comm::new).collect();
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn up<T: Element>(dev: &dyn Device, v: &[T]) -> Box<dyn DeviceBuffer> {
+    let b = dev.alloc(std::mem::size_of_val(v)).unwrap();
+    dev.upload(as_bytes(v), &*b).unwrap();
+    b
+}
+
+fn down<T: Element>(dev: &dyn Device, b: &dyn DeviceBuffer, n: usize) -> Vec<T> {
+    let mut v = vec![T::default(); n];
+    dev.download(b, as_bytes_mut(&mut v)).unwrap();
+    v
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u8> {
+    as_bytes(v).to_vec()
+}
+
+fn check<T: Element>(kind: Kind, n: usize, count: usize, cfg: StagingConfig) {
+    world(kind, n, |c: Comm| {
+        let r = c.rank();
+        let dev: Arc<dyn Device> =
+            Arc::new(SimDevice::new(SimConfig { latency: Duration::ZERO, ..SimConfig::default() }));
+        let st = c.staged(dev.clone(), cfg);
+        let op = ReduceOp::Sum;
+        // Allreduce.
+        let x: Vec<T> = input(1, r, count, op);
+        let mut want = x.clone();
+        c.allreduce(&mut want, op).unwrap();
+        let b = up(&*dev, &x);
+        let s = st.allreduce::<T>(&*b, count, op).unwrap();
+        assert_eq!(
+            bits(&down::<T>(&*dev, &*b, count)),
+            bits(&want),
+            "allreduce n={n} count={count}"
+        );
+        let seg = (cfg.segment_bytes / std::mem::size_of::<T>()).max(1);
+        assert_eq!(s.segments, count.div_ceil(seg));
+        // Allreduce out of place: the input stays.
+        let (bi, bo) = (up(&*dev, &x), dev.alloc(count * std::mem::size_of::<T>()).unwrap());
+        st.allreduce_from::<T>(&*bi, &*bo, count, op).unwrap();
+        assert_eq!(
+            bits(&down::<T>(&*dev, &*bo, count)),
+            bits(&down::<T>(&*dev, &*b, count)),
+            "allreduce_from"
+        );
+        assert_eq!(bits(&down::<T>(&*dev, &*bi, count)), bits(&x), "allreduce_from input");
+        // Allgather.
+        let mut want = vec![T::default(); n * count];
+        c.allgather(&x, &mut want).unwrap();
+        let (bi, bo) = (up(&*dev, &x), dev.alloc(n * count * std::mem::size_of::<T>()).unwrap());
+        st.allgather::<T>(&*bi, &*bo, count).unwrap();
+        assert_eq!(bits(&down::<T>(&*dev, &*bo, n * count)), bits(&want), "allgather");
+        // Reduce-scatter.
+        let big: Vec<T> = input(2, r, n * count, op);
+        let mut want = vec![T::default(); count];
+        c.reduce_scatter(&big, &mut want, op).unwrap();
+        let (bi, bo) = (up(&*dev, &big), dev.alloc(count * std::mem::size_of::<T>()).unwrap());
+        st.reduce_scatter::<T>(&*bi, &*bo, count, op).unwrap();
+        assert_eq!(bits(&down::<T>(&*dev, &*bo, count)), bits(&want), "reduce_scatter");
+        // All-to-all.
+        let mut want = vec![T::default(); n * count];
+        c.all_to_all(&big, &mut want).unwrap();
+        let (bi, bo) = (up(&*dev, &big), dev.alloc(n * count * std::mem::size_of::<T>()).unwrap());
+        st.all_to_all::<T>(&*bi, &*bo, count).unwrap();
+        assert_eq!(bits(&down::<T>(&*dev, &*bo, n * count)), bits(&want), "all_to_all");
+        // In place again, now on pooled slots that carry output stages from the calls above.
+        let mut want = x.clone();
+        c.allreduce(&mut want, op).unwrap();
+        let b = up(&*dev, &x);
+        st.allreduce::<T>(&*b, count, op).unwrap();
+        assert_eq!(bits(&down::<T>(&*dev, &*b, count)), bits(&want), "allreduce on pooled slots");
+    });
+}
+
+#[test]
+fn staged_collectives_are_bit_exact_mem() {
+    for n in 1..=4 {
+        for (count, seg_bytes, depth) in
+            [(0, 64, 3), (1, 64, 3), (1000, 256, 3), (1001, 400, 2), (5000, 1 << 20, 3)]
+        {
+            let cfg = StagingConfig { segment_bytes: seg_bytes, depth };
+            check::<f32>(Kind::Mem, n, count, cfg);
+        }
+        check::<f64>(Kind::Mem, n, 777, StagingConfig { segment_bytes: 512, depth: 3 });
+        check::<i32>(Kind::Mem, n, 777, StagingConfig { segment_bytes: 100, depth: 2 });
+        check::<half::bf16>(Kind::Mem, n, 300, StagingConfig { segment_bytes: 64, depth: 3 });
+    }
+}
+
+#[test]
+fn staged_collectives_are_bit_exact_tcp() {
+    check::<f32>(Kind::Tcp, 3, 10_007, StagingConfig { segment_bytes: 4096, depth: 3 });
+}
+
+#[test]
+fn the_next_copy_down_is_queued_before_the_collective() {
+    world(Kind::Mem, 2, |c: Comm| {
+        let dev: Arc<dyn Device> = Arc::new(SimDevice::new(SimConfig::default()));
+        let st = c.staged(dev.clone(), StagingConfig { segment_bytes: 1024, depth: 3 });
+        let b = dev.alloc(4 * 10_000).unwrap();
+        let s = st.allreduce::<f32>(&*b, 10_000, ReduceOp::Sum).unwrap();
+        let a = st.take_actions();
+        let pos = |x: Action| a.iter().position(|y| *y == x).unwrap();
+        for k in 0..s.segments {
+            assert!(pos(Action::QueueDown(k)) < pos(Action::Collective(k)));
+            assert!(pos(Action::Collective(k)) < pos(Action::QueueUp(k)));
+            if k + 1 < s.segments {
+                // Overlap: the next segment's copy down is in the queue before this segment
+                // goes on the network, and this segment's copy up before the next one's.
+                assert!(pos(Action::QueueDown(k + 1)) < pos(Action::Collective(k)), "{a:?}");
+                assert!(pos(Action::QueueUp(k)) < pos(Action::Collective(k + 1)));
+            }
+        }
+    });
+}
+
+#[test]
+fn a_failing_copy_is_reported_on_every_rank() {
+    let errs = world(Kind::Mem, 3, |c: Comm| {
+        let fail_at = if c.rank() == 1 { Some(5) } else { None };
+        let dev: Arc<dyn Device> =
+            Arc::new(SimDevice::new(SimConfig { fail_at, ..SimConfig::default() }));
+        let st = c.staged(dev.clone(), StagingConfig { segment_bytes: 256, depth: 2 });
+        let b = dev.alloc(4 * 4000).unwrap();
+        let t = std::time::Instant::now();
+        let e = st.allreduce::<f32>(&*b, 4000, ReduceOp::Sum).unwrap_err();
+        (c.rank(), e, t.elapsed())
+    });
+    for (r, e, took) in errs {
+        let msg = e.to_string();
+        if r == 1 {
+            assert!(matches!(e, Error::Device { rank: 1, op: "allreduce", .. }), "{msg}");
+            assert!(msg.contains("simulated copy failure at copy #5"), "{msg}");
+        } else {
+            // The others learn it from rank 1's abort, naming it, well before any timeout.
+            assert!(
+                msg.contains("rank 1") && msg.contains("device error in allreduce"),
+                "rank {r}: {msg}"
+            );
+        }
+        assert!(took < Duration::from_secs(5), "rank {r} took {took:?}");
+    }
+}
+
+#[test]
+fn cuda_requested_without_a_gpu_is_a_typed_error_not_a_panic() {
+    match tutti_collectives::device::open("cuda", 0) {
+        // A GPU machine (built with `cuda`, driver present): the device must work.
+        Ok(dev) => {
+            let b = dev.alloc(16).unwrap();
+            dev.upload(&[7u8; 16], &*b).unwrap();
+            let mut back = [0u8; 16];
+            dev.download(&*b, &mut back).unwrap();
+            assert_eq!(back, [7u8; 16]);
+        }
+        Err(Error::CudaUnavailable { detail, .. }) => {
+            if cfg!(feature = "cuda") {
+                assert!(
+                    detail.contains("libcuda") || detail.contains("cannot open GPU"),
+                    "{detail}"
+                );
+            } else {
+                assert!(detail.contains("built without the `cuda` feature"), "{detail}");
+            }
+        }
+        Err(e) => panic!("expected CudaUnavailable, got {e}"),
+    }
+    let e =
+        tutti_collectives::device::open("tpu", 0).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("unknown device \"tpu\""), "{e}");
+}
