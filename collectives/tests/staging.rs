@@ -111,6 +111,13 @@ fn staged_collectives_are_bit_exact_mem() {
 }
 
 #[test]
+fn staged_allreduce_with_default_segments() {
+    for n in [2, 3] {
+        check::<f32>(Kind::Mem, n, 1 << 20, StagingConfig::default());
+    }
+}
+
+#[test]
 fn staged_collectives_are_bit_exact_tcp() {
     check::<f32>(Kind::Tcp, 3, 10_007, StagingConfig { segment_bytes: 4096, depth: 3 });
 }

@@ -172,6 +172,37 @@ impl Default for StagingConfig {
     }
 }
 
+impl StagingConfig {
+    /// The defaults, overridden by `TUTTI_STAGE_SEGMENT_BYTES` and `TUTTI_STAGE_DEPTH`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a value that is not a positive integer.
+    pub fn from_env() -> Result<StagingConfig> {
+        let mut c = StagingConfig::default();
+        let get = |k: &str| -> Result<Option<usize>> {
+            match std::env::var(k) {
+                Ok(v) => {
+                    v.trim().parse::<usize>().ok().filter(|x| *x > 0).map(Some).ok_or_else(|| {
+                        Error::InvalidArgument {
+                            rank: 0,
+                            op: "StagingConfig::from_env",
+                            detail: format!("{k}={v:?} is not a positive integer"),
+                        }
+                    })
+                }
+                Err(_) => Ok(None),
+            }
+        };
+        if let Some(v) = get("TUTTI_STAGE_SEGMENT_BYTES")? {
+            c.segment_bytes = v;
+        }
+        if let Some(v) = get("TUTTI_STAGE_DEPTH")? {
+            c.depth = v.max(2);
+        }
+        Ok(c)
+    }
+}
+
 /// What a staged collective did.
 #[derive(Clone, Copy, Debug)]
 pub struct StagedStats {

@@ -127,7 +127,7 @@ impl Bench {
             }
             e => e,
         })?;
-        let staged = self.comm.staged(device.clone(), StagingConfig::default());
+        let staged = self.comm.staged(device.clone(), StagingConfig::from_env()?);
         #[cfg(feature = "nccl")]
         let nccl = if name == "nccl" {
             let cuda =
