@@ -1,6 +1,8 @@
 //! Deterministic data for examples and tests: the same values on every rank and every run,
 //! without a shared random state.
 
+use std::collections::HashMap;
+
 use candle_core::{Device, Result, Tensor};
 
 /// A small deterministic generator (xorshift64*, Box–Muller for normals).
@@ -89,4 +91,34 @@ pub fn two_moons(n: usize, noise: f64, seed: u64) -> Result<(Tensor, Tensor)> {
         y.push(l);
     }
     Ok((Tensor::from_vec(x, (n, 2), &Device::Cpu)?, Tensor::from_vec(y, (n, 1), &Device::Cpu)?))
+}
+
+/// Random weights of a transformer block named [`crate::BLOCK_PARAMS`] under `prefix`: linear
+/// weights and biases `N(0, scale²)`, LayerNorm weights `1 + N(0, scale²)`.
+///
+/// # Errors
+/// Candle errors.
+pub fn block_weights(
+    prefix: &str,
+    d_model: usize,
+    d_ff: usize,
+    scale: f64,
+    seed: u64,
+) -> Result<HashMap<String, Tensor>> {
+    let mut m = HashMap::new();
+    for (i, name) in crate::BLOCK_PARAMS.iter().enumerate() {
+        let shape: Vec<usize> = match *name {
+            "ln1.weight" | "ln1.bias" | "ln2.weight" | "ln2.bias" | "fc2.bias" => vec![d_model],
+            "fc1.weight" => vec![d_ff, d_model],
+            "fc1.bias" => vec![d_ff],
+            "fc2.weight" => vec![d_model, d_ff],
+            _ => vec![d_model, d_model],
+        };
+        let mut t = (randn(&shape, seed + i as u64)? * scale)?;
+        if *name == "ln1.weight" || *name == "ln2.weight" {
+            t = t.affine(1.0, 1.0)?;
+        }
+        m.insert(format!("{prefix}{name}"), t);
+    }
+    Ok(m)
 }

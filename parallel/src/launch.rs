@@ -50,3 +50,26 @@ pub(crate) fn run_threads<T: Send>(
     });
     results.into_iter().collect()
 }
+
+/// `main` of the examples: ranks from a launcher or `--threads N` threads (default
+/// `default_threads`); each rank returns whether its checks matched. Exit status 0 when every
+/// rank matched, 1 otherwise or on an error (printed with `name`).
+pub fn run_example(
+    name: &str,
+    default_threads: usize,
+    f: impl Fn(Comm) -> Result<bool> + Sync,
+) -> std::process::ExitCode {
+    let threads = std::env::args()
+        .skip_while(|a| a != "--threads")
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default_threads);
+    match run_ranks(threads, f) {
+        Ok(v) if v.iter().all(|ok| *ok) => std::process::ExitCode::SUCCESS,
+        Ok(_) => std::process::ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -65,7 +65,7 @@ pub use block::{
 };
 pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
-pub use launch::{launched, run_ranks};
+pub use launch::{launched, run_example, run_ranks};
 pub use lm::{LmConfig, LmMode, TinyLm};
 pub use ops::{
     all_to_all, copy_to_parallel_region, gather_from_parallel_region,

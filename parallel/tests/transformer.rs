@@ -12,7 +12,7 @@ use candle_nn::{Optimizer, SGD};
 use common::{on_world, rand};
 use tutti_parallel::{
     sequence_shard, sum_replicated_grads, Block, BlockConfig, BlockMode, Comm, LmConfig, LmMode,
-    Pipeline, Schedule, TinyLm, BLOCK_PARAMS,
+    Pipeline, Schedule, TinyLm,
 };
 use tutti_runtime::testing::Kind;
 
@@ -23,22 +23,7 @@ const B: usize = 2;
 const S: usize = 12;
 
 fn block_weights(prefix: &str, seed: u64) -> HashMap<String, Tensor> {
-    let mut m = HashMap::new();
-    for (i, name) in BLOCK_PARAMS.iter().enumerate() {
-        let shape: Vec<usize> = match *name {
-            "ln1.weight" | "ln1.bias" | "ln2.weight" | "ln2.bias" | "fc2.bias" => vec![D],
-            "fc1.weight" => vec![FF, D],
-            "fc1.bias" => vec![FF],
-            "fc2.weight" => vec![D, FF],
-            _ => vec![D, D],
-        };
-        let mut t = (rand(&shape, seed + i as u64) * 0.3).unwrap();
-        if name.ends_with("ln1.weight") || name.ends_with("ln2.weight") {
-            t = (t + 1.0).unwrap();
-        }
-        m.insert(format!("{prefix}{name}"), t);
-    }
-    m
+    tutti_parallel::data::block_weights(prefix, D, FF, 0.3, seed).unwrap()
 }
 
 /// Max |a - b| relative to max |b| (+ a small absolute floor).

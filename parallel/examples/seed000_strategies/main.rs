@@ -7,7 +7,9 @@
 use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, SGD};
 use tutti_parallel::data::randn;
-use tutti_parallel::{ops, run_ranks, ColumnParallelLinear, Comm, DataParallel, DpConfig, Result};
+use tutti_parallel::{
+    ops, run_example, ColumnParallelLinear, Comm, DataParallel, DpConfig, Result,
+};
 
 const IN: usize = 64;
 const OUT: usize = 32;
@@ -77,12 +79,7 @@ fn report(rank: usize, what: &str, got: &Tensor, want: &Tensor) -> Result<bool> 
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args()
-        .skip_while(|a| a != "--threads")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
-    let res = run_ranks(threads, |c| {
+    run_example("seed000_strategies", 4, |c| {
         let (w0, x, y) = data()?;
         let reference = single_step(&w0, &x, &y)?;
         let r = c.rank();
@@ -98,13 +95,5 @@ fn main() -> std::process::ExitCode {
         c.barrier()?;
         ok &= report(r, "column parallel", &column_parallel(&c, &w0, &x, &y)?, &reference)?;
         Ok(ok)
-    });
-    match res {
-        Ok(oks) if oks.iter().all(|o| *o) => std::process::ExitCode::SUCCESS,
-        Ok(_) => std::process::ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("seed000_strategies: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    })
 }

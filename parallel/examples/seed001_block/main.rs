@@ -8,10 +8,9 @@
 use std::collections::HashMap;
 
 use candle_core::{Tensor, Var};
-use tutti_parallel::data::randn;
+use tutti_parallel::data::{block_weights, randn};
 use tutti_parallel::{
-    run_ranks, sequence_shard, sum_replicated_grads, Block, BlockConfig, BlockMode, Comm, Result,
-    BLOCK_PARAMS,
+    run_example, sequence_shard, sum_replicated_grads, Block, BlockConfig, BlockMode, Comm, Result,
 };
 
 const B: usize = 2;
@@ -21,22 +20,7 @@ const HEADS: usize = 8;
 const FF: usize = 256;
 
 fn weights() -> Result<HashMap<String, Tensor>> {
-    let mut m = HashMap::new();
-    for (i, name) in BLOCK_PARAMS.iter().enumerate() {
-        let shape: &[usize] = match *name {
-            "ln1.weight" | "ln1.bias" | "ln2.weight" | "ln2.bias" | "fc2.bias" => &[D],
-            "fc1.weight" => &[FF, D],
-            "fc1.bias" => &[FF],
-            "fc2.weight" => &[D, FF],
-            _ => &[D, D],
-        };
-        let mut t = (randn(shape, 10 + i as u64)? * 0.1)?;
-        if name.ends_with("norm") || *name == "ln1.weight" || *name == "ln2.weight" {
-            t = t.affine(1.0, 1.0)?;
-        }
-        m.insert((*name).to_string(), t);
-    }
-    Ok(m)
+    Ok(block_weights("", D, FF, 0.1, 10)?)
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -59,12 +43,7 @@ fn run(block: &Block, x: &Tensor, g: &Tensor, c: &Comm) -> Result<(Tensor, Tenso
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args()
-        .skip_while(|a| a != "--threads")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
-    let res = run_ranks(threads, |c| {
+    run_example("seed001_block", 4, |c| {
         let w = weights()?;
         let cfg = BlockConfig { n_heads: HEADS, causal: false, eps: 1e-5 };
         let (x, g) = (randn(&[B, S, D], 1)?, randn(&[B, S, D], 2)?);
@@ -98,13 +77,5 @@ fn main() -> std::process::ExitCode {
             );
         }
         Ok(ok)
-    });
-    match res {
-        Ok(v) if v.iter().all(|o| *o) => std::process::ExitCode::SUCCESS,
-        Ok(_) => std::process::ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("seed001_block: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    })
 }

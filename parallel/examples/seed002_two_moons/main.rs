@@ -10,7 +10,7 @@ use candle_core::{Tensor, Var};
 use candle_nn::{Optimizer, SGD};
 use tutti_parallel::data::{two_moons, uniform};
 use tutti_parallel::{
-    run_ranks, shard_range, ColumnParallelLinear, Comm, DataParallel, DpConfig, Result,
+    run_example, shard_range, ColumnParallelLinear, Comm, DataParallel, DpConfig, Result,
     RowParallelLinear,
 };
 
@@ -77,12 +77,7 @@ fn tensor_parallel(c: &Comm, x: &Tensor, y: &Tensor) -> Result<Vec<f32>> {
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args()
-        .skip_while(|a| a != "--threads")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
-    let res = run_ranks(threads, |c| {
+    run_example("seed002_two_moons", 4, |c| {
         let (x, y) = two_moons(N, 0.2, 42)?;
         let want = reference(&x, &y)?;
         let dp = data_parallel(&c, &x, &y)?;
@@ -114,13 +109,5 @@ fn main() -> std::process::ExitCode {
             println!("[Rank {}] tensor parallel match: {} | max diff: {d:.3e}", c.rank(), d <= tol);
         }
         Ok(ok)
-    });
-    match res {
-        Ok(oks) if oks.iter().all(|o| *o) => std::process::ExitCode::SUCCESS,
-        Ok(_) => std::process::ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("seed002_two_moons: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    })
 }

@@ -8,7 +8,7 @@
 use candle_core::{DType, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use tutti_parallel::data::randn;
-use tutti_parallel::{run_ranks, shard_range, Comm, Pipeline, Result, Schedule};
+use tutti_parallel::{run_example, shard_range, Comm, Pipeline, Result, Schedule};
 
 const LAYERS: usize = 8;
 const DIM: usize = 256;
@@ -74,12 +74,7 @@ fn pipelined(c: &Comm, x: &Tensor, schedule: Schedule) -> Result<(Vec<f64>, f64)
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args()
-        .skip_while(|a| a != "--threads")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
-    let res = run_ranks(threads, |c| {
+    run_example("seed003_pipeline", 4, |c| {
         let x = randn(&[BATCH, DIM], 1)?;
         let want = reference(&x)?;
         let p = c.size();
@@ -107,13 +102,5 @@ fn main() -> std::process::ExitCode {
             );
         }
         Ok(ok)
-    });
-    match res {
-        Ok(v) if v.iter().all(|o| *o) => std::process::ExitCode::SUCCESS,
-        Ok(_) => std::process::ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("seed003_pipeline: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    })
 }

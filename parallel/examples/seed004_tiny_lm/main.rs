@@ -10,10 +10,8 @@ use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
 use candle_nn::{Optimizer, SGD};
-use tutti_parallel::data::{randn, Rng};
-use tutti_parallel::{
-    run_ranks, BlockConfig, Comm, LmConfig, LmMode, Result, TinyLm, BLOCK_PARAMS,
-};
+use tutti_parallel::data::{block_weights, randn, Rng};
+use tutti_parallel::{run_example, BlockConfig, Comm, LmConfig, LmMode, Result, TinyLm};
 
 const VOCAB: usize = 96;
 const D: usize = 64;
@@ -25,21 +23,7 @@ const STEPS: usize = 6;
 const LR: f64 = 0.1;
 
 fn weights() -> Result<HashMap<String, Tensor>> {
-    let mut m = HashMap::new();
-    for (i, name) in BLOCK_PARAMS.iter().enumerate() {
-        let shape: &[usize] = match *name {
-            "ln1.weight" | "ln1.bias" | "ln2.weight" | "ln2.bias" | "fc2.bias" => &[D],
-            "fc1.weight" => &[FF, D],
-            "fc1.bias" => &[FF],
-            "fc2.weight" => &[D, FF],
-            _ => &[D, D],
-        };
-        let mut t = (randn(shape, 10 + i as u64)? * 0.1)?;
-        if *name == "ln1.weight" || *name == "ln2.weight" {
-            t = t.affine(1.0, 1.0)?;
-        }
-        m.insert(format!("block.{name}"), t);
-    }
+    let mut m = block_weights("block.", D, FF, 0.1, 10)?;
     m.insert("embed.weight".into(), randn(&[VOCAB, D], 1)?);
     m.insert("lnf.weight".into(), Tensor::ones(D, candle_core::DType::F32, &Device::Cpu)?);
     m.insert("lnf.bias".into(), Tensor::zeros(D, candle_core::DType::F32, &Device::Cpu)?);
@@ -74,12 +58,7 @@ fn train(lm: &TinyLm, tokens: &Tensor) -> Result<Vec<f32>> {
 }
 
 fn main() -> std::process::ExitCode {
-    let threads = std::env::args()
-        .skip_while(|a| a != "--threads")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4);
-    let res = run_ranks(threads, |c| {
+    run_example("seed004_tiny_lm", 4, |c| {
         let (w, toks) = (weights()?, tokens()?);
         let cfg = LmConfig {
             block: BlockConfig { n_heads: HEADS, causal: true, eps: 1e-5 },
@@ -118,13 +97,5 @@ fn main() -> std::process::ExitCode {
             100.0 * tp.param_bytes() as f64 / reference.param_bytes() as f64
         );
         Ok(ok)
-    });
-    match res {
-        Ok(v) if v.iter().all(|o| *o) => std::process::ExitCode::SUCCESS,
-        Ok(_) => std::process::ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("seed004_tiny_lm: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    })
 }
