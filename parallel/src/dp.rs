@@ -251,16 +251,9 @@ impl DataParallel {
         let stats = self.comm.iallreduce(vec![acc.samples as f64, acc.loss_sum], ReduceOp::Sum);
         let mut pending = Vec::with_capacity(self.buckets.len());
         for b in &self.buckets {
-            let mut parts = Vec::with_capacity(b.len());
-            for i in b.clone() {
-                let v = &self.vars[i];
-                parts.push(match &acc.grads[i] {
-                    Some(g) => g.flatten_all()?,
-                    None => Tensor::zeros(v.elem_count(), v.dtype(), v.device())?,
-                });
-            }
-            let flat = Tensor::cat(&parts, 0)?;
-            pending.push(submit(&self.comm, &flat)?);
+            let parts: Vec<(Option<&Tensor>, usize)> =
+                b.clone().map(|i| (acc.grads[i].as_ref(), self.vars[i].elem_count())).collect();
+            pending.push(submit(&self.comm, self.vars[b.start].dtype(), &parts)?);
         }
         let (sv, _) = stats.wait()?;
         let n = sv[0];
@@ -273,7 +266,7 @@ impl DataParallel {
         }
         let mut store = acc.store;
         for (b, p) in self.buckets.iter().zip(pending) {
-            let flat = (p()? / n)?;
+            let flat = p(n)?;
             let mut off = 0;
             for i in b.clone() {
                 let v = &self.vars[i];
@@ -286,26 +279,61 @@ impl DataParallel {
     }
 }
 
-type Waiter = Box<dyn FnOnce() -> Result<Tensor>>;
+/// Waits for a bucket's allreduce and divides it by `N`: the averaged flat bucket.
+type Waiter = Box<dyn FnOnce(f64) -> Result<Tensor>>;
 
-/// Start the allreduce (sum) of a flat bucket on the communicator's worker.
-fn submit(comm: &Comm, flat: &Tensor) -> Result<Waiter> {
-    let device = flat.device().clone();
+/// Copy the gradients (zeros for `None`) one after the other into a new vector: one copy,
+/// straight from each tensor's storage when it is contiguous.
+fn pack<T: candle_core::WithDType>(parts: &[(Option<&Tensor>, usize)]) -> Result<Vec<T>> {
+    let total = parts.iter().map(|(_, n)| n).sum();
+    let mut out = Vec::with_capacity(total);
+    for (t, n) in parts {
+        match t {
+            Some(t) => {
+                let (st, layout) = t.storage_and_layout();
+                match (&*st, layout.contiguous_offsets()) {
+                    (candle_core::Storage::Cpu(cs), Some((a, b))) => {
+                        out.extend_from_slice(&cs.as_slice::<T>()?[a..b])
+                    }
+                    _ => {
+                        drop(st);
+                        out.extend(t.flatten_all()?.to_vec1::<T>()?)
+                    }
+                }
+            }
+            None => out.resize(out.len() + n, T::zero()),
+        }
+    }
+    Ok(out)
+}
+
+/// Pack a bucket and start its allreduce (sum) on the communicator's worker.
+fn submit(comm: &Comm, dtype: DType, parts: &[(Option<&Tensor>, usize)]) -> Result<Waiter> {
+    let device = parts
+        .iter()
+        .find_map(|(t, _)| t.map(|t| t.device().clone()))
+        .unwrap_or(candle_core::Device::Cpu);
     macro_rules! go {
-        ($t:ty) => {{
-            let p = comm.iallreduce(flat.to_vec1::<$t>()?, ReduceOp::Sum);
-            Ok(Box::new(move || {
-                let (v, _) = p.wait()?;
+        ($t:ty, $div:expr) => {{
+            let p = comm.iallreduce(pack::<$t>(parts)?, ReduceOp::Sum);
+            Ok(Box::new(move |n: f64| {
+                let (mut v, _) = p.wait()?;
+                let div = $div;
+                for x in v.iter_mut() {
+                    *x = div(*x, n);
+                }
                 let len = v.len();
                 Ok(Tensor::from_vec(v, len, &device)?)
             }) as Waiter)
         }};
     }
-    match flat.dtype() {
-        DType::F32 => go!(f32),
-        DType::F64 => go!(f64),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
+    match dtype {
+        DType::F32 => go!(f32, |x: f32, n: f64| x / n as f32),
+        DType::F64 => go!(f64, |x: f64, n: f64| x / n),
+        DType::BF16 => {
+            go!(half::bf16, |x: half::bf16, n: f64| half::bf16::from_f64(x.to_f64() / n))
+        }
+        DType::F16 => go!(half::f16, |x: half::f16, n: f64| half::f16::from_f64(x.to_f64() / n)),
         d => Err(Error::Shape {
             rank: comm.rank(),
             layer: "DataParallel",
