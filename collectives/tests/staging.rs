@@ -11,15 +11,10 @@ use tutti_collectives::device::{Action, Device, DeviceBuffer, StagingConfig};
 use tutti_collectives::dtype::{as_bytes, as_bytes_mut};
 use tutti_collectives::verify::input;
 use tutti_collectives::{Comm, Element, Error, ReduceOp};
-use tutti_runtime::testing::{groups, Kind};
+use tutti_runtime::testing::{groups, run, Kind};
 
 fn world<T: Send>(kind: Kind, n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
-    let comms: Vec<Comm> = groups(kind, n).unwrap().into_iter().map(Comm::new).collect();
-    std::thread::scope(|s| {
-        let f = &f;
-        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(c))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    run(groups(kind, n).unwrap(), |g| f(Comm::new(g)))
 }
 
 fn up<T: Element>(dev: &dyn Device, v: &[T]) -> Box<dyn DeviceBuffer> {

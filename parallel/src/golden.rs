@@ -239,14 +239,28 @@ struct Checker<'a> {
 impl Checker<'_> {
     /// Compare `ours` with `part` (this rank's part of the reference `name`; the tolerance uses
     /// the whole reference).
-    fn part(&mut self, name: &str, ours: &Tensor, part: &Tensor, tol: Tol) -> Result<()> {
+    /// The allowed difference for reference `name` (the whole tensor sets the scale).
+    fn tolerance(&self, name: &str, tol: Tol) -> Result<f64> {
         let full = self.case.tensor(name.trim_end_matches("[0]"))?;
         let max_ref =
             full.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let tolerance = match tol {
+        Ok(match tol {
             Tol::Forward => self.case.tolerance("forward_max_abs", 1e-5),
             Tol::Relative => self.case.tolerance("grad_and_multistep_rel", 1e-4) * max_ref + 1e-6,
-        };
+        })
+    }
+
+    /// Reference `name` is compared on another rank (the pipeline stage that holds it): record
+    /// it with no difference here, so every rank lists the same checks and `finish` takes the
+    /// holder's.
+    fn elsewhere(&mut self, name: &str, tol: Tol) -> Result<()> {
+        let tolerance = self.tolerance(name, tol)?;
+        self.checks.push(Check { name: name.to_string(), max_abs: 0.0, tolerance });
+        Ok(())
+    }
+
+    fn part(&mut self, name: &str, ours: &Tensor, part: &Tensor, tol: Tol) -> Result<()> {
+        let tolerance = self.tolerance(name, tol)?;
         if ours.dims() != part.dims() && ours.elem_count() != part.elem_count() {
             return Err(self.case.err(format!(
                 "{name}: computed shape {:?} vs reference {:?}",
@@ -271,44 +285,6 @@ impl Checker<'_> {
     fn whole(&mut self, name: &str, ours: &Tensor, tol: Tol) -> Result<()> {
         let r = self.case.tensor(name)?;
         self.part(name, ours, &r, tol)
-    }
-
-    /// As `finish`, when ranks compare different tensors (pipeline stages): every rank's
-    /// checks are exchanged, so every rank reports all of them.
-    fn finish_ragged(self, strategy: Strategy) -> Result<Report> {
-        let n = self.comm.size();
-        let mine = self
-            .checks
-            .iter()
-            .map(|c| format!("{}\t{:e}\t{:e}", c.name, c.max_abs, c.tolerance))
-            .collect::<Vec<_>>()
-            .join("\n");
-        let bytes = mine.into_bytes();
-        let mut lens = vec![0i64; n];
-        self.comm.allgather(&[bytes.len() as i64], &mut lens)?;
-        let counts: Vec<usize> = lens.iter().map(|l| *l as usize).collect();
-        let mut all = vec![0u8; counts.iter().sum()];
-        self.comm.allgatherv(&bytes, &mut all, &counts)?;
-        let text = String::from_utf8_lossy(&all).to_string();
-        let mut checks: Vec<Check> = Vec::new();
-        let mut off = 0;
-        for c in counts {
-            let part = &text[off..off + c];
-            off += c;
-            for line in part.lines().filter(|l| !l.is_empty()) {
-                let f: Vec<&str> = line.split('\t').collect();
-                if f.len() != 3 {
-                    continue;
-                }
-                let max_abs = f[1].parse().unwrap_or(f64::INFINITY);
-                let tolerance = f[2].parse().unwrap_or(0.0);
-                match checks.iter_mut().find(|c| c.name == f[0]) {
-                    Some(c) => c.max_abs = c.max_abs.max(max_abs),
-                    None => checks.push(Check { name: f[0].to_string(), max_abs, tolerance }),
-                }
-            }
-        }
-        Ok(Report { case: self.case.kind().to_string(), strategy, world: n, checks })
     }
 
     fn finish(mut self, strategy: Strategy) -> Result<Report> {
@@ -636,13 +612,20 @@ fn pipeline_mlp(case: &Case, comm: &Comm, opts: &Options) -> Result<Report> {
         )?;
         losses.push(r.loss as f32);
         if step == 0 {
-            for (w, i) in ws.iter().zip(mine.clone()) {
-                let g = r
-                    .grads
-                    .get(w.as_tensor())
-                    .cloned()
-                    .ok_or_else(|| case.err("no gradient".into()))?;
-                ck.whole(&format!("grad.w.{i}"), &g, Tol::Relative)?;
+            // Every rank lists every layer; the stage that holds it compares it.
+            for i in 0..layers {
+                let name = format!("grad.w.{i}");
+                if mine.contains(&i) {
+                    let w = &ws[i - mine.start];
+                    let g = r
+                        .grads
+                        .get(w.as_tensor())
+                        .cloned()
+                        .ok_or_else(|| case.err("no gradient".into()))?;
+                    ck.whole(&name, &g, Tol::Relative)?;
+                } else {
+                    ck.elsewhere(&name, Tol::Relative)?;
+                }
             }
         }
         opt.step(&r.grads)?;
@@ -655,11 +638,15 @@ fn pipeline_mlp(case: &Case, comm: &Comm, opts: &Options) -> Result<Report> {
         Tol::Forward,
     )?;
     ck.whole("losses", &losses, Tol::Relative)?;
-    for (w, i) in ws.iter().zip(mine) {
-        ck.whole(&format!("w.{i}_final"), w.as_tensor(), Tol::Relative)?;
+    for i in 0..layers {
+        let name = format!("w.{i}_final");
+        if mine.contains(&i) {
+            ck.whole(&name, ws[i - mine.start].as_tensor(), Tol::Relative)?;
+        } else {
+            ck.elsewhere(&name, Tol::Relative)?;
+        }
     }
-    // Each stage compares its own layers; the table lists every rank's (max over ranks).
-    ck.finish_ragged(Strategy::Pp)
+    ck.finish(Strategy::Pp)
 }
 
 /// Compare every parameter's gradient with the part of `grad.<name>` this rank holds.

@@ -12,6 +12,8 @@
 //! builds the same graph). A rank that skips a call, or passes another shape, gets a typed
 //! mismatch or timeout error naming the peer, never a hang.
 
+use std::borrow::Cow;
+
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use tutti_collectives::tensor::{concat_blocks, split_blocks};
 use tutti_collectives::{Comm, Element, ReduceOp};
@@ -67,22 +69,23 @@ fn run_move<T: Element>(
     comm: &Comm,
     layer: &'static str,
     mv: Move,
-    data: &[T],
+    data: Cow<'_, [T]>,
     shape: &[usize],
 ) -> Result<(Vec<T>, Vec<usize>)> {
     let n = comm.size();
     let mut out_shape = shape.to_vec();
     let out = match mv {
-        Move::Identity => data.to_vec(),
+        Move::Identity => data.into_owned(),
         Move::AllReduce(op) => {
-            let mut v = data.to_vec();
+            // Reduced in place: owned data (the eager path) is not copied again.
+            let mut v = data.into_owned();
             comm.allreduce(&mut v, op)?;
             v
         }
         Move::AllGather(dim) => {
             check_dim(comm, layer, shape, dim)?;
             let mut all = vec![T::default(); data.len() * n];
-            comm.allgather(data, &mut all)?;
+            comm.allgather(&data, &mut all)?;
             out_shape[dim] *= n;
             if dim == 0 || shape[..dim].iter().product::<usize>() == 1 {
                 all
@@ -108,7 +111,7 @@ fn run_move<T: Element>(
         }
         Move::ReduceScatter(dim) => {
             check_divides(comm, layer, shape, dim)?;
-            let packed = split_blocks(data, shape, dim, n);
+            let packed = split_blocks(&data, shape, dim, n);
             let mut out = vec![T::default(); data.len() / n];
             comm.reduce_scatter(&packed, &mut out, ReduceOp::Sum)?;
             out_shape[dim] /= n;
@@ -118,7 +121,7 @@ fn run_move<T: Element>(
             check_divides(comm, layer, shape, sd)?;
             check_dim(comm, layer, shape, gd)?;
             let mut out = vec![T::default(); data.len()];
-            comm.all_to_all_tensor(data, shape, sd, gd, &mut out)?;
+            comm.all_to_all_tensor(&data, shape, sd, gd, &mut out)?;
             out_shape[sd] /= n;
             out_shape[gd] *= n;
             out
@@ -179,7 +182,7 @@ fn move_tensor(comm: &Comm, layer: &'static str, mv: Move, t: &Tensor) -> Result
         t.dtype(),
         T => {
             let data = flat.to_vec1::<T>()?;
-            let (out, out_shape) = run_move(comm, layer, mv, &data, &shape)?;
+            let (out, out_shape) = run_move(comm, layer, mv, Cow::Owned(data), &shape)?;
             Ok(Tensor::from_vec(out, out_shape, t.device())?)
         },
         |d| Err(unsupported(comm, layer, d))
@@ -212,7 +215,8 @@ impl CustomOp1 for CommOp {
             storage.dtype(),
             T => {
                 let data = &<T as candle_core::WithDType>::cpu_storage_as_slice(storage)?[a..b];
-                let (out, out_shape) = run_move(&self.comm, self.name, self.fwd, data, &shape)?;
+                let (out, out_shape) =
+                    run_move(&self.comm, self.name, self.fwd, Cow::Borrowed(data), &shape)?;
                 Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(out), Shape::from(out_shape)))
             },
             |d| Err(unsupported(&self.comm, self.name, d).into())

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::comm::{Comm, Stats};
-use crate::dtype::{as_bytes_mut, Element, ReduceOp};
+use crate::dtype::{Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::select::Algo;
 
@@ -666,14 +666,4 @@ pub fn overlap_fraction(net: &[NetSpan], copies: &[CopySpan]) -> f64 {
         })
         .sum();
     hidden / total
-}
-
-/// The elements of `v` as bytes (helper for uploads of typed data).
-pub fn bytes_of_mut<T: Element>(v: &mut [T]) -> &mut [u8] {
-    as_bytes_mut(v)
-}
-
-/// How long a copy of `bytes` takes at `bandwidth` bytes/s after `latency`.
-pub(crate) fn copy_time(bytes: usize, latency: Duration, bandwidth: f64) -> Duration {
-    latency + Duration::from_secs_f64(bytes as f64 / bandwidth.max(1.0))
 }

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{copy_time, CopySpan, Device, DeviceBuffer, HostStage, Ticket};
+use super::{CopySpan, Device, DeviceBuffer, HostStage, Ticket};
 use crate::error::{Error, Result};
 
 /// Settings of a [`SimDevice`].
@@ -109,6 +109,11 @@ impl std::fmt::Debug for SimDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SimDevice").field("cfg", &self.inner.cfg).finish_non_exhaustive()
     }
+}
+
+/// How long a copy of `bytes` takes at `bandwidth` bytes/s after `latency`.
+fn copy_time(bytes: usize, latency: Duration, bandwidth: f64) -> Duration {
+    latency + Duration::from_secs_f64(bytes as f64 / bandwidth.max(1.0))
 }
 
 /// Sleep for the modelled copy time: a DMA engine does not take a CPU, so neither does the

@@ -3,16 +3,11 @@
 
 use candle_core::{DType, Device, Tensor};
 use tutti_parallel::Comm;
-use tutti_runtime::testing::{groups, Kind};
+use tutti_runtime::testing::{groups, run, Kind};
 
 /// Run `f` on every rank of an `n`-rank world (threads) and collect the results in rank order.
 pub fn on_world<T: Send>(kind: Kind, n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
-    let comms: Vec<Comm> = groups(kind, n).unwrap().into_iter().map(Comm::new).collect();
-    std::thread::scope(|s| {
-        let f = &f;
-        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(c))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    run(groups(kind, n).unwrap(), |g| f(Comm::new(g)))
 }
 
 /// A tensor of small integers (exact in f32 under any summation order): `(i * 7 + seed) % 11 - 5`.
@@ -24,17 +19,7 @@ pub fn ints(shape: &[usize], seed: usize) -> Tensor {
 
 /// Deterministic pseudo-random values in [-1, 1).
 pub fn rand(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    tutti_parallel::data::uniform(shape, 1.0, seed).unwrap()
 }
 
 /// Max |a - b| (shapes must hold the same number of elements).
