@@ -101,8 +101,18 @@ fn sigkill_during_rendezvous_is_reported() {
 
 #[test]
 fn a_stopped_rank_is_named_within_ten_seconds() {
+    stopped_rank(&[]);
+}
+
+#[test]
+fn a_stopped_rank_is_named_within_ten_seconds_over_quic() {
+    // QUIC's idle timeout, driven by the waiting thread's timers, names the silent peer.
+    stopped_rank(&[("TUTTI_TRANSPORT", "quic")]);
+}
+
+fn stopped_rank(env: &[(&str, &str)]) {
     let n = 4;
-    let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, &[]);
+    let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, env);
     assert!(job.wait_all("READY", Duration::from_secs(60)));
     std::thread::sleep(Duration::from_millis(200));
     let t = now_us();
@@ -121,9 +131,19 @@ fn a_stopped_rank_is_named_within_ten_seconds() {
 
 #[test]
 fn computing_longer_than_the_dead_peer_limit_is_not_death() {
+    long_compute(&[]);
+}
+
+#[test]
+fn computing_longer_than_the_dead_peer_limit_is_not_death_over_quic() {
+    // Over QUIC the keep-alives of the computing rank come from its background driver thread.
+    long_compute(&[("TUTTI_TRANSPORT", "quic")]);
+}
+
+fn long_compute(env: &[(&str, &str)]) {
     // Rank 0 sleeps 7 s (more than the 5 s dead-peer limit) before joining; the others wait in
     // the allreduce, hearing rank 0's keep-alives, and everyone succeeds.
-    let mut job = LiveJob::start(Path::new(EXE), &["compute", "7"], 3, &[]);
+    let mut job = LiveJob::start(Path::new(EXE), &["compute", "7"], 3, env);
     assert!(job.wait_exit(&[0, 1, 2], Duration::from_secs(60)));
     for r in 0..3 {
         assert!(job.line(r, "OK").is_some(), "rank {r}: {:?}", job.lines[r].lock().unwrap());

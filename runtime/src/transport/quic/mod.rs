@@ -360,9 +360,9 @@ mod tests {
         assert!(ts[0].poisoned().is_none() && ts[1].poisoned().is_none());
     }
 
-    /// A stranger's connection attempt to `target`, driven by hand with quinn-proto: `true` when
-    /// it was refused (lost, or never established) within `within`.
-    fn stranger_refused(target: SocketAddr, pin: [u8; 32], within: Duration) -> bool {
+    /// A stranger's connection attempt to `target`, driven by hand with quinn-proto: `Some(reason)`
+    /// when the target closed it within `within`, `None` when it stayed unanswered or open.
+    fn stranger_refused(target: SocketAddr, pin: [u8; 32], within: Duration) -> Option<String> {
         let stranger = tls::Identity::generate().unwrap();
         let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
         sock.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
@@ -381,7 +381,6 @@ mod tests {
         let cc = quinn_proto::ClientConfig::new(Arc::new(crypto));
         let (_, mut conn) = ep.connect(Instant::now(), cc, target, "tutti").unwrap();
         let end = Instant::now() + within;
-        let mut connected = false;
         let mut buf = Vec::new();
         let mut rx = vec![0u8; 65_536];
         while Instant::now() < end {
@@ -404,14 +403,12 @@ mod tests {
                 }
             }
             while let Some(ev) = conn.poll() {
-                match ev {
-                    quinn_proto::Event::Connected => connected = true,
-                    quinn_proto::Event::ConnectionLost { .. } => return true,
-                    _ => {}
+                if let quinn_proto::Event::ConnectionLost { reason } = ev {
+                    return Some(reason.to_string());
                 }
             }
         }
-        !connected
+        None
     }
 
     #[test]
@@ -423,41 +420,38 @@ mod tests {
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 2, Some(key.clone()))
                 .unwrap();
         let addr = server.addr();
-        let cfg = TcpConfig::default();
-        let ts = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (key, cfg) = (key.clone(), cfg.clone());
-                    s.spawn(move || {
-                        let store =
-                            TcpStore::connect(addr, rank, 2, Some(&key), Duration::from_secs(30))
-                                .unwrap();
-                        if rank == 1 {
-                            // Rank 0 is up and accepting: a stranger tries first.
-                            let raw = store.get(&quic_key(0), Duration::from_secs(30)).unwrap();
-                            let text = String::from_utf8(raw).unwrap();
-                            let (a, f) = text.split_once('|').unwrap();
-                            let refused = stranger_refused(
-                                a.parse().unwrap(),
-                                tls::unhex(f).unwrap(),
-                                Duration::from_secs(3),
-                            );
-                            assert!(refused, "a stranger's QUIC connection was accepted");
-                        }
-                        let id = JobIdentity { rank, world: 2, job: 7, key };
-                        QuicTransport::connect(&id, &store as &dyn Store, &cfg).unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        let cfg = TcpConfig { connect_timeout: Duration::from_secs(4), ..TcpConfig::default() };
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| {
+                let store = TcpStore::connect(addr, 0, 2, Some(&key), Duration::from_secs(30))?;
+                let id = JobIdentity { rank: 0, world: 2, job: 7, key: key.clone() };
+                QuicTransport::connect(&id, &store as &dyn Store, &cfg)
+            });
+            // Rank 1's slot: the store holds a published fingerprint that is not the stranger's,
+            // so rank 0 (accepting, in start-up) must refuse the stranger's certificate.
+            let store = TcpStore::connect(addr, 1, 2, Some(&key), Duration::from_secs(30)).unwrap();
+            let published = tls::Identity::generate().unwrap();
+            let raw = store.get(&quic_key(0), Duration::from_secs(30)).unwrap();
+            let text = String::from_utf8(raw).unwrap();
+            let (a, f) = text.split_once('|').unwrap();
+            store
+                .set(&quic_key(1), format!("127.0.0.1:9|{}", tls::hex(&published.fp)).as_bytes())
+                .unwrap();
+            let target: SocketAddr = a.parse().unwrap();
+            let refused = stranger_refused(target, tls::unhex(f).unwrap(), Duration::from_secs(3));
+            let reason = refused.expect("a stranger's QUIC connection was not refused");
+            assert!(reason.contains("not published"), "refused for another reason: {reason}");
+            // Rank 0 never got its real rank 1, and says so.
+            let err = rank0.join().unwrap().unwrap_err().to_string();
+            assert!(err.contains("[1]"), "{err}");
         });
-        exchange_ok(&ts, 3);
     }
 
     #[test]
     fn a_connection_after_start_up_is_refused() {
         let ts = quic_world(2, &TcpConfig::default()).unwrap();
-        assert!(stranger_refused(ts[0].local_addr(), ts[0].fp, Duration::from_secs(3)));
+        let refused = stranger_refused(ts[0].local_addr(), ts[0].fp, Duration::from_secs(3));
+        assert!(refused.is_some(), "a QUIC connection after start-up was not refused");
         exchange_ok(&ts, 2);
     }
 }
