@@ -54,6 +54,10 @@ macro_rules! both {
             fn tcp() {
                 ($body)(Kind::Tcp)
             }
+            #[test]
+            fn quic() {
+                ($body)(Kind::Quic)
+            }
         }
     };
 }
