@@ -508,7 +508,7 @@ impl Comm {
     /// As [`Comm::allgather`].
     pub fn allgather_inplace<T: Element>(&self, buf: &mut [T]) -> Result<Stats> {
         let n = self.size();
-        if buf.len() % n != 0 {
+        if !buf.len().is_multiple_of(n) {
             return Err(self.invalid(
                 "allgather",
                 format!("{} elements do not divide by {n} ranks", buf.len()),
@@ -639,7 +639,7 @@ impl Comm {
     /// As [`Comm::reduce_scatter`].
     pub fn reduce_scatter_inplace<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<Stats> {
         let n = self.size();
-        if buf.len() % n != 0 {
+        if !buf.len().is_multiple_of(n) {
             return Err(self.invalid(
                 "reduce_scatter",
                 format!("{} elements do not divide by {n} ranks", buf.len()),
@@ -737,7 +737,7 @@ impl Comm {
     /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] for wrong lengths.
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<Stats> {
         let n = self.size();
-        if input.len() != output.len() || input.len() % n != 0 {
+        if input.len() != output.len() || !input.len().is_multiple_of(n) {
             return Err(self.invalid(
                 "all_to_all",
                 format!(
@@ -761,7 +761,7 @@ impl Comm {
     /// As [`Comm::all_to_all`].
     pub fn all_to_all_inplace<T: Element>(&self, buf: &mut [T]) -> Result<Stats> {
         let n = self.size();
-        if buf.len() % n != 0 {
+        if !buf.len().is_multiple_of(n) {
             return Err(self.invalid(
                 "all_to_all",
                 format!("{} elements do not divide by {n} ranks", buf.len()),
@@ -911,7 +911,7 @@ impl Comm {
         };
         self.check_root(name, root)?;
         let n = self.size();
-        if buf.len() % n != 0 {
+        if !buf.len().is_multiple_of(n) {
             return Err(
                 self.invalid(name, format!("{} elements do not divide by {n} ranks", buf.len()))
             );

@@ -94,7 +94,7 @@ impl Comm {
                 shape.len()
             )));
         }
-        if shape[scatter_dim] % n != 0 {
+        if !shape[scatter_dim].is_multiple_of(n) {
             return Err(bad(format!(
                 "dimension {scatter_dim} of shape {shape:?} has size {}, not divisible by the group size {n}",
                 shape[scatter_dim]

@@ -15,8 +15,8 @@ pub fn value<T: Element>(seed: u64, r: usize, i: usize, op: ReduceOp) -> T {
         .wrapping_add(i.wrapping_mul(3));
     let v: i64 = match op {
         ReduceOp::Prod => {
-            let s = if (h / 9) % 2 == 0 { 1 } else { -1 };
-            if (r + i) % 8 == 0 {
+            let s = if (h / 9).is_multiple_of(2) { 1 } else { -1 };
+            if (r + i).is_multiple_of(8) {
                 2 * s
             } else {
                 s

@@ -185,7 +185,7 @@ impl Block {
             BlockMode::TpSp => "TP+SP block",
             BlockMode::Ulysses => "Ulysses block",
         };
-        if cfg.n_heads % n != 0 {
+        if !cfg.n_heads.is_multiple_of(n) {
             return Err(Error::Shape {
                 rank: comm.rank(),
                 layer,

@@ -51,7 +51,7 @@ fn check_dim(comm: &Comm, layer: &'static str, shape: &[usize], dim: usize) -> R
 fn check_divides(comm: &Comm, layer: &'static str, shape: &[usize], dim: usize) -> Result<()> {
     check_dim(comm, layer, shape, dim)?;
     let n = comm.size();
-    if shape[dim] % n != 0 {
+    if !shape[dim].is_multiple_of(n) {
         return Err(shape_err(
             comm,
             layer,

@@ -44,7 +44,7 @@ pub fn shard(t: &Tensor, dim: usize, comm: &Comm) -> Result<Tensor> {
 pub fn shard_even(t: &Tensor, dim: usize, comm: &Comm, layer: &'static str) -> Result<Tensor> {
     let dims = t.dims();
     let n = comm.size();
-    if dim >= dims.len() || dims[dim] % n != 0 {
+    if dim >= dims.len() || !dims[dim].is_multiple_of(n) {
         return Err(Error::Shape {
             rank: comm.rank(),
             layer,

@@ -48,7 +48,7 @@ impl Fold {
         if r >= 2 * self.rem {
             return;
         }
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             let h = p.send(r + 1, tag, data);
             p.wait(h);
         } else {
@@ -64,7 +64,8 @@ impl Fold {
         if r >= 2 * self.rem {
             return;
         }
-        let h = if r % 2 == 0 { p.recv(r + 1, tag, data) } else { p.send(r - 1, tag, data) };
+        let h =
+            if r.is_multiple_of(2) { p.recv(r + 1, tag, data) } else { p.send(r - 1, tag, data) };
         p.wait(h);
     }
 }

@@ -82,7 +82,8 @@ fn main() -> std::process::ExitCode {
         let want = reference(&x, &y)?;
         let dp = data_parallel(&c, &x, &y)?;
         // Tensor parallel needs the hidden width to divide by the world.
-        let tp = if HIDDEN % c.size() == 0 { Some(tensor_parallel(&c, &x, &y)?) } else { None };
+        let tp =
+            if HIDDEN.is_multiple_of(c.size()) { Some(tensor_parallel(&c, &x, &y)?) } else { None };
         let max_diff =
             |v: &[f32]| v.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         if c.rank() == 0 {
