@@ -1,6 +1,6 @@
-//! Point-to-point over loopback TCP: tutti's transport against raw blocking sockets, in the same
-//! run. Prints one-way latency (half the ping-pong round trip) at 8 B and streaming throughput
-//! at 64 MiB, medians of several repetitions, and the ratios.
+//! Point-to-point over loopback: tutti's TCP transport against raw blocking sockets, and tutti's
+//! QUIC transport, in the same run. Prints one-way latency (half the ping-pong round trip) at
+//! 8 B and streaming throughput at 64 MiB, medians of several repetitions, and the ratios.
 //!
 //! `cargo bench -p tutti-runtime --bench p2p` (`P2P_REPS`, `P2P_PINGS` to change the counts).
 
@@ -129,6 +129,11 @@ fn tutti_pair() -> Vec<Arc<dyn Transport>> {
     ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
 }
 
+fn quic_pair() -> Vec<Arc<dyn Transport>> {
+    let ts = tutti_runtime::testing::quic_world(2, &TcpConfig::default()).unwrap();
+    ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
+}
+
 fn tutti_latency(ts: &[Arc<dyn Transport>], pings: usize) -> f64 {
     let t1 = ts[1].clone();
     let h = std::thread::spawn(move || {
@@ -175,18 +180,24 @@ fn main() {
     let pings = env("P2P_PINGS", 20000);
     let len = 64 << 20;
     let ts = tutti_pair();
-    // Warm up both paths (page faults, socket buffer autotuning).
+    let qs = quic_pair();
+    // Warm up every path (page faults, socket buffer autotuning).
     raw_stream(len, 2);
     tutti_stream(&ts, len, 2);
+    tutti_stream(&qs, len, 2);
     let (mut rl, mut tl, mut rs, mut tsr, mut sl) = (vec![], vec![], vec![], vec![], vec![]);
+    let (mut ql, mut qsr) = (vec![], vec![]);
     for _ in 0..reps {
         rl.push(raw_latency(pings));
         sl.push(raw_latency_spin(pings));
         tl.push(tutti_latency(&ts, pings));
+        ql.push(tutti_latency(&qs, pings));
         rs.push(raw_stream(len, 8));
         tsr.push(tutti_stream(&ts, len, 8));
+        qsr.push(tutti_stream(&qs, len, 8));
     }
     let (rl, sl, tl, rs, tsr) = (median(rl), median(sl), median(tl), median(rs), median(tsr));
+    let (ql, qsr) = (median(ql), median(qsr));
     println!("p2p over loopback TCP, medians of {reps} runs (same process, same run)");
     println!("{:<34} {:>12} {:>12} {:>8}", "", "raw socket", "tutti", "ratio");
     println!(
@@ -209,5 +220,15 @@ fn main() {
         rs,
         tsr,
         100.0 * tsr / rs
+    );
+    println!();
+    println!("{:<34} {:>12} {:>12} {:>8}", "", "tutti tcp", "tutti quic", "ratio");
+    println!("{:<34} {:>12.2} {:>12.2} {:>7.2}x", "8 B one-way latency (us)", tl, ql, ql / tl);
+    println!(
+        "{:<34} {:>12.2} {:>12.2} {:>7.0}%",
+        "64 MiB stream (GB/s)",
+        tsr,
+        qsr,
+        100.0 * qsr / tsr
     );
 }
