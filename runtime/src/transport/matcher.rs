@@ -356,3 +356,176 @@ pub(crate) fn stale_error(rank: usize, peer: usize, post: &RecvPost, got: &MsgDe
     };
     Error::Mismatch { rank, peer, expected: post.desc.to_string(), got }
 }
+
+/// The bookkeeping one rank's transport keeps for matching, borrowed together: the queues of
+/// one source peer, the operation table and the unexpected-bytes budget. The steps below are
+/// the same for every connection-based transport (TCP, QUIC); each returns how many posted
+/// receives it used up (delivered or failed), for transports that count them per connection.
+pub(crate) struct Matching<'a> {
+    pub(crate) rank: usize,
+    pub(crate) peer: usize,
+    pub(crate) queues: &'a mut PeerQueues,
+    pub(crate) ops: &'a mut Ops,
+    pub(crate) unexpected_bytes: &'a mut u64,
+}
+
+/// Where the payload of an arriving data frame goes.
+#[derive(Debug)]
+pub(crate) enum Landing {
+    /// Straight into this posted receive (checked).
+    Posted { id: OpId, buf: RawBuf },
+    /// Into a buffer for the unexpected queue (its bytes are already counted).
+    Buffer,
+    /// No receive yet and larger than the caller buffers eagerly: leave it where it is.
+    Park,
+    /// Read and drop (the receive it matched failed its check).
+    Discard,
+}
+
+impl Matching<'_> {
+    /// Fail receives proven stale by `got`.
+    fn fail_stale(&mut self, stale: Vec<RecvPost>, got: &MsgDesc) -> usize {
+        let n = stale.len();
+        for p in stale {
+            let err = stale_error(self.rank, self.peer, &p, got);
+            self.ops.fail(p.id, err);
+        }
+        n
+    }
+
+    /// Post a receive: a matching buffered message is delivered at once, a stale receive fails.
+    /// `true` when the receive stays queued, waiting for its message.
+    pub(crate) fn post_recv(&mut self, post: RecvPost) -> bool {
+        let id = post.id;
+        match self.queues.post(post) {
+            Posted::Matched(post, got, data) => {
+                *self.unexpected_bytes -= data.len() as u64;
+                deliver(self.rank, self.peer, self.ops, post, &got, &data);
+                false
+            }
+            Posted::Stale(post, got) => {
+                let err = stale_error(self.rank, self.peer, &post, &got);
+                self.ops.fail(id, err);
+                false
+            }
+            Posted::Queued => true,
+        }
+    }
+
+    /// A whole message (a send to self, or one buffered while it arrived): into the first
+    /// matching posted receive, else the unexpected queue. `counted`: its bytes are already in
+    /// the unexpected budget.
+    pub(crate) fn arrive_whole(
+        &mut self,
+        desc: &MsgDesc,
+        data: std::borrow::Cow<'_, [u8]>,
+        counted: bool,
+    ) -> usize {
+        let mut stale = Vec::new();
+        let used = match self.queues.arrive(desc, &mut stale) {
+            Dest::Posted(post) => {
+                if counted {
+                    *self.unexpected_bytes -= data.len() as u64;
+                }
+                deliver(self.rank, self.peer, self.ops, post, desc, &data);
+                1
+            }
+            Dest::Unexpected => {
+                if !counted {
+                    *self.unexpected_bytes += data.len() as u64;
+                }
+                self.queues.push_unexpected(*desc, data.into_owned());
+                0
+            }
+        };
+        used + self.fail_stale(stale, desc)
+    }
+
+    /// A data frame's header arrived: where its `len` payload bytes go. A message with no
+    /// receive yet is parked when longer than `park_above`, else buffered within `limit` bytes
+    /// of unexpected messages in all — `Err` (to poison with) beyond that.
+    pub(crate) fn arrive_header(
+        &mut self,
+        desc: &MsgDesc,
+        len: u64,
+        park_above: u64,
+        limit: u64,
+    ) -> (Result<Landing>, usize) {
+        let mut stale = Vec::new();
+        let dest = self.queues.arrive(desc, &mut stale);
+        let mut used = self.fail_stale(stale, desc);
+        let landing = match dest {
+            Dest::Posted(post) => {
+                used += 1;
+                let posted_at = self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
+                match check(self.rank, self.peer, &post, desc, len, posted_at) {
+                    Ok(()) => Ok(Landing::Posted { id: post.id, buf: post.buf }),
+                    Err(e) => {
+                        tracing::warn!(rank = self.rank, peer = self.peer, "{e}");
+                        self.ops.fail(post.id, e);
+                        Ok(Landing::Discard)
+                    }
+                }
+            }
+            Dest::Unexpected if len > park_above => Ok(Landing::Park),
+            Dest::Unexpected => {
+                let total = self.unexpected_bytes.saturating_add(len);
+                if total > limit {
+                    Err(Error::UnexpectedOverflow {
+                        rank: self.rank,
+                        peer: self.peer,
+                        bytes: total,
+                        limit,
+                    })
+                } else {
+                    *self.unexpected_bytes = total;
+                    Ok(Landing::Buffer)
+                }
+            }
+        };
+        (landing, used)
+    }
+}
+
+/// A probe from `peer` about `desc`: the mismatch it proves, if this rank waits in the same
+/// collective with another fingerprint.
+pub(crate) fn probe_mismatch(rank: usize, peer: usize, ops: &Ops, desc: &MsgDesc) -> Option<Error> {
+    ops.conflict(desc).map(|mine| Error::Mismatch {
+        rank,
+        peer,
+        expected: mine.to_string(),
+        got: format!("{desc} (rank {peer} is waiting in it)"),
+    })
+}
+
+/// Fail the operations that still need `peer`, which closed its transport cleanly.
+pub(crate) fn fail_closed_peer(rank: usize, peer: usize, ops: &mut Ops, queues: &mut PeerQueues) {
+    ops.fail_peer(peer, |ctx| Error::PeerLost {
+        rank,
+        peer,
+        ctx: Some(Box::new(ctx)),
+        detail: "the peer closed its transport (it finished or exited) while this operation \
+                 still needed it"
+            .into(),
+    });
+    queues.clear_posted();
+}
+
+/// The connection to `peer` failed (`detail` says how): its operations fail naming it; returns
+/// the error to poison the transport with and the reason to tell the other peers.
+pub(crate) fn peer_lost(
+    rank: usize,
+    peer: usize,
+    ops: &mut Ops,
+    detail: String,
+) -> (Error, String) {
+    let d2 = detail.clone();
+    ops.fail_peer(peer, |ctx| Error::PeerLost {
+        rank,
+        peer,
+        ctx: Some(Box::new(ctx)),
+        detail: d2.clone(),
+    });
+    let reason = format!("rank {rank} lost its connection to rank {peer} ({detail})");
+    (Error::PeerLost { rank, peer, ctx: None, detail }, reason)
+}

@@ -25,8 +25,8 @@ use quinn_proto::{
 };
 use tracing::{debug, warn};
 
-use crate::error::{Error, OpContext, Result};
-use crate::transport::matcher::{self, Dest, Ops, PeerQueues, Posted, RawBuf, RecvPost};
+use crate::error::{Error, Result};
+use crate::transport::matcher::{self, Landing, Matching, Ops, PeerQueues, RawBuf, RecvPost};
 use crate::transport::OpId;
 use crate::wire::{FrameKind, Header, MsgDesc, HEADER_LEN};
 
@@ -539,23 +539,11 @@ impl Engine {
         }
         let id = g.ops.insert(peer, desc, cap);
         let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
-        match g.queues[peer].post(post) {
-            Posted::Matched(post, got, data) => {
-                g.unexpected_bytes -= data.len() as u64;
-                matcher::deliver(self.rank, peer, &mut g.ops, post, &got, &data);
-            }
-            Posted::Stale(post, got) => {
-                let err = matcher::stale_error(self.rank, peer, &post, &got);
-                g.ops.fail(id, err);
-            }
-            Posted::Queued if peer == self.rank => {}
-            Posted::Queued => {
-                if !g.peer(peer).is_some_and(|p| !p.peer_closed && !p.dead) {
-                    g.queues[peer].remove(id);
-                    g.ops.forget(id);
-                    return Err(closed_peer(self.rank, peer, &desc, cap));
-                }
-            }
+        let queued = g.matching(peer).post_recv(post);
+        if queued && peer != self.rank && !g.peer(peer).is_some_and(|p| !p.peer_closed && !p.dead) {
+            g.queues[peer].remove(id);
+            g.ops.forget(id);
+            return Err(closed_peer(self.rank, peer, &desc, cap));
         }
         Ok(id)
     }
@@ -1191,13 +1179,7 @@ impl Inner {
             FrameKind::KeepAlive => control_empty("keep-alive")?,
             FrameKind::Probe => {
                 let d = control_empty("probe")?;
-                if let Some(mine) = self.ops.conflict(&hdr.desc) {
-                    let err = Error::Mismatch {
-                        rank: self.rank,
-                        peer,
-                        expected: mine.to_string(),
-                        got: format!("{} (rank {peer} is waiting in it)", hdr.desc),
-                    };
+                if let Some(err) = matcher::probe_mismatch(self.rank, peer, &self.ops, &hdr.desc) {
                     let reason = err.to_string();
                     self.poison(err, Some(&reason));
                 }
@@ -1215,42 +1197,20 @@ impl Inner {
                 RxDest::Abort(Vec::with_capacity(len as usize))
             }
             FrameKind::Data => {
-                let mut stale = Vec::new();
-                let dest = self.queues[peer].arrive(&hdr.desc, &mut stale);
-                self.fail_stale(peer, stale, &hdr.desc);
-                match dest {
-                    Dest::Posted(post) => {
-                        let posted_at =
-                            self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
-                        match matcher::check(self.rank, peer, &post, &hdr.desc, len, posted_at) {
-                            Ok(()) => RxDest::Posted { id: post.id, buf: post.buf },
-                            Err(e) => {
-                                warn!(rank = self.rank, peer, "{e}");
-                                self.ops.fail(post.id, e);
-                                RxDest::Discard
-                            }
-                        }
-                    }
-                    Dest::Unexpected => {
-                        let limit = self.cfg.unexpected_limit;
-                        let total = self.unexpected_bytes.saturating_add(len);
-                        if total > limit {
-                            let err = Error::UnexpectedOverflow {
-                                rank: self.rank,
-                                peer,
-                                bytes: total,
-                                limit,
-                            };
-                            self.poison(err, None);
-                            RxDest::Discard
-                        } else {
-                            self.unexpected_bytes = total;
-                            // Bounded by the budget just checked.
-                            RxDest::Unexpected {
-                                desc: hdr.desc,
-                                data: Vec::with_capacity(len as usize),
-                            }
-                        }
+                // Nothing is parked: quinn's receive buffer is not the kernel's, so a message
+                // without its receive is buffered (within the budget).
+                let limit = self.cfg.unexpected_limit;
+                match self.matching(peer).arrive_header(&hdr.desc, len, u64::MAX, limit).0 {
+                    Ok(Landing::Posted { id, buf }) => RxDest::Posted { id, buf },
+                    // Bounded by the budget `arrive_header` checked.
+                    Ok(Landing::Buffer) => RxDest::Unexpected {
+                        desc: hdr.desc,
+                        data: Vec::with_capacity(len as usize),
+                    },
+                    Ok(Landing::Park | Landing::Discard) => RxDest::Discard,
+                    Err(err) => {
+                        self.poison(err, None);
+                        RxDest::Discard
                     }
                 }
             }
@@ -1274,15 +1234,7 @@ impl Inner {
             RxDest::Posted { id, .. } => self.ops.complete(id, f.len),
             RxDest::Unexpected { desc, data } => {
                 // A receive may have been posted while the message was arriving.
-                let mut stale = Vec::new();
-                match self.queues[peer].arrive(&desc, &mut stale) {
-                    Dest::Posted(post) => {
-                        self.unexpected_bytes -= data.len() as u64;
-                        matcher::deliver(self.rank, peer, &mut self.ops, post, &desc, &data);
-                    }
-                    Dest::Unexpected => self.queues[peer].push_unexpected(desc, data),
-                }
-                self.fail_stale(peer, stale, &desc);
+                self.matching(peer).arrive_whole(&desc, std::borrow::Cow::Owned(data), true);
             }
             RxDest::Abort(reason) => {
                 return Err(ConnFail::Aborted(String::from_utf8_lossy(&reason).into_owned()));
@@ -1294,21 +1246,17 @@ impl Inner {
 
     fn deliver_local(&mut self, desc: MsgDesc, data: &[u8]) {
         let me = self.rank;
-        let mut stale = Vec::new();
-        match self.queues[me].arrive(&desc, &mut stale) {
-            Dest::Posted(post) => matcher::deliver(me, me, &mut self.ops, post, &desc, data),
-            Dest::Unexpected => {
-                self.unexpected_bytes += data.len() as u64;
-                self.queues[me].push_unexpected(desc, data.to_vec());
-            }
-        }
-        self.fail_stale(me, stale, &desc);
+        self.matching(me).arrive_whole(&desc, std::borrow::Cow::Borrowed(data), false);
     }
 
-    fn fail_stale(&mut self, peer: usize, stale: Vec<RecvPost>, got: &MsgDesc) {
-        for p in stale {
-            let err = matcher::stale_error(self.rank, peer, &p, got);
-            self.ops.fail(p.id, err);
+    /// The matching state of messages from `peer`.
+    fn matching(&mut self, peer: usize) -> Matching<'_> {
+        Matching {
+            rank: self.rank,
+            peer,
+            queues: &mut self.queues[peer],
+            ops: &mut self.ops,
+            unexpected_bytes: &mut self.unexpected_bytes,
         }
     }
 
@@ -1414,15 +1362,7 @@ impl Inner {
                 Vec::new(),
             ));
         }
-        self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
-            rank,
-            peer,
-            ctx: Some(Box::new(ctx)),
-            detail: "the peer closed its transport (it finished or exited) while this \
-                     operation still needed it"
-                .into(),
-        });
-        self.queues[peer].clear_posted();
+        matcher::fail_closed_peer(rank, peer, &mut self.ops, &mut self.queues[peer]);
     }
 
     fn peer_left(&mut self, ch: usize) {
@@ -1463,15 +1403,7 @@ impl Inner {
             self.poison(err, Some(&reason));
             return;
         }
-        let d2 = detail.clone();
-        self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
-            rank,
-            peer,
-            ctx: Some(Box::new(ctx)),
-            detail: d2.clone(),
-        });
-        let reason = format!("rank {rank} lost its connection to rank {peer} ({detail})");
-        let err = Error::PeerLost { rank, peer, ctx: None, detail };
+        let (err, reason) = matcher::peer_lost(rank, peer, &mut self.ops, detail);
         self.poison(err, Some(&reason));
     }
 }

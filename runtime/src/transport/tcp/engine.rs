@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
-use crate::error::{Error, OpContext, Result};
-use crate::transport::matcher::{self, Dest, Ops, PeerQueues, Posted, RawBuf, RecvPost};
+use crate::error::{Error, Result};
+use crate::transport::matcher::{self, Landing, Matching, Ops, PeerQueues, RawBuf, RecvPost};
 use crate::transport::OpId;
 use crate::wire::{FrameKind, Header, HeaderError, MsgDesc, HEADER_LEN};
 
@@ -275,16 +275,8 @@ impl Engine {
         }
         let id = g.ops.insert(peer, desc, cap);
         let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
-        match g.queues[peer].post(post) {
-            Posted::Matched(post, got, data) => {
-                g.unexpected_bytes -= data.len() as u64;
-                g.fill_from_unexpected(peer, post, &got, &data);
-            }
-            Posted::Stale(post, got) => {
-                let err = matcher::stale_error(self.rank, peer, &post, &got);
-                g.ops.fail(id, err);
-            }
-            Posted::Queued => match g.conns[peer].as_mut() {
+        if g.matching(peer).post_recv(post) {
+            match g.conns[peer].as_mut() {
                 Some(c) if !c.peer_closed => {
                     c.want += 1;
                     g.attach_parked(peer);
@@ -295,7 +287,7 @@ impl Engine {
                     g.ops.forget(id);
                     return Err(closed_peer(self.rank, peer, &desc, cap));
                 }
-            },
+            }
         }
         Ok(id)
     }
@@ -600,30 +592,24 @@ impl Inner {
 
     fn deliver_local(&mut self, desc: MsgDesc, data: &[u8]) {
         let me = self.rank;
-        let mut stale = Vec::new();
-        match self.queues[me].arrive(&desc, &mut stale) {
-            Dest::Posted(post) => {
-                self.fill_from_unexpected(me, post, &desc, data);
-            }
-            Dest::Unexpected => {
-                self.unexpected_bytes += data.len() as u64;
-                self.queues[me].push_unexpected(desc, data.to_vec());
-            }
+        self.matching(me).arrive_whole(&desc, std::borrow::Cow::Borrowed(data), false);
+    }
+
+    /// The matching state of messages from `peer`.
+    fn matching(&mut self, peer: usize) -> Matching<'_> {
+        Matching {
+            rank: self.rank,
+            peer,
+            queues: &mut self.queues[peer],
+            ops: &mut self.ops,
+            unexpected_bytes: &mut self.unexpected_bytes,
         }
-        self.fail_stale(me, stale, &desc);
     }
 
-    fn fill_from_unexpected(&mut self, peer: usize, post: RecvPost, got: &MsgDesc, data: &[u8]) {
-        matcher::deliver(self.rank, peer, &mut self.ops, post, got, data);
-    }
-
-    fn fail_stale(&mut self, peer: usize, stale: Vec<RecvPost>, got: &MsgDesc) {
-        for p in stale {
-            if let Some(c) = self.conns[peer].as_mut() {
-                c.want = c.want.saturating_sub(1);
-            }
-            let err = matcher::stale_error(self.rank, peer, &p, got);
-            self.ops.fail(p.id, err);
+    /// `used` posted receives of `peer` were matched or failed: they no longer wait for data.
+    fn used(&mut self, peer: usize, used: usize) {
+        if let Some(c) = self.conns[peer].as_mut() {
+            c.want = c.want.saturating_sub(used);
         }
     }
 
@@ -780,13 +766,7 @@ impl Inner {
                 if len != 0 {
                     return Err(ConnFail::Protocol("probe frame with a payload".into()));
                 }
-                if let Some(mine) = self.ops.conflict(&hdr.desc) {
-                    let err = Error::Mismatch {
-                        rank: self.rank,
-                        peer,
-                        expected: mine.to_string(),
-                        got: format!("{} (rank {peer} is waiting in it)", hdr.desc),
-                    };
+                if let Some(err) = matcher::probe_mismatch(self.rank, peer, &self.ops, &hdr.desc) {
                     let reason = err.to_string();
                     self.poison(err, Some(&reason));
                 }
@@ -806,41 +786,21 @@ impl Inner {
                 RxDest::Abort(vec![0; len as usize])
             }
             FrameKind::Data => {
-                let mut stale = Vec::new();
-                let dest = self.queues[peer].arrive(&hdr.desc, &mut stale);
-                self.fail_stale(peer, stale, &hdr.desc);
-                match dest {
-                    Dest::Posted(post) => {
-                        if let Some(c) = self.conns[peer].as_mut() {
-                            c.want = c.want.saturating_sub(1);
-                        }
-                        let posted_at =
-                            self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
-                        match matcher::check(self.rank, peer, &post, &hdr.desc, len, posted_at) {
-                            Ok(()) => RxDest::Posted { id: post.id, buf: post.buf },
-                            Err(e) => {
-                                warn!(rank = self.rank, peer, "{e}");
-                                self.ops.fail(post.id, e);
-                                RxDest::Discard
-                            }
-                        }
-                    }
-                    Dest::Unexpected if len > EAGER_MAX => RxDest::Parked(hdr.desc),
-                    Dest::Unexpected => {
-                        let limit = self.cfg.unexpected_limit;
-                        if self.unexpected_bytes.saturating_add(len) > limit {
-                            let err = Error::UnexpectedOverflow {
-                                rank: self.rank,
-                                peer,
-                                bytes: self.unexpected_bytes.saturating_add(len),
-                                limit,
-                            };
-                            self.poison(err, None);
-                            return Ok(());
-                        }
-                        self.unexpected_bytes += len;
-                        // Bounded by the budget check just above.
+                let limit = self.cfg.unexpected_limit;
+                let (landing, used) =
+                    self.matching(peer).arrive_header(&hdr.desc, len, EAGER_MAX, limit);
+                self.used(peer, used);
+                match landing {
+                    Ok(Landing::Posted { id, buf }) => RxDest::Posted { id, buf },
+                    Ok(Landing::Park) => RxDest::Parked(hdr.desc),
+                    // Bounded by the budget `arrive_header` checked.
+                    Ok(Landing::Buffer) => {
                         RxDest::Unexpected { desc: hdr.desc, data: vec![0; len as usize] }
+                    }
+                    Ok(Landing::Discard) => RxDest::Discard,
+                    Err(err) => {
+                        self.poison(err, None);
+                        return Ok(());
                     }
                 }
             }
@@ -863,18 +823,9 @@ impl Inner {
             RxDest::Posted { id, .. } => self.ops.complete(id, f.len),
             RxDest::Unexpected { desc, data } => {
                 // A receive may have been posted while the message was arriving.
-                let mut stale = Vec::new();
-                match self.queues[peer].arrive(&desc, &mut stale) {
-                    Dest::Posted(post) => {
-                        if let Some(c) = self.conns[peer].as_mut() {
-                            c.want = c.want.saturating_sub(1);
-                        }
-                        self.unexpected_bytes -= data.len() as u64;
-                        self.fill_from_unexpected(peer, post, &desc, &data);
-                    }
-                    Dest::Unexpected => self.queues[peer].push_unexpected(desc, data),
-                }
-                self.fail_stale(peer, stale, &desc);
+                let used =
+                    self.matching(peer).arrive_whole(&desc, std::borrow::Cow::Owned(data), true);
+                self.used(peer, used);
             }
             RxDest::Abort(reason) => {
                 let reason = String::from_utf8_lossy(&reason).into_owned();
@@ -892,21 +843,14 @@ impl Inner {
             Some(RxFrame { dest: RxDest::Parked(d), .. }) => *d,
             _ => return,
         };
-        let mut stale = Vec::new();
-        let dest = self.queues[peer].arrive(&desc, &mut stale);
-        self.fail_stale(peer, stale, &desc);
-        let Dest::Posted(post) = dest else { return };
-        if let Some(c) = self.conns[peer].as_mut() {
-            c.want = c.want.saturating_sub(1);
-        }
         let len = self.conns[peer].as_ref().and_then(|c| c.cur.as_ref()).map_or(0, |f| f.len);
-        let posted_at = self.ops.pending(post.id).map_or_else(Instant::now, |p| p.3);
-        let new = match matcher::check(self.rank, peer, &post, &desc, len as u64, posted_at) {
-            Ok(()) => RxDest::Posted { id: post.id, buf: post.buf },
-            Err(e) => {
-                self.ops.fail(post.id, e);
-                RxDest::Discard
-            }
+        // `park_above` 0: if the new receive is not this message's, the frame stays parked.
+        let (landing, used) = self.matching(peer).arrive_header(&desc, len as u64, 0, 0);
+        self.used(peer, used);
+        let new = match landing {
+            Ok(Landing::Posted { id, buf }) => RxDest::Posted { id, buf },
+            Ok(Landing::Discard) => RxDest::Discard,
+            _ => return,
         };
         if let Some(f) = self.conns[peer].as_mut().and_then(|c| c.cur.as_mut()) {
             f.dest = new;
@@ -1034,15 +978,7 @@ impl Inner {
         if c.sendq.is_empty() {
             let _ = c.stream.shutdown(std::net::Shutdown::Write);
         }
-        self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
-            rank,
-            peer,
-            ctx: Some(Box::new(ctx)),
-            detail: "the peer closed its transport (it finished or exited) while this \
-                     operation still needed it"
-                .into(),
-        });
-        self.queues[peer].clear_posted();
+        matcher::fail_closed_peer(rank, peer, &mut self.ops, &mut self.queues[peer]);
     }
 
     fn conn_failed(&mut self, peer: usize, f: ConnFail) {
@@ -1072,15 +1008,7 @@ impl Inner {
             return;
         }
         // Operations with the failed peer name it and themselves; the rest fail through poison.
-        let d2 = detail.clone();
-        self.ops.fail_peer(peer, |ctx: OpContext| Error::PeerLost {
-            rank,
-            peer,
-            ctx: Some(Box::new(ctx)),
-            detail: d2.clone(),
-        });
-        let reason = format!("rank {rank} lost its connection to rank {peer} ({detail})");
-        let err = Error::PeerLost { rank, peer, ctx: None, detail };
+        let (err, reason) = matcher::peer_lost(rank, peer, &mut self.ops, detail);
         self.poison(err, Some(&reason));
     }
 }
