@@ -18,6 +18,8 @@ use crate::wire::MsgDesc;
 
 pub(crate) mod matcher;
 pub mod mem;
+#[cfg_attr(not(feature = "quic"), allow(dead_code))]
+pub(crate) mod queue;
 #[cfg(feature = "quic")]
 pub mod quic;
 pub mod tcp;

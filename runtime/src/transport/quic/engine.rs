@@ -27,6 +27,7 @@ use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
 use crate::transport::matcher::{self, Landing, Matching, Ops, PeerQueues, RawBuf, RecvPost};
+use crate::transport::queue::{self, RxDest, RxFrame, SendItem};
 use crate::transport::OpId;
 use crate::wire::{FrameKind, Header, MsgDesc, HEADER_LEN};
 
@@ -59,57 +60,6 @@ pub(crate) struct EngineConfig {
     pub(crate) spin: Duration,
     pub(crate) unexpected_limit: u64,
     pub(crate) probe_after: Duration,
-}
-
-enum Payload {
-    Borrowed(*const u8),
-    Owned(Vec<u8>),
-}
-
-struct SendItem {
-    id: Option<OpId>,
-    hdr: [u8; HEADER_LEN],
-    data: Payload,
-    len: usize,
-    /// Bytes of header plus payload already handed to quinn.
-    off: usize,
-}
-
-impl SendItem {
-    fn control(hdr: [u8; HEADER_LEN], data: Vec<u8>) -> SendItem {
-        let len = data.len();
-        SendItem { id: None, hdr, data: Payload::Owned(data), len, off: 0 }
-    }
-
-    fn payload(&self) -> &[u8] {
-        match &self.data {
-            Payload::Owned(v) => v,
-            Payload::Borrowed(_) if self.len == 0 => &[],
-            // SAFETY: a borrowed payload belongs to an operation that is still posted (cancel and
-            // poison replace it with a copy before forgetting the op), so it is readable.
-            Payload::Borrowed(p) => unsafe { std::slice::from_raw_parts(*p, self.len) },
-        }
-    }
-
-    /// Replace a borrowed payload by a private copy (the operation is about to be forgotten).
-    fn own(&mut self) {
-        if let Payload::Borrowed(_) = self.data {
-            self.data = Payload::Owned(self.payload().to_vec());
-        }
-    }
-}
-
-enum RxDest {
-    Posted { id: OpId, buf: RawBuf },
-    Unexpected { desc: MsgDesc, data: Vec<u8> },
-    Abort(Vec<u8>),
-    Discard,
-}
-
-struct RxFrame {
-    dest: RxDest,
-    len: usize,
-    done: usize,
 }
 
 /// Why a connection failed.
@@ -506,7 +456,7 @@ impl Engine {
             return Ok(id);
         }
         let hdr = Header::data(desc, self.rank, len).encode();
-        let item = SendItem { id: Some(id), hdr, data: Payload::Borrowed(data), len, off: 0 };
+        let item = SendItem::data(id, hdr, data, len);
         let Some(ch) = g.by_rank[peer] else {
             g.ops.forget(id);
             return Err(closed_peer(self.rank, peer, &desc, len));
@@ -1133,7 +1083,7 @@ impl Inner {
                     RxDest::Unexpected { data: v, .. } | RxDest::Abort(v) => {
                         v.extend_from_slice(&data[..n])
                     }
-                    RxDest::Discard => {}
+                    RxDest::Discard | RxDest::Parked(_) => {}
                 }
                 f.done += n;
                 data = &data[n..];
@@ -1239,7 +1189,7 @@ impl Inner {
             RxDest::Abort(reason) => {
                 return Err(ConnFail::Aborted(String::from_utf8_lossy(&reason).into_owned()));
             }
-            RxDest::Discard => {}
+            RxDest::Discard | RxDest::Parked(_) => {}
         }
         Ok(())
     }
@@ -1274,19 +1224,7 @@ impl Inner {
     }
 
     fn bytes_done(&self, op: OpId) -> u64 {
-        for p in self.peers.values() {
-            if let Some(RxFrame { dest: RxDest::Posted { id, .. }, done, .. }) = &p.cur {
-                if *id == op {
-                    return *done as u64;
-                }
-            }
-            for s in &p.sendq {
-                if s.id == Some(op) {
-                    return s.off.saturating_sub(HEADER_LEN) as u64;
-                }
-            }
-        }
-        0
+        self.peers.values().find_map(|p| queue::progress(&p.cur, &p.sendq, op)).unwrap_or(0)
     }
 
     fn cancel(&mut self, op: OpId) {
@@ -1294,26 +1232,7 @@ impl Inner {
             q.remove(op);
         }
         for p in self.peers.values_mut() {
-            if let Some(f) = p.cur.as_mut() {
-                if matches!(f.dest, RxDest::Posted { id, .. } if id == op) {
-                    f.dest = RxDest::Discard;
-                }
-            }
-            let mut i = 0;
-            while i < p.sendq.len() {
-                let s = &mut p.sendq[i];
-                if s.id == Some(op) {
-                    if s.off == 0 {
-                        p.sendq.remove(i);
-                        continue;
-                    }
-                    // Partly handed to quinn: finish the frame from a private copy so the stream
-                    // stays in sync, and forget the caller's buffer.
-                    s.own();
-                    s.id = None;
-                }
-                i += 1;
-            }
+            queue::forget(&mut p.cur, &mut p.sendq, op);
         }
         self.ops.forget(op);
     }
@@ -1335,14 +1254,7 @@ impl Inner {
         let reason = &reason[..reason.len().min(MAX_ABORT_REASON as usize)];
         let rank = self.rank;
         for p in self.peers.values_mut().filter(|p| !p.dead && !p.peer_closed) {
-            // Drop unsent frames that never started; keep partly sent ones whole.
-            p.sendq.retain(|s| s.off > 0);
-            for s in p.sendq.iter_mut() {
-                s.own();
-                s.id = None;
-            }
-            let hdr = Header::control(FrameKind::Abort, rank, reason.len()).encode();
-            p.sendq.push_back(SendItem::control(hdr, reason.to_vec()));
+            queue::abort_queue(&mut p.sendq, rank, reason);
         }
     }
 

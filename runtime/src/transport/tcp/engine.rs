@@ -19,6 +19,7 @@ use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
 use crate::transport::matcher::{self, Landing, Matching, Ops, PeerQueues, RawBuf, RecvPost};
+use crate::transport::queue::{self, RxDest, RxFrame, SendItem};
 use crate::transport::OpId;
 use crate::wire::{FrameKind, Header, HeaderError, MsgDesc, HEADER_LEN};
 
@@ -45,54 +46,6 @@ pub(crate) struct EngineConfig {
     pub(crate) unexpected_limit: u64,
     pub(crate) probe_after: Duration,
     pub(crate) dead_after: Duration,
-}
-
-enum Payload {
-    Borrowed(*const u8),
-    Owned(Vec<u8>),
-}
-
-struct SendItem {
-    id: Option<OpId>,
-    hdr: [u8; HEADER_LEN],
-    data: Payload,
-    len: usize,
-    /// Bytes of header plus payload already written.
-    off: usize,
-}
-
-impl SendItem {
-    fn total(&self) -> usize {
-        HEADER_LEN + self.len
-    }
-
-    fn data_ptr(&self) -> *const u8 {
-        match &self.data {
-            Payload::Borrowed(p) => *p,
-            Payload::Owned(v) => v.as_ptr(),
-        }
-    }
-}
-
-enum RxDest {
-    Posted {
-        id: OpId,
-        buf: RawBuf,
-    },
-    /// Header read, no receive posted yet, too large to buffer eagerly.
-    Parked(MsgDesc),
-    Unexpected {
-        desc: MsgDesc,
-        data: Vec<u8>,
-    },
-    Abort(Vec<u8>),
-    Discard,
-}
-
-struct RxFrame {
-    dest: RxDest,
-    len: usize,
-    done: usize,
 }
 
 struct Conn {
@@ -248,7 +201,7 @@ impl Engine {
             return Ok(id);
         }
         let hdr = Header::data(desc, self.rank, len).encode();
-        let item = SendItem { id: Some(id), hdr, data: Payload::Borrowed(data), len, off: 0 };
+        let item = SendItem::data(id, hdr, data, len);
         let Some(c) = g.conns[peer].as_mut().filter(|c| !c.peer_closed) else {
             g.ops.forget(id);
             return Err(closed_peer(self.rank, peer, &desc, len));
@@ -425,13 +378,7 @@ impl Engine {
         let rank = self.rank;
         for c in g.conns.iter_mut().flatten() {
             let hdr = Header::control(FrameKind::Close, rank, 0).encode();
-            c.sendq.push_back(SendItem {
-                id: None,
-                hdr,
-                data: Payload::Owned(Vec::new()),
-                len: 0,
-                off: 0,
-            });
+            c.sendq.push_back(SendItem::control(hdr, Vec::new()));
         }
         let mut shut = vec![false; g.conns.len()];
         let mut sink = vec![0u8; 64 * 1024];
@@ -539,13 +486,7 @@ impl Engine {
             let Some(c) = g.conns[peer].as_mut() else { continue };
             if c.sendq.is_empty() && now.duration_since(c.last_tx) >= idle {
                 let hdr = Header::control(FrameKind::KeepAlive, rank, 0).encode();
-                c.sendq.push_back(SendItem {
-                    id: None,
-                    hdr,
-                    data: Payload::Owned(Vec::new()),
-                    len: 0,
-                    off: 0,
-                });
+                c.sendq.push_back(SendItem::control(hdr, Vec::new()));
                 g.progress_tx(peer);
             }
         }
@@ -580,13 +521,7 @@ impl Inner {
         let Some(c) = self.conns[peer].as_mut() else { return };
         let mut h = Header::data(desc, self.rank, 0);
         h.kind = FrameKind::Probe;
-        c.sendq.push_back(SendItem {
-            id: None,
-            hdr: h.encode(),
-            data: Payload::Owned(Vec::new()),
-            len: 0,
-            off: 0,
-        });
+        c.sendq.push_back(SendItem::control(h.encode(), Vec::new()));
         self.progress_tx(peer);
     }
 
@@ -614,19 +549,7 @@ impl Inner {
     }
 
     fn bytes_done(&self, op: OpId) -> u64 {
-        for c in self.conns.iter().flatten() {
-            if let Some(RxFrame { dest: RxDest::Posted { id, .. }, done, .. }) = &c.cur {
-                if *id == op {
-                    return *done as u64;
-                }
-            }
-            for s in &c.sendq {
-                if s.id == Some(op) {
-                    return s.off.saturating_sub(HEADER_LEN) as u64;
-                }
-            }
-        }
-        0
+        self.conns.iter().flatten().find_map(|c| queue::progress(&c.cur, &c.sendq, op)).unwrap_or(0)
     }
 
     /// Progress every connection that has work; with `all`, read every connection.
@@ -895,34 +818,7 @@ impl Inner {
             }
         }
         for c in self.conns.iter_mut().flatten() {
-            if let Some(f) = c.cur.as_mut() {
-                if matches!(f.dest, RxDest::Posted { id, .. } if id == op) {
-                    f.dest = RxDest::Discard;
-                }
-            }
-            let mut i = 0;
-            while i < c.sendq.len() {
-                let s = &mut c.sendq[i];
-                if s.id == Some(op) {
-                    if s.off == 0 {
-                        c.sendq.remove(i);
-                        continue;
-                    }
-                    // Partly written: finish the frame from a private copy so the stream stays
-                    // in sync, and forget the caller's buffer.
-                    if let Payload::Borrowed(p) = s.data {
-                        let copy = if s.len == 0 {
-                            Vec::new()
-                        } else {
-                            // SAFETY: the op is still posted, so its buffer is readable.
-                            unsafe { std::slice::from_raw_parts(p, s.len) }.to_vec()
-                        };
-                        s.data = Payload::Owned(copy);
-                    }
-                    s.id = None;
-                }
-                i += 1;
-            }
+            queue::forget(&mut c.cur, &mut c.sendq, op);
         }
         self.ops.forget(op);
     }
@@ -946,23 +842,7 @@ impl Inner {
             }
             let Some(c) = self.conns[peer].as_mut() else { continue };
             c.want = 0;
-            // Drop unsent frames that never started; keep partly sent ones whole.
-            c.sendq.retain(|s| s.off > 0);
-            for s in c.sendq.iter_mut() {
-                if let Payload::Borrowed(p) = s.data {
-                    // SAFETY: the op was posted until this moment, so its buffer is readable.
-                    let copy = unsafe { std::slice::from_raw_parts(p, s.len) }.to_vec();
-                    s.data = Payload::Owned(copy);
-                }
-            }
-            let hdr = Header::control(FrameKind::Abort, rank, reason.len()).encode();
-            c.sendq.push_back(SendItem {
-                id: None,
-                hdr,
-                data: Payload::Owned(reason.to_vec()),
-                len: reason.len(),
-                off: 0,
-            });
+            queue::abort_queue(&mut c.sendq, rank, reason);
             let _ = c.flush(&mut self.ops);
         }
     }
