@@ -12,28 +12,20 @@ fn free_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
+/// One node's launcher: 2 local ranks of a 2-node job running the collectives suite.
+fn node(rank: &str, port: &str, token: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.args(["--nnodes", "2", "--node-rank", rank, "--nproc", "2"]);
+    cmd.args(["--master-addr", "127.0.0.1", "--master-port", port, "--token", token]);
+    cmd.args(["--grace", "1", "--", env!("CARGO_BIN_EXE_tt-rank"), "collectives"]);
+    cmd
+}
+
 fn two_nodes(transport: &str) {
     let port = free_port().to_string();
     let token = format!("nodes-test-{}", std::process::id());
     let node = |rank: &str| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
-        cmd.args([
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--nproc",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--token",
-            &token,
-            "--",
-            env!("CARGO_BIN_EXE_tt-rank"),
-            "collectives",
-        ]);
+        let mut cmd = node(rank, &port, &token);
         cmd.env("TUTTI_TRANSPORT", transport);
         cmd
     };
@@ -73,24 +65,7 @@ fn two_launchers_form_one_job_over_quic() {
 fn a_node_with_the_wrong_token_is_refused_and_the_other_names_the_missing_ranks() {
     let port = free_port().to_string();
     let node = |rank: &str, token: &str| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
-        cmd.args([
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--nproc",
-            "2",
-            "--master-port",
-            &port,
-            "--token",
-            token,
-            "--grace",
-            "1",
-            "--",
-            env!("CARGO_BIN_EXE_tt-rank"),
-            "collectives",
-        ]);
+        let mut cmd = node(rank, &port, token);
         cmd.env("TUTTI_CONNECT_TIMEOUT", "5");
         cmd
     };
