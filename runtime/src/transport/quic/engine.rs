@@ -77,9 +77,8 @@ pub(crate) struct Io {
     offload: Option<quinn_udp::UdpSocketState>,
 }
 
-/// One read from the socket: `len` bytes from `addr`, in datagrams of `stride` bytes.
+/// Where one read from the socket came from; its bytes are datagrams of `stride` bytes.
 struct Received {
-    len: usize,
     stride: usize,
     addr: SocketAddr,
     dst_ip: Option<std::net::IpAddr>,
@@ -110,30 +109,49 @@ impl Io {
         }
     }
 
-    /// Read what waits in the socket into `buf`; `None` when nothing does.
-    fn recv(&self, buf: &mut [u8]) -> std::io::Result<Option<Received>> {
+    /// Read what waits in the socket; `None` when nothing does. The datagram(s) are split off
+    /// `rxbuf`, whose allocation is reused once quinn has dropped every earlier piece of it.
+    fn recv(&self, rxbuf: &mut BytesMut) -> std::io::Result<Option<(BytesMut, Received)>> {
         let Some(st) = &self.offload else {
-            return match self.sock.recv_from(buf) {
+            // Straight into spare capacity (nothing to initialise); `reserve` takes the whole
+            // allocation back when the earlier datagrams cut from it are gone.
+            if rxbuf.capacity() < MAX_DATAGRAM {
+                rxbuf.reserve(RX_ALLOC);
+            }
+            let spare = &mut rxbuf.spare_capacity_mut()[..MAX_DATAGRAM];
+            return match socket2::SockRef::from(&self.sock).recv_from(spare) {
                 Ok((len, addr)) => {
-                    Ok(Some(Received { len, stride: len, addr, dst_ip: None, ecn: None }))
+                    let Some(addr) = addr.as_socket() else { return Ok(None) };
+                    // SAFETY: `recv_from` initialised the first `len` bytes of the spare room.
+                    unsafe { rxbuf.set_len(len) };
+                    let data = rxbuf.split_to(len);
+                    Ok(Some((data, Received { stride: len, addr, dst_ip: None, ecn: None })))
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
                 Err(e) => Err(e),
             };
         };
+        // quinn-udp reads through `IoSliceMut`, which needs initialised bytes: keep a zeroed
+        // region of at least one datagram (`len` marks it) and cut what arrived off its front.
+        if rxbuf.len() < MAX_DATAGRAM {
+            *rxbuf = BytesMut::zeroed(RX_ALLOC);
+        }
         let mut meta = [quinn_udp::RecvMeta::default()];
-        let mut bufs = [std::io::IoSliceMut::new(buf)];
+        let mut bufs = [std::io::IoSliceMut::new(&mut rxbuf[..MAX_DATAGRAM])];
         match st.recv(quinn_udp::UdpSockRef::from(&self.sock), &mut bufs, &mut meta) {
             Ok(0) => Ok(None),
             Ok(_) => {
                 let m = &meta[0];
-                Ok(Some(Received {
-                    len: m.len,
-                    stride: m.stride,
-                    addr: m.addr,
-                    dst_ip: m.dst_ip,
-                    ecn: m.ecn.and_then(|e| quinn_proto::EcnCodepoint::from_bits(e as u8)),
-                }))
+                let data = rxbuf.split_to(m.len);
+                Ok(Some((
+                    data,
+                    Received {
+                        stride: m.stride,
+                        addr: m.addr,
+                        dst_ip: m.dst_ip,
+                        ecn: m.ecn.and_then(|e| quinn_proto::EcnCodepoint::from_bits(e as u8)),
+                    },
+                )))
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
             Err(e) => Err(e),
@@ -762,12 +780,7 @@ impl Inner {
         self.retry_pending(io);
         let now = Instant::now();
         for _ in 0..RX_BATCH {
-            if self.rxbuf.len() < MAX_DATAGRAM {
-                // Initialised once per allocation (the receive writes through a `&mut [u8]`);
-                // datagrams are split off it and handed to quinn without another copy.
-                self.rxbuf = BytesMut::zeroed(RX_ALLOC);
-            }
-            let got = match io.recv(&mut self.rxbuf[..MAX_DATAGRAM]) {
+            let (mut data, got) = match io.recv(&mut self.rxbuf) {
                 Ok(Some(r)) => r,
                 Ok(None) => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -777,7 +790,6 @@ impl Inner {
                     continue;
                 }
             };
-            let mut data = self.rxbuf.split_to(got.len);
             // With GRO one read holds several datagrams of `stride` bytes.
             while !data.is_empty() {
                 let seg = data.split_to(got.stride.max(1).min(data.len()));
