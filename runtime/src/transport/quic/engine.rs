@@ -39,6 +39,8 @@ const RX_BATCH: usize = 64;
 const MAX_DATAGRAM: usize = 65_536;
 /// Most bytes in one segmentation-offload batch.
 const GSO_BYTES: usize = 60_000;
+/// Datagrams read per `recvmmsg` off loopback.
+const RECV_BATCH: usize = 16;
 /// Bytes allocated at a time for received datagrams.
 const RX_ALLOC: usize = 4 * MAX_DATAGRAM;
 /// Longest a blocked thread sleeps before looking again.
@@ -109,9 +111,15 @@ impl Io {
         }
     }
 
-    /// Read what waits in the socket; `None` when nothing does. The datagram(s) are split off
-    /// `rxbuf`, whose allocation is reused once quinn has dropped every earlier piece of it.
-    fn recv(&self, rxbuf: &mut BytesMut) -> std::io::Result<Option<(BytesMut, Received)>> {
+    /// Read what waits in the socket into `out`; how many reads landed (0: nothing waits). On
+    /// loopback one datagram, split off `rxbuf`, whose allocation is reused once quinn has
+    /// dropped every earlier piece of it; elsewhere a batch through `batch`.
+    fn recv(
+        &self,
+        rxbuf: &mut BytesMut,
+        batch: &mut Vec<u8>,
+        out: &mut Vec<(BytesMut, Received)>,
+    ) -> std::io::Result<usize> {
         let Some(st) = &self.offload else {
             // Straight into spare capacity (nothing to initialise); `reserve` takes the whole
             // allocation back when the earlier datagrams cut from it are gone.
@@ -121,39 +129,44 @@ impl Io {
             let spare = &mut rxbuf.spare_capacity_mut()[..MAX_DATAGRAM];
             return match socket2::SockRef::from(&self.sock).recv_from(spare) {
                 Ok((len, addr)) => {
-                    let Some(addr) = addr.as_socket() else { return Ok(None) };
                     // SAFETY: `recv_from` initialised the first `len` bytes of the spare room.
                     unsafe { rxbuf.set_len(len) };
                     let data = rxbuf.split_to(len);
-                    Ok(Some((data, Received { stride: len, addr, dst_ip: None, ecn: None })))
+                    if let Some(addr) = addr.as_socket() {
+                        out.push((data, Received { stride: len, addr, dst_ip: None, ecn: None }));
+                    }
+                    Ok(1)
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
                 Err(e) => Err(e),
             };
         };
-        // quinn-udp reads through `IoSliceMut`, which needs initialised bytes: keep a zeroed
-        // region of at least one datagram (`len` marks it) and cut what arrived off its front.
-        if rxbuf.len() < MAX_DATAGRAM {
-            *rxbuf = BytesMut::zeroed(RX_ALLOC);
+        // quinn-udp reads several datagrams per `recvmmsg` into a batch buffer initialised
+        // once (`IoSliceMut` needs initialised bytes); each is then copied out at its own size
+        // — off loopback datagrams are small and a system call per datagram cost more.
+        if batch.is_empty() {
+            batch.resize(RECV_BATCH * MAX_DATAGRAM, 0);
         }
-        let mut meta = [quinn_udp::RecvMeta::default()];
-        let mut bufs = [std::io::IoSliceMut::new(&mut rxbuf[..MAX_DATAGRAM])];
+        let mut meta = [quinn_udp::RecvMeta::default(); RECV_BATCH];
+        let mut bufs: Vec<std::io::IoSliceMut<'_>> =
+            batch.chunks_mut(MAX_DATAGRAM).map(std::io::IoSliceMut::new).collect();
         match st.recv(quinn_udp::UdpSockRef::from(&self.sock), &mut bufs, &mut meta) {
-            Ok(0) => Ok(None),
-            Ok(_) => {
-                let m = &meta[0];
-                let data = rxbuf.split_to(m.len);
-                Ok(Some((
-                    data,
-                    Received {
-                        stride: m.stride,
-                        addr: m.addr,
-                        dst_ip: m.dst_ip,
-                        ecn: m.ecn.and_then(|e| quinn_proto::EcnCodepoint::from_bits(e as u8)),
-                    },
-                )))
+            Ok(n) => {
+                drop(bufs);
+                for (m, chunk) in meta.iter().zip(batch.chunks(MAX_DATAGRAM)).take(n) {
+                    out.push((
+                        BytesMut::from(&chunk[..m.len]),
+                        Received {
+                            stride: m.stride,
+                            addr: m.addr,
+                            dst_ip: m.dst_ip,
+                            ecn: m.ecn.and_then(|e| quinn_proto::EcnCodepoint::from_bits(e as u8)),
+                        },
+                    ));
+                }
+                Ok(n)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
             Err(e) => Err(e),
         }
     }
@@ -299,6 +312,10 @@ pub(crate) struct Inner {
     /// Certificate fingerprint → rank, for identifying accepted connections (start-up only).
     accepting: Option<HashMap<[u8; 32], usize>>,
     rxbuf: BytesMut,
+    /// Receive batch buffer (off loopback), initialised once.
+    batch: Vec<u8>,
+    /// Reads of one pass, reused.
+    received: Vec<(BytesMut, Received)>,
     txbuf: Vec<u8>,
     /// Datagrams the socket had no room for.
     pending_tx: Option<Pending>,
@@ -353,6 +370,8 @@ impl Engine {
                 cfg,
                 accepting: Some(allowed),
                 rxbuf: BytesMut::new(),
+                batch: Vec::new(),
+                received: Vec::new(),
                 txbuf: Vec::with_capacity(MAX_DATAGRAM),
                 pending_tx: None,
                 chunks: Vec::new(),
@@ -779,23 +798,29 @@ impl Inner {
     fn drive(&mut self, io: &Io) {
         self.retry_pending(io);
         let now = Instant::now();
-        for _ in 0..RX_BATCH {
-            let (mut data, got) = match io.recv(&mut self.rxbuf) {
-                Ok(Some(r)) => r,
-                Ok(None) => break,
+        let mut reads = 0;
+        let mut got = std::mem::take(&mut self.received);
+        while reads < RX_BATCH {
+            match io.recv(&mut self.rxbuf, &mut self.batch, &mut got) {
+                Ok(0) => break,
+                Ok(n) => reads += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     // ICMP errors surface here (a peer's port closed); quinn's own timers decide.
                     debug!(rank = self.rank, "UDP receive: {e}");
+                    reads += 1;
                     continue;
                 }
-            };
-            // With GRO one read holds several datagrams of `stride` bytes.
-            while !data.is_empty() {
-                let seg = data.split_to(got.stride.max(1).min(data.len()));
-                self.handle_datagram(io, now, got.addr, got.dst_ip, got.ecn, seg);
+            }
+            for (mut data, r) in got.drain(..) {
+                // With GRO one read holds several datagrams of `stride` bytes.
+                while !data.is_empty() {
+                    let seg = data.split_to(r.stride.max(1).min(data.len()));
+                    self.handle_datagram(io, now, r.addr, r.dst_ip, r.ecn, seg);
+                }
             }
         }
+        self.received = got;
         let now = Instant::now();
         let was_poisoned = self.poisoned.is_some();
         for ch in 0..self.peers.len() {
