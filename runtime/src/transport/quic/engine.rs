@@ -55,6 +55,8 @@ const NAP: Duration = Duration::from_millis(5);
 const CLOSE_DONE: u32 = 0;
 /// Application error code for a connection refused because of the rank it claims.
 const CLOSE_UNEXPECTED: u32 = 1;
+/// Application error code of a connection this rank gave up on (protocol error, lost peer).
+const CLOSE_FAILED: u32 = 2;
 
 /// Tunables of the engine.
 #[derive(Debug, Clone)]
@@ -1336,7 +1338,11 @@ impl Inner {
             return;
         }
         if !p.conn.is_closed() {
-            p.conn.close(Instant::now(), VarInt::from_u32(2), Bytes::from_static(b"failed"));
+            p.conn.close(
+                Instant::now(),
+                VarInt::from_u32(CLOSE_FAILED),
+                Bytes::from_static(b"failed"),
+            );
         }
         let detail = match &f {
             ConnFail::Protocol(d) => format!("protocol error: {d}"),
