@@ -124,12 +124,7 @@ impl CudaDevice {
     }
 
     fn ptr(&self, b: &CudaBuffer, off: usize, len: usize) -> Result<sys::CUdeviceptr> {
-        if off.checked_add(len).is_none_or(|e| e > b.0.len()) {
-            return Err(dev_err(
-                "copy",
-                format!("device range {off}+{len} outside {} bytes", b.0.len()),
-            ));
-        }
+        super::check_range("device", off, len, b.0.len())?;
         let (p, _sync) = b.0.device_ptr(&self.stream);
         Ok(p + off as u64)
     }
@@ -183,9 +178,7 @@ impl Device for CudaDevice {
         len: usize,
     ) -> Result<()> {
         let p = self.ptr(self.buf(src)?, src_off, len)?;
-        if dst_off.checked_add(len).is_none_or(|e| e > dst.len_bytes()) {
-            return Err(dev_err("copy", "host range out of bounds"));
-        }
+        super::check_range("host destination", dst_off, len, dst.len_bytes())?;
         self.ctx.bind_to_thread().map_err(|e| dev_err("copy", e))?;
         // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.
         let host = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(dst_off), len) };
@@ -203,9 +196,7 @@ impl Device for CudaDevice {
         len: usize,
     ) -> Result<()> {
         let p = self.ptr(self.buf(dst)?, dst_off, len)?;
-        if src_off.checked_add(len).is_none_or(|e| e > src.len_bytes()) {
-            return Err(dev_err("copy", "host range out of bounds"));
-        }
+        super::check_range("host source", src_off, len, src.len_bytes())?;
         self.ctx.bind_to_thread().map_err(|e| dev_err("copy", e))?;
         // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.
         let host = unsafe { std::slice::from_raw_parts(src.ptr().add(src_off), len) };

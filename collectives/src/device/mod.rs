@@ -627,6 +627,21 @@ pub fn open(name: &str, ordinal: usize) -> Result<Arc<dyn Device>> {
     }
 }
 
+/// `off..off + len` must lie within `cap` bytes (`what` names the range in the error).
+pub(crate) fn check_range(what: &str, off: usize, len: usize, cap: usize) -> Result<()> {
+    if off.checked_add(len).is_none_or(|e| e > cap) {
+        return Err(Error::Device {
+            rank: 0,
+            op: "copy",
+            detail: format!(
+                "{what} range {off}..{} outside its {cap} bytes",
+                off.saturating_add(len)
+            ),
+        });
+    }
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Arc<dyn Device>> {
     Ok(Arc::new(cuda::CudaDevice::new(ordinal)?))

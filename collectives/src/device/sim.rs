@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{CopySpan, Device, DeviceBuffer, HostStage, Ticket};
+use super::{check_range as bounds, CopySpan, Device, DeviceBuffer, HostStage, Ticket};
 use crate::error::{Error, Result};
 
 /// Settings of a [`SimDevice`].
@@ -217,20 +217,6 @@ impl Drop for SimDevice {
             let _ = t.join();
         }
     }
-}
-
-fn bounds(what: &str, off: usize, len: usize, cap: usize) -> Result<()> {
-    if off.checked_add(len).is_none_or(|e| e > cap) {
-        return Err(Error::Device {
-            rank: 0,
-            op: "copy",
-            detail: format!(
-                "{what} range {off}..{} outside its {cap} bytes",
-                off.saturating_add(len)
-            ),
-        });
-    }
-    Ok(())
 }
 
 impl Device for SimDevice {

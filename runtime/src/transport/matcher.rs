@@ -393,6 +393,28 @@ impl Matching<'_> {
         n
     }
 
+    /// A send from this rank to itself (the `Matching` of its own queue): delivered to a posted
+    /// receive or buffered at once, and complete.
+    ///
+    /// # Safety
+    /// `data` is readable for `len` bytes for the duration of the call.
+    pub(crate) unsafe fn send_to_self(
+        &mut self,
+        id: OpId,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) {
+        let slice: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller's contract; the copy ends before return.
+            unsafe { std::slice::from_raw_parts(data, len) }
+        };
+        self.arrive_whole(&desc, std::borrow::Cow::Borrowed(slice), false);
+        self.ops.complete(id, len);
+    }
+
     /// Post a receive: a matching buffered message is delivered at once, a stale receive fails.
     /// `true` when the receive stays queued, waiting for its message.
     pub(crate) fn post_recv(&mut self, post: RecvPost) -> bool {
@@ -484,6 +506,30 @@ impl Matching<'_> {
             }
         };
         (landing, used)
+    }
+}
+
+/// The error for posting to (or from) a peer that already closed its transport.
+pub(crate) fn closed_peer(rank: usize, peer: usize, desc: &MsgDesc, len: usize) -> Error {
+    Error::PeerLost {
+        rank,
+        peer,
+        ctx: Some(Box::new(context(desc, 0, len as u64, Instant::now()))),
+        detail: "the peer already closed its transport (it finished or exited)".into(),
+    }
+}
+
+/// Register an operation with `peer` of `bytes` bytes, unless the transport is poisoned.
+pub(crate) fn register(
+    poisoned: &Option<Error>,
+    ops: &mut Ops,
+    peer: usize,
+    desc: MsgDesc,
+    bytes: usize,
+) -> Result<OpId> {
+    match poisoned {
+        Some(e) => Err(e.poisoned()),
+        None => Ok(ops.insert(peer, desc, bytes)),
     }
 }
 

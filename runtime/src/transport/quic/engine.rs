@@ -344,12 +344,12 @@ impl Engine {
         rank: usize,
         world: usize,
         sock: UdpSocket,
-        gso: bool,
+        network: bool,
         ep: Endpoint,
         allowed: HashMap<[u8; 32], usize>,
         cfg: EngineConfig,
     ) -> std::io::Result<Engine> {
-        let io = Io::new(sock, gso)?;
+        let io = Io::new(sock, network)?;
         let mut fds = [0 as libc::c_int; 2];
         // SAFETY: `fds` has room for the two descriptors pipe2 writes.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
@@ -384,6 +384,10 @@ impl Engine {
             wake_rx: fds[0],
             wake_tx: fds[1],
         })
+    }
+
+    pub(crate) fn world(&self) -> usize {
+        self.world
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -478,33 +482,25 @@ impl Engine {
         len: usize,
     ) -> Result<OpId> {
         matcher::check_peer(self.rank, self.world, peer, "send")?;
-        let mut g = self.lock();
-        if let Some(e) = &g.poisoned {
-            return Err(e.poisoned());
-        }
-        let id = g.ops.insert(peer, desc, len);
+        let mut guard = self.lock();
+        let g = &mut *guard;
+        let id = matcher::register(&g.poisoned, &mut g.ops, peer, desc, len)?;
         if peer == self.rank {
-            let slice: &[u8] = if len == 0 {
-                &[]
-            } else {
-                // SAFETY: caller guarantees the range is readable; the copy ends before return.
-                unsafe { std::slice::from_raw_parts(data, len) }
-            };
-            g.deliver_local(desc, slice);
-            g.ops.complete(id, len);
+            // SAFETY: the caller guarantees the range is readable (the copy ends before return).
+            unsafe { g.matching(peer).send_to_self(id, desc, data, len) };
             return Ok(id);
         }
         let hdr = Header::data(desc, self.rank, len).encode();
         let item = SendItem::data(id, hdr, data, len);
         let Some(ch) = g.by_rank[peer] else {
             g.ops.forget(id);
-            return Err(closed_peer(self.rank, peer, &desc, len));
+            return Err(matcher::closed_peer(self.rank, peer, &desc, len));
         };
         match g.peers.get_mut(&ch) {
             Some(p) if !p.peer_closed && !p.dead => p.sendq.push_back(item),
             _ => {
                 g.ops.forget(id);
-                return Err(closed_peer(self.rank, peer, &desc, len));
+                return Err(matcher::closed_peer(self.rank, peer, &desc, len));
             }
         }
         // Eager: into quinn and onto the wire now, without waiting for a waiter.
@@ -522,17 +518,15 @@ impl Engine {
         cap: usize,
     ) -> Result<OpId> {
         matcher::check_peer(self.rank, self.world, peer, "recv")?;
-        let mut g = self.lock();
-        if let Some(e) = &g.poisoned {
-            return Err(e.poisoned());
-        }
-        let id = g.ops.insert(peer, desc, cap);
+        let mut guard = self.lock();
+        let g = &mut *guard;
+        let id = matcher::register(&g.poisoned, &mut g.ops, peer, desc, cap)?;
         let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
         let queued = g.matching(peer).post_recv(post);
         if queued && peer != self.rank && !g.peer(peer).is_some_and(|p| !p.peer_closed && !p.dead) {
             g.queues[peer].remove(id);
             g.ops.forget(id);
-            return Err(closed_peer(self.rank, peer, &desc, cap));
+            return Err(matcher::closed_peer(self.rank, peer, &desc, cap));
         }
         Ok(id)
     }
@@ -690,15 +684,6 @@ impl Engine {
     }
 }
 
-fn closed_peer(rank: usize, peer: usize, desc: &MsgDesc, len: usize) -> Error {
-    Error::PeerLost {
-        rank,
-        peer,
-        ctx: Some(Box::new(matcher::context(desc, 0, len as u64, Instant::now()))),
-        detail: "the peer already closed its transport (it finished or exited)".into(),
-    }
-}
-
 impl Drop for Engine {
     fn drop(&mut self) {
         // SAFETY: closing the two pipe descriptors this engine created and owns.
@@ -752,10 +737,12 @@ impl Peer {
         while let Some(s) = self.sendq.front_mut() {
             let mut stream = self.conn.send_stream(tx);
             let r = if s.off == 0 && s.len <= SMALL {
+                // Header and payload assembled once and handed over as quinn's own chunk (no
+                // second copy); a partial write leaves the rest to the paths below.
                 let mut frame = Vec::with_capacity(HEADER_LEN + s.len);
                 frame.extend_from_slice(&s.hdr);
                 frame.extend_from_slice(s.payload());
-                stream.write(&frame)
+                stream.write_chunks(&mut [Bytes::from(frame)]).map(|w| w.bytes)
             } else if s.off < HEADER_LEN {
                 stream.write(&s.hdr[s.off..])
             } else {
@@ -1231,11 +1218,6 @@ impl Inner {
             RxDest::Discard | RxDest::Parked(_) => {}
         }
         Ok(())
-    }
-
-    fn deliver_local(&mut self, desc: MsgDesc, data: &[u8]) {
-        let me = self.rank;
-        self.matching(me).arrive_whole(&desc, std::borrow::Cow::Borrowed(data), false);
     }
 
     /// The matching state of messages from `peer`.

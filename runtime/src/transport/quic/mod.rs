@@ -20,8 +20,6 @@ use tracing::info;
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
 use crate::transport::tcp::{JobIdentity, TcpConfig};
-use crate::transport::{OpId, Transport};
-use crate::wire::MsgDesc;
 
 mod engine;
 mod tls;
@@ -36,7 +34,6 @@ pub fn quic_key(r: usize) -> String {
 /// The QUIC transport of one rank.
 pub struct QuicTransport {
     rank: usize,
-    world: usize,
     engine: Arc<Engine>,
     local: SocketAddr,
     driver: Option<JoinHandle<()>>,
@@ -153,7 +150,10 @@ fn transport_config(
         mtud.upper_bound(8_952);
         t.mtu_discovery_config(Some(mtud));
     }
-    t.enable_segmentation_offload(!loopback);
+    // Batches of datagrams per `sendmsg` off loopback; `TUTTI_QUIC_GSO=0` turns them off.
+    t.enable_segmentation_offload(
+        !loopback && std::env::var("TUTTI_QUIC_GSO").map_or(true, |v| v != "0"),
+    );
     t
 }
 
@@ -235,7 +235,7 @@ impl QuicTransport {
             rank,
             world,
             sock,
-            !loopback && std::env::var("TUTTI_QUIC_GSO").map_or(true, |v| v != "0"),
+            !loopback,
             ep,
             allowed,
             EngineConfig {
@@ -269,7 +269,7 @@ impl QuicTransport {
                 .map_err(|e| Error::io(rank, "spawning the QUIC driver thread", &e))?
         };
         info!(rank, world, %local, loopback, elapsed = ?start.elapsed(), "quic transport connected");
-        Ok(QuicTransport { rank, world, engine, local, driver: Some(driver), fp: me.fp })
+        Ok(QuicTransport { rank, engine, local, driver: Some(driver), fp: me.fp })
     }
 
     /// The UDP address this rank listens on.
@@ -278,61 +278,7 @@ impl QuicTransport {
     }
 }
 
-impl Transport for QuicTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn name(&self) -> &'static str {
-        "quic"
-    }
-
-    unsafe fn post_send(
-        &self,
-        peer: usize,
-        desc: MsgDesc,
-        data: *const u8,
-        len: usize,
-    ) -> Result<OpId> {
-        // SAFETY: forwarded contract.
-        unsafe { self.engine.post_send(peer, desc, data, len) }
-    }
-
-    unsafe fn post_recv(
-        &self,
-        peer: usize,
-        desc: MsgDesc,
-        buf: *mut u8,
-        cap: usize,
-    ) -> Result<OpId> {
-        // SAFETY: forwarded contract.
-        unsafe { self.engine.post_recv(peer, desc, buf, cap) }
-    }
-
-    fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
-        self.engine.wait(op, deadline)
-    }
-
-    fn test(&self, op: OpId) -> Result<Option<usize>> {
-        self.engine.test(op)
-    }
-
-    fn cancel(&self, op: OpId) {
-        self.engine.cancel(op)
-    }
-
-    fn abort(&self, reason: &str) {
-        self.engine.abort(reason)
-    }
-
-    fn poisoned(&self) -> Option<Error> {
-        self.engine.poisoned()
-    }
-}
+engine_transport!(QuicTransport, "quic");
 
 impl Drop for QuicTransport {
     fn drop(&mut self) {
@@ -348,8 +294,8 @@ impl Drop for QuicTransport {
 mod tests {
     use super::*;
     use crate::testing::quic_world;
-    use crate::transport::TransportExt;
-    use crate::wire::{DType, Fingerprint, OpKind, Tag};
+    use crate::transport::{Transport, TransportExt};
+    use crate::wire::{DType, Fingerprint, MsgDesc, OpKind, Tag};
 
     fn desc(step: u32) -> MsgDesc {
         MsgDesc {

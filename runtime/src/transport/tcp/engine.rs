@@ -184,27 +184,19 @@ impl Engine {
         len: usize,
     ) -> Result<OpId> {
         matcher::check_peer(self.rank, self.world, peer, "send")?;
-        let mut g = self.lock();
-        if let Some(e) = &g.poisoned {
-            return Err(e.poisoned());
-        }
-        let id = g.ops.insert(peer, desc, len);
+        let mut guard = self.lock();
+        let g = &mut *guard;
+        let id = matcher::register(&g.poisoned, &mut g.ops, peer, desc, len)?;
         if peer == self.rank {
-            let slice: &[u8] = if len == 0 {
-                &[]
-            } else {
-                // SAFETY: caller guarantees the range is readable; the copy ends before return.
-                unsafe { std::slice::from_raw_parts(data, len) }
-            };
-            g.deliver_local(desc, slice);
-            g.ops.complete(id, len);
+            // SAFETY: the caller guarantees the range is readable (the copy ends before return).
+            unsafe { g.matching(peer).send_to_self(id, desc, data, len) };
             return Ok(id);
         }
         let hdr = Header::data(desc, self.rank, len).encode();
         let item = SendItem::data(id, hdr, data, len);
         let Some(c) = g.conns[peer].as_mut().filter(|c| !c.peer_closed) else {
             g.ops.forget(id);
-            return Err(closed_peer(self.rank, peer, &desc, len));
+            return Err(matcher::closed_peer(self.rank, peer, &desc, len));
         };
         c.sendq.push_back(item);
         // Eager write: small messages leave now, without waiting for a waiter.
@@ -222,11 +214,9 @@ impl Engine {
         cap: usize,
     ) -> Result<OpId> {
         matcher::check_peer(self.rank, self.world, peer, "recv")?;
-        let mut g = self.lock();
-        if let Some(e) = &g.poisoned {
-            return Err(e.poisoned());
-        }
-        let id = g.ops.insert(peer, desc, cap);
+        let mut guard = self.lock();
+        let g = &mut *guard;
+        let id = matcher::register(&g.poisoned, &mut g.ops, peer, desc, cap)?;
         let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
         if g.matching(peer).post_recv(post) {
             match g.conns[peer].as_mut() {
@@ -238,7 +228,7 @@ impl Engine {
                 _ => {
                     g.queues[peer].remove(id);
                     g.ops.forget(id);
-                    return Err(closed_peer(self.rank, peer, &desc, cap));
+                    return Err(matcher::closed_peer(self.rank, peer, &desc, cap));
                 }
             }
         }
@@ -493,15 +483,6 @@ impl Engine {
     }
 }
 
-fn closed_peer(rank: usize, peer: usize, desc: &MsgDesc, len: usize) -> Error {
-    Error::PeerLost {
-        rank,
-        peer,
-        ctx: Some(Box::new(matcher::context(desc, 0, len as u64, Instant::now()))),
-        detail: "the peer already closed its transport (it finished or exited)".into(),
-    }
-}
-
 impl Drop for Engine {
     fn drop(&mut self) {
         // SAFETY: closing the two pipe descriptors this engine created and owns.
@@ -523,11 +504,6 @@ impl Inner {
         h.kind = FrameKind::Probe;
         c.sendq.push_back(SendItem::control(h.encode(), Vec::new()));
         self.progress_tx(peer);
-    }
-
-    fn deliver_local(&mut self, desc: MsgDesc, data: &[u8]) {
-        let me = self.rank;
-        self.matching(me).arrive_whole(&desc, std::borrow::Cow::Borrowed(data), false);
     }
 
     /// The matching state of messages from `peer`.

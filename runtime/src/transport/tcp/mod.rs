@@ -18,8 +18,6 @@ use tracing::{debug, info, warn};
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
 use crate::rendezvous::Store;
-use crate::transport::{OpId, Transport};
-use crate::wire::MsgDesc;
 
 mod engine;
 pub(crate) mod handshake;
@@ -356,61 +354,7 @@ fn accept_loop(
     }
 }
 
-impl Transport for TcpTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.engine.world()
-    }
-
-    fn name(&self) -> &'static str {
-        "tcp"
-    }
-
-    unsafe fn post_send(
-        &self,
-        peer: usize,
-        desc: MsgDesc,
-        data: *const u8,
-        len: usize,
-    ) -> Result<OpId> {
-        // SAFETY: forwarded contract.
-        unsafe { self.engine.post_send(peer, desc, data, len) }
-    }
-
-    unsafe fn post_recv(
-        &self,
-        peer: usize,
-        desc: MsgDesc,
-        buf: *mut u8,
-        cap: usize,
-    ) -> Result<OpId> {
-        // SAFETY: forwarded contract.
-        unsafe { self.engine.post_recv(peer, desc, buf, cap) }
-    }
-
-    fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
-        self.engine.wait(op, deadline)
-    }
-
-    fn test(&self, op: OpId) -> Result<Option<usize>> {
-        self.engine.test(op)
-    }
-
-    fn cancel(&self, op: OpId) {
-        self.engine.cancel(op)
-    }
-
-    fn abort(&self, reason: &str) {
-        self.engine.abort(reason)
-    }
-
-    fn poisoned(&self) -> Option<Error> {
-        self.engine.poisoned()
-    }
-}
+engine_transport!(TcpTransport, "tcp");
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
