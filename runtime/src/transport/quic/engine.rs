@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, UdpSocket};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -29,6 +29,7 @@ use crate::error::{Error, Result};
 use crate::transport::matcher::{self, Landing, Matching, Ops, PeerQueues, RawBuf, RecvPost};
 use crate::transport::queue::{self, RxDest, RxFrame, SendItem};
 use crate::transport::OpId;
+use crate::util::WakePipe;
 use crate::wire::{FrameKind, Header, MsgDesc, HEADER_LEN};
 
 /// Longest abort reason accepted from a peer.
@@ -330,13 +331,12 @@ pub(crate) struct Engine {
     world: usize,
     inner: Mutex<Inner>,
     io: Io,
-    fd: RawFd,
     aborted: AtomicBool,
     /// Threads inside `wait` (they drive; the background thread stays out of the way).
     waiters: AtomicUsize,
     stop: AtomicBool,
-    wake_rx: RawFd,
-    wake_tx: RawFd,
+    /// Wakes threads blocked in `poll`.
+    pipe: WakePipe,
 }
 
 impl Engine {
@@ -350,15 +350,10 @@ impl Engine {
         cfg: EngineConfig,
     ) -> std::io::Result<Engine> {
         let io = Io::new(sock, network)?;
-        let mut fds = [0 as libc::c_int; 2];
-        // SAFETY: `fds` has room for the two descriptors pipe2 writes.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let pipe = WakePipe::new()?;
         Ok(Engine {
             rank,
             world,
-            fd: io.sock.as_raw_fd(),
             io,
             inner: Mutex::new(Inner {
                 rank,
@@ -381,8 +376,7 @@ impl Engine {
             aborted: AtomicBool::new(false),
             waiters: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
-            wake_rx: fds[0],
-            wake_tx: fds[1],
+            pipe,
         })
     }
 
@@ -396,20 +390,13 @@ impl Engine {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn wake(&self) {
-        let b = 1u8;
-        // SAFETY: writing one byte from a valid local to our own pipe; errors (full pipe) are
-        // fine, a wake-up is already pending then.
-        unsafe { libc::write(self.wake_tx, (&b as *const u8).cast(), 1) };
-    }
-
     /// Sleep until the socket is readable (or writable, when a datagram waits for room), the
     /// wake pipe is written, or `until`; with µs precision, as quinn's timers need.
     fn block(&self, until: Instant, want_write: bool) {
         let mut fds = [
-            libc::pollfd { fd: self.wake_rx, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.pipe.fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd {
-                fd: self.fd,
+                fd: self.io.sock.as_raw_fd(),
                 events: libc::POLLIN | if want_write { libc::POLLOUT } else { 0 },
                 revents: 0,
             },
@@ -419,9 +406,7 @@ impl Engine {
         // SAFETY: valid pollfd array and timespec; no signal mask change.
         unsafe { libc::ppoll(fds.as_mut_ptr(), 2, &ts, std::ptr::null()) };
         if fds[0].revents != 0 {
-            let mut sink = [0u8; 64];
-            // SAFETY: reading into a local buffer from our own non-blocking pipe.
-            unsafe { libc::read(self.wake_rx, sink.as_mut_ptr().cast(), sink.len()) };
+            self.pipe.drain();
         }
     }
 
@@ -603,7 +588,7 @@ impl Engine {
         g.poison(err, Some(reason));
         g.drive(&self.io);
         drop(g);
-        self.wake();
+        self.pipe.wake();
     }
 
     pub(crate) fn poisoned(&self) -> Option<Error> {
@@ -634,7 +619,7 @@ impl Engine {
     /// Stop the background driver (it returns within one poll slice; the wake makes it sooner).
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
-        self.wake();
+        self.pipe.wake();
     }
 
     /// Clean shutdown: a close frame on every stream, then serve the connections until every
@@ -680,16 +665,6 @@ impl Engine {
                 p.dead = true;
             }
             g.service(&self.io, ch, now);
-        }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        // SAFETY: closing the two pipe descriptors this engine created and owns.
-        unsafe {
-            libc::close(self.wake_rx);
-            libc::close(self.wake_tx);
         }
     }
 }

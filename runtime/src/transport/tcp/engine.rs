@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::transport::matcher::{self, Landing, Matching, Ops, PeerQueues, RawBuf, RecvPost};
 use crate::transport::queue::{self, RxDest, RxFrame, SendItem};
 use crate::transport::OpId;
+use crate::util::WakePipe;
 use crate::wire::{FrameKind, Header, HeaderError, MsgDesc, HEADER_LEN};
 
 /// Bytes of the per-connection staging buffer small frames are read through.
@@ -96,8 +97,8 @@ pub(crate) struct Engine {
     world: usize,
     inner: Mutex<Inner>,
     aborted: AtomicBool,
-    wake_rx: RawFd,
-    wake_tx: RawFd,
+    /// Wakes threads blocked in `poll`.
+    pipe: WakePipe,
 }
 
 impl Engine {
@@ -134,11 +135,7 @@ impl Engine {
                 }
             });
         }
-        let mut fds = [0 as libc::c_int; 2];
-        // SAFETY: `fds` has room for the two descriptors pipe2 writes.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let pipe = WakePipe::new()?;
         Ok(Engine {
             rank,
             world,
@@ -152,8 +149,7 @@ impl Engine {
                 cfg,
             }),
             aborted: AtomicBool::new(false),
-            wake_rx: fds[0],
-            wake_tx: fds[1],
+            pipe,
         })
     }
 
@@ -165,13 +161,6 @@ impl Engine {
         // Critical sections do not panic on network input; if a caller's thread panicked inside
         // one, the state is still structurally valid, so continue rather than cascade panics.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn wake(&self) {
-        let b = 1u8;
-        // SAFETY: writing one byte from a valid local to our own pipe; errors (full pipe) are
-        // fine, a wake-up is already pending then.
-        unsafe { libc::write(self.wake_tx, (&b as *const u8).cast(), 1) };
     }
 
     /// # Safety
@@ -294,7 +283,7 @@ impl Engine {
                 }
                 fds.clear();
                 fd_peer.clear();
-                fds.push(libc::pollfd { fd: self.wake_rx, events: libc::POLLIN, revents: 0 });
+                fds.push(libc::pollfd { fd: self.pipe.fd(), events: libc::POLLIN, revents: 0 });
                 fd_peer.push(usize::MAX);
                 for (peer, c) in g.conns.iter().enumerate() {
                     let Some(c) = c else { continue };
@@ -312,9 +301,7 @@ impl Engine {
             // SAFETY: `fds` is a valid array of pollfd of the given length.
             unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
             if fds[0].revents != 0 {
-                let mut sink = [0u8; 64];
-                // SAFETY: reading into a local buffer from our own non-blocking pipe.
-                unsafe { libc::read(self.wake_rx, sink.as_mut_ptr().cast(), sink.len()) };
+                self.pipe.drain();
             }
             // Serve every connection poll flagged, including ones nobody waits on: their data
             // goes to the unexpected queue (bounded) and a closed peer is noticed now.
@@ -351,7 +338,7 @@ impl Engine {
         let err = Error::Aborted { rank: self.rank, reason: reason.to_string() };
         g.poison(err, Some(reason));
         drop(g);
-        self.wake();
+        self.pipe.wake();
     }
 
     pub(crate) fn poisoned(&self) -> Option<Error> {
@@ -479,16 +466,6 @@ impl Engine {
                 c.sendq.push_back(SendItem::control(hdr, Vec::new()));
                 g.progress_tx(peer);
             }
-        }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        // SAFETY: closing the two pipe descriptors this engine created and owns.
-        unsafe {
-            libc::close(self.wake_rx);
-            libc::close(self.wake_tx);
         }
     }
 }
