@@ -237,8 +237,14 @@ struct Checker<'a> {
 }
 
 impl Checker<'_> {
-    /// Compare `ours` with `part` (this rank's part of the reference `name`; the tolerance uses
-    /// the whole reference).
+    /// The loss curve: the first loss at the forward tolerance, every loss at the relative one.
+    fn losses(&mut self, losses: &[f32]) -> Result<()> {
+        let losses = Tensor::new(losses, &Device::Cpu)?;
+        let first = self.case.tensor("losses")?.narrow(0, 0, 1)?;
+        self.part("losses[0]", &losses.narrow(0, 0, 1)?, &first, Tol::Forward)?;
+        self.whole("losses", &losses, Tol::Relative)
+    }
+
     /// The allowed difference for reference `name` (the whole tensor sets the scale).
     fn tolerance(&self, name: &str, tol: Tol) -> Result<f64> {
         let full = self.case.tensor(name.trim_end_matches("[0]"))?;
@@ -465,15 +471,8 @@ fn mlp_report(
     w2: &Tensor,
     hidden: Option<std::ops::Range<usize>>,
 ) -> Result<Report> {
-    let losses = Tensor::new(losses, &Device::Cpu)?;
     let mut ck = Checker { case, comm, checks: Vec::new() };
-    ck.part(
-        "losses[0]",
-        &losses.narrow(0, 0, 1)?,
-        &case.tensor("losses")?.narrow(0, 0, 1)?,
-        Tol::Forward,
-    )?;
-    ck.whole("losses", &losses, Tol::Relative)?;
+    ck.losses(losses)?;
     let (p1, p2) = match hidden {
         None => (case.tensor("lin1.weight_final")?, case.tensor("lin2.weight_final")?),
         Some(h) => (
@@ -556,10 +555,7 @@ fn tiny_lm(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Report> {
         }
         opt.step(&grads)?;
     }
-    let losses = Tensor::new(losses.as_slice(), &Device::Cpu)?;
-    let first = case.tensor("losses")?.narrow(0, 0, 1)?;
-    ck.part("losses[0]", &losses.narrow(0, 0, 1)?, &first, Tol::Forward)?;
-    ck.whole("losses", &losses, Tol::Relative)?;
+    ck.losses(&losses)?;
     ck.finish(strategy)
 }
 
@@ -630,14 +626,7 @@ fn pipeline_mlp(case: &Case, comm: &Comm, opts: &Options) -> Result<Report> {
         }
         opt.step(&r.grads)?;
     }
-    let losses = Tensor::new(losses.as_slice(), &Device::Cpu)?;
-    ck.part(
-        "losses[0]",
-        &losses.narrow(0, 0, 1)?,
-        &case.tensor("losses")?.narrow(0, 0, 1)?,
-        Tol::Forward,
-    )?;
-    ck.whole("losses", &losses, Tol::Relative)?;
+    ck.losses(&losses)?;
     for i in 0..layers {
         let name = format!("w.{i}_final");
         if mine.contains(&i) {
