@@ -25,24 +25,30 @@ pub enum Kind {
     Quic,
 }
 
-/// A TCP job of `n` ranks on 127.0.0.1, all in this process (one store, ports from the OS).
-/// Returns the transports in rank order and the store server (keep it alive while connecting).
+/// A job of `n` ranks on 127.0.0.1, all in this process: one token-authenticated store (port
+/// from the OS), and `connect` run for every rank on its own thread. Returns the transports in
+/// rank order and the store server (keep it alive while connecting).
 ///
 /// # Errors
-/// Any rendezvous failure.
-pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
+/// The first rank's failure, in rank order.
+pub fn job<T: Send>(
+    n: usize,
+    cfg: &TcpConfig,
+    connect: impl Fn(&JobIdentity, &dyn Store, &TcpConfig) -> Result<T> + Sync,
+) -> Result<(Vec<T>, StoreServer)> {
     let key = JobKey::from_token("tutti-test");
     let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), n, Some(key.clone()))?;
     let addr = server.addr();
     let job = 0x7475_7474_6900_0000 ^ addr.port() as u64;
-    let results: Vec<Result<TcpTransport>> = std::thread::scope(|s| {
+    let connect = &connect;
+    let results: Vec<Result<T>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|rank| {
                 let (key, cfg) = (key.clone(), cfg.clone());
                 s.spawn(move || {
                     let store = TcpStore::connect(addr, rank, n, Some(&key), cfg.connect_timeout)?;
                     let id = JobIdentity { rank, world: n, job, key };
-                    TcpTransport::connect(&id, &store as &dyn Store, &cfg)
+                    connect(&id, &store as &dyn Store, &cfg)
                 })
             })
             .collect();
@@ -57,35 +63,22 @@ pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreS
     Ok((ts, server))
 }
 
+/// A TCP job of `n` ranks on 127.0.0.1, all in this process (one store, ports from the OS).
+/// Returns the transports in rank order and the store server (keep it alive while connecting).
+///
+/// # Errors
+/// Any rendezvous failure.
+pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
+    job(n, cfg, TcpTransport::connect)
+}
+
 /// A QUIC job of `n` ranks on 127.0.0.1, all in this process.
 ///
 /// # Errors
 /// Any rendezvous failure.
 #[cfg(feature = "quic")]
 pub fn quic_world(n: usize, cfg: &TcpConfig) -> Result<Vec<crate::transport::quic::QuicTransport>> {
-    use crate::transport::quic::QuicTransport;
-    let key = JobKey::from_token("tutti-test");
-    let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), n, Some(key.clone()))?;
-    let addr = server.addr();
-    let results: Vec<Result<QuicTransport>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|rank| {
-                let (key, cfg) = (key.clone(), cfg.clone());
-                s.spawn(move || {
-                    let store = TcpStore::connect(addr, rank, n, Some(&key), cfg.connect_timeout)?;
-                    let id = JobIdentity { rank, world: n, job: 7, key };
-                    QuicTransport::connect(&id, &store as &dyn Store, &cfg)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| match h.join() {
-                Ok(r) => r,
-                Err(p) => std::panic::resume_unwind(p),
-            })
-            .collect()
-    });
-    results.into_iter().collect()
+    Ok(job(n, cfg, crate::transport::quic::QuicTransport::connect)?.0)
 }
 
 /// Transports of a job of `n` ranks of the given kind, in rank order.

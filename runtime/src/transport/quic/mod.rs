@@ -324,30 +324,10 @@ mod tests {
         // The path taken off loopback (1,200–1,472-byte datagrams, GSO batches, `recvmmsg`,
         // MTU discovery), forced on 127.0.0.1: messages from 0 bytes to 8 MiB both ways at once,
         // content checked byte for byte.
-        use crate::auth::JobKey;
-        use crate::rendezvous::{StoreServer, TcpStore};
-        let key = JobKey::from_token("tutti-test");
-        let server =
-            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 2, Some(key.clone()))
-                .unwrap();
-        let addr = server.addr();
-        let cfg = TcpConfig::default();
-        let ts: Vec<QuicTransport> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (key, cfg) = (key.clone(), cfg.clone());
-                    s.spawn(move || {
-                        let store =
-                            TcpStore::connect(addr, rank, 2, Some(&key), Duration::from_secs(30))
-                                .unwrap();
-                        let id = JobIdentity { rank, world: 2, job: 7, key };
-                        QuicTransport::connect_as(&id, &store as &dyn Store, &cfg, Some(false))
-                            .unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let (ts, _server) = crate::testing::job(2, &TcpConfig::default(), |id, store, cfg| {
+            QuicTransport::connect_as(id, store, cfg, Some(false))
+        })
+        .unwrap();
         let sizes = [0usize, 1, 1199, 1472, 60_000, 65_536, 1 << 20, 8 << 20];
         let pattern = |r: usize, n: usize| -> Vec<u8> {
             (0..n).map(|i| (i.wrapping_mul(31) ^ r.wrapping_mul(7) ^ (i >> 9)) as u8).collect()
