@@ -274,15 +274,8 @@ impl Checker<'_> {
                 part.dims()
             )));
         }
-        let ours = ours.flatten_all()?.to_dtype(DType::F64)?;
-        let part = part.flatten_all()?.to_dtype(DType::F64)?;
-        let max_abs = if ours.elem_count() == 0 {
-            0.0
-        } else {
-            (ours - part)?.abs()?.max(0)?.to_scalar::<f64>()?
-        };
-        // NaN never passes.
-        let max_abs = if max_abs.is_nan() { f64::INFINITY } else { max_abs };
+        // NaN or infinity anywhere never passes.
+        let max_abs = crate::compare::max_abs_diff(ours, part)?;
         self.checks.push(Check { name: name.to_string(), max_abs, tolerance });
         Ok(())
     }

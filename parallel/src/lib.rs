@@ -15,6 +15,7 @@
 //!   TP + sequence parallel, or Ulysses sequence parallel ([`BlockMode`]).
 //! - [`TinyLm`]: embedding → blocks → LayerNorm → LM head with the vocab-parallel loss.
 //! - [`Pipeline`]: pipeline stages over send/recv with GPipe and 1F1B schedules.
+//! - [`compare`]: tensor comparisons where NaN and infinity never pass.
 //! - [`golden`]: runs the PyTorch golden cases G1–G5 (`tutti-golden`).
 //!
 //! ```
@@ -47,6 +48,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod block;
+pub mod compare;
 pub mod data;
 mod dp;
 mod error;

@@ -414,6 +414,25 @@ mod tests {
     }
 
     #[test]
+    fn known_answer_bytes() {
+        // Computed outside the crate from the layout table with Python's struct module:
+        //   struct.pack('<HBBBBHIIQIIQQ', 0x7475, 1, 4, 6, 2, 0, 7, 5, 1 << 40, 3,
+        //               0xffffffff, 10007, 20014).hex()
+        let want = "75740104060200000700000005000000000000000001000003000000\
+                    ffffffff17270000000000002e4e000000000000";
+        let hex: String = sample().encode().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, want);
+        // A keep-alive from rank 3: kind 2, op Control (11), dtype U8 (1), group and root
+        // u32::MAX, nothing else.
+        let want = "7574020b01000000ffffffff0300000000000000000000000000000\
+                    0ffffffff00000000000000000000000000000000";
+        let h = Header::control(FrameKind::KeepAlive, 3, 0);
+        let hex: String = h.encode().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, want);
+        assert_eq!(Header::decode(&h.encode()), Ok(h));
+    }
+
+    #[test]
     fn rejects_bad_magic_and_codes() {
         let mut b = sample().encode();
         b[0] = 0;

@@ -69,7 +69,8 @@ fn column_parallel(c: &Comm, w0: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tens
 
 fn report(rank: usize, what: &str, got: &Tensor, want: &Tensor) -> Result<bool> {
     let d = (got - want)?.abs()?.flatten_all()?;
-    let max = d.max(0)?.to_scalar::<f32>()?;
+    // NaN or infinity anywhere counts as an infinite difference.
+    let max = tutti_parallel::compare::max_abs_diff(got, want)? as f32;
     let mean = d.mean(0)?.to_scalar::<f32>()?;
     println!(
         "[Rank {rank}] {what:<22} match: {} | max diff: {max:.3e} | mean diff: {mean:.3e}",

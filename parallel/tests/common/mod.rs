@@ -1,7 +1,7 @@
 //! Helpers shared by the parallel tests.
 #![allow(dead_code, unreachable_pub)]
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use tutti_parallel::Comm;
 use tutti_runtime::testing::{groups, run, Kind};
 
@@ -22,12 +22,11 @@ pub fn rand(shape: &[usize], seed: u64) -> Tensor {
     tutti_parallel::data::uniform(shape, 1.0, seed).unwrap()
 }
 
-/// Max |a - b| (shapes must hold the same number of elements).
+/// Max |a - b| (shapes must hold the same number of elements); infinity if either side holds a
+/// NaN or an infinity anywhere, so such a tensor fails every tolerance.
 pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.elem_count(), b.elem_count(), "{:?} vs {:?}", a.dims(), b.dims());
-    let a = a.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
-    let b = b.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
-    (a - b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    tutti_parallel::compare::max_abs_diff(a, b).unwrap() as f32
 }
 
 /// Max |a - b| relative to max |b|.

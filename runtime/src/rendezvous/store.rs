@@ -687,6 +687,8 @@ impl Store for FileStore {
 
 #[cfg(test)]
 mod tests {
+    use std::io::ErrorKind;
+
     use proptest::prelude::*;
 
     use super::*;
@@ -800,23 +802,35 @@ mod tests {
 
     #[test]
     fn junk_on_the_store_port_is_dropped() {
+        // The server sends its 16-byte nonce, then drops a connection whose hello is oversized
+        // at once and one whose hello never completes after its 5 s hello deadline. "Closed"
+        // means end of file or a reset seen well before our own 12 s read timeout, which counts
+        // as a failure: a store that leaves junk connections open fails this test.
         let srv = server(1, None);
         for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xff; 64][..], &[0x16, 0x03, 0x01][..]] {
             let mut s = TcpStream::connect(srv.addr()).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(12))).unwrap();
+            let start = Instant::now();
             let _ = s.write_all(junk);
             let mut b = [0u8; 256];
-            let mut closed = false;
+            let mut outcome = None;
             for _ in 0..10 {
                 match s.read(&mut b) {
-                    Ok(0) | Err(_) => {
-                        closed = true;
-                        break;
+                    Ok(0) => outcome = Some("end of file".to_string()),
+                    Ok(_) => continue,
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                        panic!("junk {junk:?}: connection still open after {:?}", start.elapsed())
                     }
-                    Ok(_) => {}
+                    Err(e) => outcome = Some(e.to_string()),
                 }
+                break;
             }
-            assert!(closed, "junk connection left open");
+            assert!(outcome.is_some(), "junk {junk:?}: the server kept talking");
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "junk {junk:?}: closed only after {:?} (hello deadline 5 s)",
+                start.elapsed()
+            );
         }
         let c = TcpStore::connect(srv.addr(), 0, 1, None, Duration::from_secs(5)).unwrap();
         c.set("still", b"fine").unwrap();
@@ -835,8 +849,13 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         drop(l);
+        let start = Instant::now();
         let e = TcpStore::connect(addr, 1, 2, None, Duration::from_millis(300)).unwrap_err();
         assert!(e.to_string().contains("rank 0"), "{e}");
+        // It retries (backing off up to 200 ms) until its deadline, then gives up; a wide margin
+        // above for a loaded machine.
+        assert!(start.elapsed() >= Duration::from_millis(100), "gave up early: {e}");
+        assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }
 
     #[test]
