@@ -237,6 +237,21 @@ pub enum Error {
         detail: String,
     },
 
+    /// A store key was not set within the wait's timeout: whoever should write it (usually a
+    /// rank during rendezvous) has not. The store itself answered.
+    ///
+    /// What to do: callers turn this into an error naming the rank that owes the key; on its
+    /// own, check that every rank of the job started and uses the same store.
+    #[error("store ({addr}): timed out after {after:?} waiting for key {key:?}")]
+    StoreTimeout {
+        /// Store address or path.
+        addr: String,
+        /// The key waited for.
+        key: String,
+        /// How long it waited.
+        after: Duration,
+    },
+
     /// A local I/O error outside any operation (binding a socket, reading a file).
     ///
     /// What to do: the message names the resource; fix permissions, ports or addresses.

@@ -25,6 +25,77 @@ pub fn run_with_deadline(mut cmd: Command, limit: Duration) -> (Output, bool) {
     (child.wait_with_output().expect("wait"), killed)
 }
 
+/// How the ranks of a test job find each other.
+#[derive(Debug, Clone)]
+pub enum Rendezvous {
+    /// A token-authenticated store served by the test process on 127.0.0.1 (`TUTTI_STORE`).
+    Store,
+    /// As `Store`, served on this address (port 0: from the OS), e.g. `[::1]:0`.
+    StoreAt(std::net::SocketAddr),
+    /// The README's path: `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT`; rank 0 serves the
+    /// store and generates the job secret (no `TUTTI_STORE`, no `TUTTI_TOKEN`).
+    Master,
+    /// A shared directory (`TUTTI_STORE=file:///dir`), no token.
+    File(std::path::PathBuf),
+    /// A store served elsewhere (`TUTTI_STORE=url`) for a job with this token.
+    External {
+        /// `tcp://host:port`.
+        url: String,
+        /// `TUTTI_TOKEN`.
+        token: String,
+    },
+}
+
+/// What the ranks of a job are told, and the store the test serves for them (if any).
+struct Setup {
+    env: Vec<(String, String)>,
+    store: Option<tutti_runtime::rendezvous::StoreServer>,
+}
+
+fn setup(rdv: &Rendezvous, n: usize) -> Setup {
+    use tutti_runtime::auth::JobKey;
+    use tutti_runtime::rendezvous::StoreServer;
+    let served = |addr: std::net::SocketAddr| {
+        let token = "integration-test-token";
+        let store =
+            StoreServer::start(addr, n, Some(JobKey::from_token(token))).expect("store server");
+        let url = match store.addr() {
+            std::net::SocketAddr::V6(a) => format!("tcp://[{}]:{}", a.ip(), a.port()),
+            a => format!("tcp://{a}"),
+        };
+        Setup {
+            env: vec![("TUTTI_STORE".into(), url), ("TUTTI_TOKEN".into(), token.into())],
+            store: Some(store),
+        }
+    };
+    match rdv {
+        Rendezvous::Store => served("127.0.0.1:0".parse().expect("addr")),
+        Rendezvous::StoreAt(a) => served(*a),
+        Rendezvous::Master => {
+            // A port the OS just handed out and released: rank 0 binds it again at once.
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            Setup {
+                env: vec![
+                    ("MASTER_ADDR".into(), "127.0.0.1".into()),
+                    ("MASTER_PORT".into(), port.to_string()),
+                ],
+                store: None,
+            }
+        }
+        Rendezvous::External { url, token } => Setup {
+            env: vec![("TUTTI_STORE".into(), url.clone()), ("TUTTI_TOKEN".into(), token.clone())],
+            store: None,
+        },
+        Rendezvous::File(dir) => Setup {
+            env: vec![("TUTTI_STORE".into(), format!("file://{}", dir.display()))],
+            store: None,
+        },
+    }
+}
+
 /// Start `n` processes of `exe args…` as ranks of one job whose store this test process serves
 /// (`TUTTI_STORE`, port from the OS), with `env(rank)` extra variables; wait up to `limit`.
 /// Returns each rank's output in rank order.
@@ -35,16 +106,20 @@ pub fn spawn_job(
     env: impl Fn(usize) -> Vec<(String, String)>,
     limit: Duration,
 ) -> Vec<Output> {
-    use tutti_runtime::auth::JobKey;
-    use tutti_runtime::rendezvous::StoreServer;
-    let token = "integration-test-token";
-    let store = StoreServer::start(
-        "127.0.0.1:0".parse().expect("addr"),
-        n,
-        Some(JobKey::from_token(token)),
-    )
-    .expect("store");
-    let url = format!("tcp://{}", store.addr());
+    spawn_job_with(exe, args, n, env, limit, &Rendezvous::Store).0
+}
+
+/// As [`spawn_job`], rendezvousing as `rdv` says. Also returns whether the deadline ran out
+/// (then the ranks were killed).
+pub fn spawn_job_with(
+    exe: &Path,
+    args: &[&str],
+    n: usize,
+    env: impl Fn(usize) -> Vec<(String, String)>,
+    limit: Duration,
+    rdv: &Rendezvous,
+) -> (Vec<Output>, bool) {
+    let setup = setup(rdv, n);
     let children: Vec<_> = (0..n)
         .map(|r| {
             let mut c = Command::new(exe);
@@ -52,10 +127,8 @@ pub fn spawn_job(
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
                 .env("LOCAL_RANK", r.to_string())
-                .env("TUTTI_STORE", &url)
-                .env("TUTTI_TOKEN", token)
                 .env("TUTTI_CONNECT_TIMEOUT", "30");
-            for (k, v) in env(r) {
+            for (k, v) in setup.env.iter().cloned().chain(env(r)) {
                 c.env(k, v);
             }
             c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn rank")
@@ -63,6 +136,7 @@ pub fn spawn_job(
         .collect();
     let start = Instant::now();
     let mut children = children;
+    let mut killed = false;
     loop {
         if children.iter_mut().all(|c| matches!(c.try_wait(), Ok(Some(_)))) {
             break;
@@ -71,11 +145,13 @@ pub fn spawn_job(
             for c in children.iter_mut() {
                 let _ = c.kill();
             }
+            killed = true;
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    children.into_iter().map(|c| c.wait_with_output().expect("wait")).collect()
+    drop(setup.store);
+    (children.into_iter().map(|c| c.wait_with_output().expect("wait")).collect(), killed)
 }
 
 /// True when process `pid` still exists (and is not a zombie we could reap).
@@ -94,35 +170,51 @@ pub struct LiveJob {
     pub lines: Vec<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
     /// Set when a rank's output reached its end (all its lines are in `lines`).
     eof: Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>,
-    _store: tutti_runtime::rendezvous::StoreServer,
+    _store: Option<tutti_runtime::rendezvous::StoreServer>,
 }
 
 impl LiveJob {
     /// Start `n` ranks of `exe args…` (store served here, ports from the OS).
     pub fn start(exe: &Path, args: &[&str], n: usize, env: &[(&str, &str)]) -> LiveJob {
+        LiveJob::start_with(exe, args, n, env, &Rendezvous::Store)
+    }
+
+    /// Start `n` ranks of `exe args…` rendezvousing as `rdv` says.
+    pub fn start_with(
+        exe: &Path,
+        args: &[&str],
+        n: usize,
+        env: &[(&str, &str)],
+        rdv: &Rendezvous,
+    ) -> LiveJob {
+        LiveJob::start_ranks(exe, args, n, &(0..n).collect::<Vec<_>>(), env, rdv)
+    }
+
+    /// Start only the ranks in `which` of an `n`-rank job (the others never start, so the job
+    /// stays in rendezvous); `children[i]` is then rank `which[i]`.
+    pub fn start_ranks(
+        exe: &Path,
+        args: &[&str],
+        n: usize,
+        which: &[usize],
+        env: &[(&str, &str)],
+        rdv: &Rendezvous,
+    ) -> LiveJob {
         use std::io::BufRead;
-        use tutti_runtime::auth::JobKey;
-        use tutti_runtime::rendezvous::StoreServer;
-        let token = "live-job-token";
-        let store = StoreServer::start(
-            "127.0.0.1:0".parse().expect("addr"),
-            n,
-            Some(JobKey::from_token(token)),
-        )
-        .expect("store");
-        let url = format!("tcp://{}", store.addr());
+        let setup = setup(rdv, n);
         let mut children = Vec::new();
         let mut lines = Vec::new();
         let mut eofs = Vec::new();
-        for r in 0..n {
+        for &r in which {
             let mut c = Command::new(exe);
             c.args(args)
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
-                .env("TUTTI_STORE", &url)
-                .env("TUTTI_TOKEN", token)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null());
+            for (k, v) in &setup.env {
+                c.env(k, v);
+            }
             for (k, v) in env {
                 c.env(k, v);
             }
@@ -143,7 +235,7 @@ impl LiveJob {
             lines.push(buf);
             eofs.push(eof);
         }
-        LiveJob { children, lines, eof: eofs, _store: store }
+        LiveJob { children, lines, eof: eofs, _store: setup.store }
     }
 
     /// Wait until every rank printed a line starting with `prefix`, up to `limit`.

@@ -1,7 +1,8 @@
 //! Faults across real processes: a rank SIGKILLed at a random moment of an allreduce loop is
 //! named by every survivor, fast; a SIGSTOPped rank is named within 10 s; a rank that merely
 //! computes for longer than the dead-peer limit is never declared dead; killing during
-//! rendezvous and killing rank 0 (the store's rank in torchrun mode) are reported too.
+//! rendezvous and killing rank 0 are reported too; over QUIC every rank, rank 0 included, is
+//! killed once with a time bound.
 //!
 //! `TUTTI_KILL_RUNS` sets the number of kill runs (default 20).
 
@@ -19,9 +20,11 @@ fn lcg(seed: &mut u64) -> u64 {
 }
 
 /// One kill run: returns the detection delays (µs) of the survivors.
-fn kill_run(seed: u64, victim: usize) -> Vec<u128> {
+fn kill_run(seed: u64, victim: usize, env: &[(&str, &str)]) -> Vec<u128> {
     let n = 4;
-    let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, &[("TUTTI_CONNECT_TIMEOUT", "30")]);
+    let mut env = env.to_vec();
+    env.push(("TUTTI_CONNECT_TIMEOUT", "30"));
+    let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, &env);
     assert!(job.wait_all("READY", Duration::from_secs(60)), "seed {seed}: job did not start");
     let mut s = seed;
     std::thread::sleep(Duration::from_millis(20 + lcg(&mut s) % 400));
@@ -59,7 +62,7 @@ fn sigkill_of_a_random_rank_is_named_by_every_survivor() {
     let mut seed = 0x7475_7474u64;
     for run in 0..runs {
         let victim = (lcg(&mut seed) % 4) as usize;
-        all.extend(kill_run(run, victim));
+        all.extend(kill_run(run, victim, &[]));
     }
     all.sort_unstable();
     let median = all[all.len() / 2];
@@ -74,27 +77,37 @@ fn sigkill_of_a_random_rank_is_named_by_every_survivor() {
 
 #[test]
 fn sigkill_of_rank_zero_is_named() {
-    let d = kill_run(1000, 0);
+    let d = kill_run(1000, 0, &[]);
     assert!(d.iter().all(|us| *us < 1_000_000), "{d:?}");
 }
 
 #[test]
 fn sigkill_during_rendezvous_is_reported() {
+    // Killed at once, rank 2 cannot have finished rendezvous (the mesh needs it), so every
+    // survivor must fail naming it; killed later, a survivor may have finished (OK) or name it.
+    // Either way nobody hangs past the 5 s connect timeout (plus a margin for a loaded host).
     for delay_ms in [0u64, 30, 120] {
         let mut job =
             LiveJob::start(Path::new(EXE), &["connect"], 4, &[("TUTTI_CONNECT_TIMEOUT", "5")]);
         std::thread::sleep(Duration::from_millis(delay_ms));
+        let t = std::time::Instant::now();
         job.signal(2, libc::SIGKILL);
         assert!(
             job.wait_exit(&[0, 1, 3], Duration::from_secs(30)),
             "a rank hung after rank 2 died during rendezvous"
         );
+        assert!(t.elapsed() < Duration::from_secs(15), "took {:?}", t.elapsed());
+        let mut named = 0;
         for r in [0, 1, 3] {
-            // Either rendezvous finished before the kill (OK) or the rank names rank 2.
             let ok = job.line(r, "OK").is_some();
             let err = job.line(r, "ERR").unwrap_or_default();
             let names_2 = err.contains("rank 2") || err.contains("[2]") || err.contains("[2,");
             assert!(ok || names_2, "delay {delay_ms}: rank {r}: {err}");
+            assert!(delay_ms > 0 || !ok, "rank {r} finished rendezvous without rank 2");
+            named += usize::from(names_2);
+        }
+        if delay_ms == 0 {
+            assert_eq!(named, 3, "killed at once, rank 2 must be named by all three");
         }
     }
 }
@@ -152,17 +165,17 @@ fn long_compute(env: &[(&str, &str)]) {
 
 #[test]
 fn sigkill_over_quic_is_named_by_every_survivor() {
-    for run in 0..3u64 {
-        let victim = (run as usize + 1) % 4;
-        let mut job = LiveJob::start(Path::new(EXE), &["loop"], 4, &[("TUTTI_TRANSPORT", "quic")]);
-        assert!(job.wait_all("READY", Duration::from_secs(60)), "quic job did not start");
-        std::thread::sleep(Duration::from_millis(100));
-        job.signal(victim, libc::SIGKILL);
-        let survivors: Vec<usize> = (0..4).filter(|r| *r != victim).collect();
-        assert!(job.wait_exit(&survivors, Duration::from_secs(20)), "a survivor hung over quic");
-        for r in survivors {
-            let line = job.line(r, "ERR ").expect("error line");
-            assert!(line.contains(&format!("rank {victim}")), "rank {r}: {line}");
-        }
+    // Every rank is the victim once, rank 0 included. Over QUIC a killed peer sends nothing (no
+    // reset as over TCP), so today it is noticed only when the dead-peer limit runs out
+    // (TUTTI_DEAD_AFTER, 5 s): the bound here is that limit plus 2 s for a loaded machine. When
+    // QUIC learns to notice a kill at once, this bound becomes TCP's (median < 100 ms, worst
+    // < 1 s).
+    let mut all = Vec::new();
+    for victim in 0..4 {
+        all.extend(kill_run(2000 + victim as u64, victim, &[("TUTTI_TRANSPORT", "quic")]));
     }
+    all.sort_unstable();
+    let worst = *all.last().unwrap();
+    eprintln!("quic kill runs: 4, median detection {} us, worst {worst} us", all[all.len() / 2]);
+    assert!(worst < 7_000_000, "worst detection over quic {worst} us (dead-peer limit 5 s)");
 }

@@ -6,6 +6,7 @@
 
 use tutti_collectives::{Comm, Config, Element};
 
+#[allow(unused_imports)]
 pub(crate) use tutti_collectives::verify::{input, reduced};
 
 /// Bitwise equality of two slices of elements.

@@ -43,7 +43,7 @@ pub trait Store: Send + Sync {
     /// Get `key`, waiting up to `timeout` for it to be set.
     ///
     /// # Errors
-    /// [`Error::Store`] naming the key on timeout or failure.
+    /// [`Error::StoreTimeout`] naming the key on timeout; [`Error::Store`] on failure.
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
 
     /// Add `delta` to the integer at `key` (missing counts as 0); returns the new value.
@@ -78,6 +78,24 @@ pub trait Store: Send + Sync {
 
     /// Where the store lives, for messages.
     fn describe(&self) -> String;
+}
+
+/// `store.get(key, timeout)` where running out of time ([`Error::StoreTimeout`]) becomes
+/// `on_timeout()` (the caller names whoever never wrote the key) and any other failure — the
+/// store lost, say — is returned as it is, so a dead store is never reported as a slow rank.
+///
+/// # Errors
+/// `on_timeout()`'s error on a timeout; [`Error::Store`] when the store fails.
+pub(crate) fn get_or(
+    store: &dyn Store,
+    key: &str,
+    timeout: Duration,
+    on_timeout: impl FnOnce() -> Error,
+) -> Result<Vec<u8>> {
+    store.get(key, timeout).map_err(|e| match e {
+        Error::StoreTimeout { .. } => on_timeout(),
+        other => other,
+    })
 }
 
 /// The client's first message.
@@ -534,9 +552,10 @@ impl Store for TcpStore {
         let req = Request::Get { key: key.into(), timeout_ms: timeout.as_millis() as u64 };
         match self.call(&req, timeout)? {
             Response::Value(v) => Ok(v),
-            Response::Timeout => Err(Error::Store {
+            Response::Timeout => Err(Error::StoreTimeout {
                 addr: self.addr.to_string(),
-                detail: format!("timed out after {timeout:?} waiting for key {key:?}"),
+                key: key.into(),
+                after: timeout,
             }),
             r => Err(unexpected(&self.addr, r)),
         }
@@ -644,9 +663,11 @@ impl Store for FileStore {
                 Err(e) => return Err(self.err(format!("reading {key:?}: {e}"))),
             }
             if Instant::now() >= deadline {
-                return Err(
-                    self.err(format!("timed out after {timeout:?} waiting for key {key:?}"))
-                );
+                return Err(Error::StoreTimeout {
+                    addr: self.describe(),
+                    key: key.into(),
+                    after: timeout,
+                });
             }
             std::thread::sleep(Duration::from_millis(10));
         }

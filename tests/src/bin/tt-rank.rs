@@ -5,6 +5,8 @@
 use std::time::Duration;
 
 use tutti_collectives::{verify, Comm, ReduceOp};
+use tutti_runtime::auth::JobKey;
+use tutti_runtime::rendezvous::StoreServer;
 
 fn pattern(len: usize, src: usize, dst: usize, salt: usize) -> Vec<u8> {
     (0..len).map(|i| ((i * 131 + src * 31 + dst * 7 + salt) % 251) as u8).collect()
@@ -158,6 +160,21 @@ fn main() {
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
             std::thread::sleep(Duration::from_secs(120));
+            return;
+        }
+        "serve-store" => {
+            // A store on its own (as a launcher serves one): `serve-store WORLD`; prints
+            // `STORE <addr>` and serves until killed (at most 120 s).
+            let world: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
+            let key = std::env::var("TUTTI_TOKEN").ok().map(|t| JobKey::from_token(&t));
+            let addr = "127.0.0.1:0".parse().expect("a socket address literal");
+            match StoreServer::start(addr, world, key) {
+                Ok(srv) => {
+                    println!("STORE {}", srv.addr());
+                    std::thread::sleep(Duration::from_secs(120));
+                }
+                Err(e) => println!("ERR {e}"),
+            }
             return;
         }
         "sleep" => {

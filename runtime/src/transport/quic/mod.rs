@@ -195,7 +195,7 @@ impl QuicTransport {
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
         for (j, slot) in peers.iter_mut().enumerate().filter(|(j, _)| *j != rank) {
             let left = deadline.saturating_duration_since(Instant::now());
-            let raw = store.get(&quic_key(j), left).map_err(|_| {
+            let raw = crate::rendezvous::store::get_or(store, &quic_key(j), left, || {
                 rv(format!(
                     "rank {j} did not publish its QUIC address within {:?}",
                     cfg.connect_timeout

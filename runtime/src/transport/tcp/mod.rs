@@ -17,6 +17,7 @@ use tracing::{debug, info, warn};
 
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
+use crate::rendezvous::store::get_or;
 use crate::rendezvous::Store;
 
 mod engine;
@@ -146,7 +147,7 @@ impl TcpTransport {
             let mut addrs = Vec::with_capacity(rank);
             for j in 0..rank {
                 let left = deadline.saturating_duration_since(Instant::now());
-                let raw = store.get(&addr_key(j), left).map_err(|_| Error::Rendezvous {
+                let raw = get_or(store, &addr_key(j), left, || Error::Rendezvous {
                     rank,
                     detail: format!(
                         "rank {j} did not publish its address within {:?}: it never started, \
