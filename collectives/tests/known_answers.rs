@@ -40,13 +40,9 @@ fn integers_wrap_and_truncate() {
         case::<i32>(&[g, g, g], op, want, "i32");
     }
     let m = i64::MAX;
-    for (op, want) in [
-        (Sum, m - 2),
-        (Prod, -m + 2),
-        (Min, -3),
-        (Max, m),
-        (Avg, 3_074_457_345_618_258_601),
-    ] {
+    for (op, want) in
+        [(Sum, m - 2), (Prod, -m + 2), (Min, -3), (Max, m), (Avg, 3_074_457_345_618_258_601)]
+    {
         case::<i64>(&[m, 1, -3], op, want, "i64");
     }
 }

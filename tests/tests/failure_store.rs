@@ -64,7 +64,11 @@ fn lost_during_rendezvous(env: &[(&str, &str)]) {
     let took = t.elapsed();
     for i in 0..3 {
         let line = job.line(i, "ERR").unwrap_or_else(|| panic!("rank {} printed no error", i + 1));
-        assert!(line.contains("store") && line.contains(&addr.to_string()), "rank {}: {line}", i + 1);
+        assert!(
+            line.contains("store") && line.contains(&addr.to_string()),
+            "rank {}: {line}",
+            i + 1
+        );
         assert!(!line.contains("did not publish"), "a lost store blamed on a rank: {line}");
     }
     assert!(took < Duration::from_secs(20), "noticed after {took:?}");

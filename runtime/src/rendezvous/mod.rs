@@ -179,11 +179,9 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         store.set("tutti/job", &job.to_le_bytes())?;
         (token, job)
     } else {
-        let job_raw = store::get_or(store.as_ref(), "tutti/job", deadline, || {
-            Error::Rendezvous {
-                rank,
-                detail: format!("rank 0 did not publish the job id within {deadline:?}"),
-            }
+        let job_raw = store::get_or(store.as_ref(), "tutti/job", deadline, || Error::Rendezvous {
+            rank,
+            detail: format!("rank 0 did not publish the job id within {deadline:?}"),
         })?;
         let job =
             <[u8; 8]>::try_from(job_raw.as_slice()).map(u64::from_le_bytes).map_err(|_| {

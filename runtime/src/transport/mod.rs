@@ -79,6 +79,19 @@ macro_rules! engine_transport {
                 self.engine.poisoned()
             }
         }
+
+        #[cfg(test)]
+        impl $ty {
+            /// See the engine's `send_raw`.
+            pub(crate) fn send_raw(
+                &self,
+                peer: usize,
+                hdr: [u8; $crate::wire::HEADER_LEN],
+                payload: Vec<u8>,
+            ) {
+                self.engine.send_raw(peer, hdr, payload)
+            }
+        }
     };
 }
 
@@ -273,5 +286,7 @@ pub trait TransportExt: Transport {
 
 impl<T: Transport + ?Sized> TransportExt for T {}
 
+#[cfg(test)]
+mod rogue_tests;
 #[cfg(test)]
 mod tests;

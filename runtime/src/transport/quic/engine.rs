@@ -493,6 +493,19 @@ impl Engine {
         Ok(id)
     }
 
+    /// Queue a frame of exactly these header bytes and payload to `peer`, as a misbehaving but
+    /// authenticated peer would send it: the tests of the receiving side's protocol checks.
+    #[cfg(test)]
+    pub(crate) fn send_raw(&self, peer: usize, hdr: [u8; HEADER_LEN], payload: Vec<u8>) {
+        let mut guard = self.lock();
+        let g = &mut *guard;
+        let Some(ch) = g.by_rank[peer] else { return };
+        if let Some(p) = g.peers.get_mut(&ch) {
+            p.sendq.push_back(SendItem::control(hdr, payload));
+        }
+        g.service(&self.io, ch, Instant::now());
+    }
+
     /// # Safety
     /// See `Transport::post_recv`.
     pub(crate) unsafe fn post_recv(
@@ -1112,6 +1125,12 @@ impl Inner {
 
     fn start_frame(&mut self, ch: usize, hdr: Header) -> std::result::Result<(), ConnFail> {
         let peer = self.peers.get(&ch).and_then(|p| p.rank).unwrap_or(usize::MAX);
+        if self.peers.get(&ch).is_some_and(|p| p.peer_closed) {
+            return Err(ConnFail::Protocol(format!(
+                "a {:?} frame after the peer's close frame",
+                hdr.kind
+            )));
+        }
         if hdr.src as usize != peer {
             return Err(ConnFail::Protocol(format!(
                 "frame claims source rank {} on the connection of rank {peer}",

@@ -452,6 +452,17 @@ impl Engine {
 
     /// Queue a keep-alive on every connection idle for `idle`; called by the transport's
     /// keep-alive thread. Never reads: data for unposted receives stays in the kernel.
+    /// Queue a frame of exactly these header bytes and payload to `peer`, as a misbehaving but
+    /// authenticated peer would send it: the tests of the receiving side's protocol checks.
+    #[cfg(test)]
+    pub(crate) fn send_raw(&self, peer: usize, hdr: [u8; HEADER_LEN], payload: Vec<u8>) {
+        let mut g = self.lock();
+        if let Some(c) = g.conns[peer].as_mut() {
+            c.sendq.push_back(SendItem::control(hdr, payload));
+            g.progress_tx(peer);
+        }
+    }
+
     pub(crate) fn send_keepalives(&self, idle: Duration) {
         let mut g = self.lock();
         if g.poisoned.is_some() {
@@ -624,6 +635,12 @@ impl Inner {
     }
 
     fn start_frame(&mut self, peer: usize, hdr: Header) -> Result<(), ConnFail> {
+        if self.conns[peer].as_ref().is_some_and(|c| c.peer_closed) {
+            return Err(ConnFail::Protocol(format!(
+                "a {:?} frame after the peer's close frame",
+                hdr.kind
+            )));
+        }
         if hdr.src as usize != peer {
             return Err(ConnFail::Protocol(format!(
                 "frame claims source rank {} on the connection of rank {peer}",

@@ -1,0 +1,195 @@
+//! An authenticated peer that breaks the wire protocol, on TCP and QUIC: rank 2 of 3 passes the
+//! handshake (or TLS pinning) and then writes frames no tutti rank writes. Each must end as a
+//! named error on every rank — rank 0, which read the frames, names rank 2 and what was wrong;
+//! rank 1 hears an abort naming rank 2 — within seconds: never a panic, a hang or
+//! memory held for the peer. The unexpected-data budget is held the same way.
+
+use std::time::{Duration, Instant};
+
+use crate::testing;
+use crate::transport::tcp::TcpConfig;
+use crate::transport::{Transport, TransportExt};
+use crate::wire::{DType, Fingerprint, FrameKind, Header, MsgDesc, OpKind, Tag, HEADER_LEN};
+
+type Frame = ([u8; HEADER_LEN], Vec<u8>);
+
+fn desc(seq: u64) -> MsgDesc {
+    MsgDesc {
+        tag: Tag { group: 0, seq, step: 0 },
+        fp: Fingerprint {
+            op: OpKind::Allreduce,
+            dtype: DType::U8,
+            redop: 0,
+            root: u32::MAX,
+            count: 16,
+        },
+    }
+}
+
+fn cfg() -> TcpConfig {
+    TcpConfig {
+        connect_timeout: Duration::from_secs(60),
+        unexpected_limit: 1 << 20,
+        ..TcpConfig::default()
+    }
+}
+
+/// Rank 2 sends `frames` to rank 0. Returns each rank's error text. With `then_other`, rank 0
+/// reports the error of a second receive (from rank 1) posted after the first failed.
+fn rogue<T: Transport + Sync>(
+    ts: &[T],
+    raw: impl Fn(&T, usize, [u8; HEADER_LEN], Vec<u8>) + Sync,
+    frames: &[Frame],
+    then_other: bool,
+) -> Vec<String> {
+    let limit = Duration::from_secs(30);
+    std::thread::scope(|s| {
+        let raw = &raw;
+        let hs: Vec<_> = ts
+            .iter()
+            .map(|t| {
+                s.spawn(move || {
+                    let start = Instant::now();
+                    let mut buf = [0u8; 16];
+                    let e = match t.rank() {
+                        0 => {
+                            let mut e =
+                                t.recv(2, desc(1), &mut buf, limit).unwrap_err().to_string();
+                            if then_other {
+                                e = t.recv(1, desc(2), &mut buf, limit).unwrap_err().to_string();
+                            }
+                            // As a group does after any failure: tell everyone why.
+                            t.abort(&e);
+                            e
+                        }
+                        1 => t.recv(0, desc(1), &mut buf, limit).unwrap_err().to_string(),
+                        _ => {
+                            for (h, p) in frames {
+                                raw(t, 0, *h, p.clone());
+                            }
+                            t.recv(0, desc(1), &mut buf, limit).unwrap_err().to_string()
+                        }
+                    };
+                    let took = start.elapsed();
+                    assert!(took < Duration::from_secs(10), "rank {}: {took:?}: {e}", t.rank());
+                    e
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| match h.join() {
+                Ok(v) => v,
+                Err(p) => std::panic::resume_unwind(p),
+            })
+            .collect()
+    })
+}
+
+fn header(f: impl FnOnce(&mut Header)) -> [u8; HEADER_LEN] {
+    let mut h = Header::data(desc(1), 2, 16);
+    f(&mut h);
+    h.encode()
+}
+
+const AFTER_CLOSE: &str = "frame after close";
+
+/// The cases: frames rank 2 sends, and what rank 0's error must say.
+fn cases() -> Vec<(&'static str, Vec<Frame>, &'static str)> {
+    let with_byte = |at: usize, v: u8| {
+        let mut b = header(|_| {});
+        b[at] = v;
+        b
+    };
+    let close = Header::control(FrameKind::Close, 2, 0).encode();
+    vec![
+        ("bad magic", vec![([0xab; HEADER_LEN], vec![])], "bad magic"),
+        ("unknown kind", vec![(with_byte(2, 9), vec![])], "unknown frame kind 9"),
+        ("unknown op", vec![(with_byte(3, 200), vec![])], "unknown op code 200"),
+        ("unknown dtype", vec![(with_byte(4, 99), vec![])], "unknown dtype code 99"),
+        ("reserved bits", vec![(with_byte(6, 1), vec![])], "reserved"),
+        ("forged source", vec![(header(|h| h.src = 1), vec![0; 16])], "claims source rank 1"),
+        (
+            "keep-alive with payload",
+            vec![(Header::control(FrameKind::KeepAlive, 2, 4).encode(), vec![1, 2, 3, 4])],
+            "keep-alive",
+        ),
+        (
+            "huge abort reason",
+            vec![(Header::control(FrameKind::Abort, 2, 1 << 40).encode(), vec![])],
+            "abort reason of 1099511627776 bytes",
+        ),
+        (
+            "oversized length",
+            vec![(header(|h| h.len = u64::MAX), vec![])],
+            "sent 18446744073709551615 bytes",
+        ),
+        (
+            AFTER_CLOSE,
+            vec![(close, vec![]), (header(|_| {}), vec![0; 16])],
+            "a Data frame after the peer's close frame",
+        ),
+    ]
+}
+
+fn check_all(errs: &[String], case: &str, needle: &str) {
+    assert!(
+        errs[0].contains("peer rank 2") && errs[0].contains(needle),
+        "{case}: rank 0 should name rank 2 and {needle:?}: {}",
+        errs[0]
+    );
+    // Rank 1 hears rank 0's abort (with rank 0's words) or, when rank 2 noticed rank 0 hang
+    // up first, rank 2's own abort: either way it names rank 2.
+    assert!(
+        errs[1].contains("rank 2")
+            && (errs[1].contains(needle) || errs[1].contains("peer rank 2 aborted")),
+        "{case}: rank 1 should hear rank 0's reason: {}",
+        errs[1]
+    );
+}
+
+/// Many small messages nobody receives (in another group, so they are not stale ones of the
+/// receive rank 0 waits in): rank 0 must stop at its 1 MiB budget and name rank 2.
+fn flood() -> Vec<Frame> {
+    (0..40u64)
+        .map(|seq| {
+            let mut h = Header::data(desc(seq), 2, 32 << 10);
+            h.desc.tag.group = 7;
+            h.desc.fp.count = 32 << 10;
+            (h.encode(), vec![7; 32 << 10])
+        })
+        .collect()
+}
+
+#[test]
+fn malformed_frames_tcp() {
+    for (case, frames, needle) in cases() {
+        let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
+        let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &frames, case == AFTER_CLOSE);
+        check_all(&errs, case, needle);
+    }
+}
+
+#[test]
+fn unexpected_data_budget_tcp() {
+    let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
+    let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &flood(), false);
+    check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
+}
+
+#[cfg(feature = "quic")]
+#[test]
+fn malformed_frames_quic() {
+    for (case, frames, needle) in cases() {
+        let ts = testing::quic_world(3, &cfg()).unwrap();
+        let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &frames, case == AFTER_CLOSE);
+        check_all(&errs, case, needle);
+    }
+}
+
+#[cfg(feature = "quic")]
+#[test]
+fn unexpected_data_budget_quic() {
+    let ts = testing::quic_world(3, &cfg()).unwrap();
+    let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &flood(), false);
+    check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
+}
