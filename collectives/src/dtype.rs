@@ -174,3 +174,27 @@ pub fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     // writes through the byte view cannot create invalid values.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_names_and_parsing_are_fixed() {
+        // The codes travel in the wire header's fingerprint: they never change.
+        for (op, code, name) in [
+            (ReduceOp::Sum, 1, "sum"),
+            (ReduceOp::Prod, 2, "prod"),
+            (ReduceOp::Min, 3, "min"),
+            (ReduceOp::Max, 4, "max"),
+            (ReduceOp::Avg, 5, "avg"),
+        ] {
+            assert_eq!(op.code(), code, "{name}");
+            assert_eq!(op.name(), name);
+            assert_eq!(op.to_string(), name);
+            assert_eq!(ReduceOp::parse(name), Some(op));
+        }
+        assert_eq!(ReduceOp::parse("mean"), None);
+        assert_eq!(ReduceOp::parse(""), None);
+    }
+}

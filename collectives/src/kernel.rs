@@ -42,10 +42,14 @@ fn apply_inplace<T: Element>(op: ReduceOp, dst: &mut [T], b: &[T]) {
     }
 }
 
+/// True when every address is a multiple of `align`.
+fn all_aligned(align: usize, addrs: [usize; 3]) -> bool {
+    addrs.iter().all(|p| p % align == 0)
+}
+
 fn typed<T: Element>(op: ReduceOp, dst: *mut u8, a: *const u8, b: *const u8, bytes: usize) {
     let n = bytes / std::mem::size_of::<T>();
-    let align = std::mem::align_of::<T>();
-    let aligned = [dst as usize, a as usize, b as usize].iter().all(|p| p % align == 0);
+    let aligned = all_aligned(std::mem::align_of::<T>(), [dst as usize, a as usize, b as usize]);
     if aligned {
         // SAFETY: the caller passes ranges of `bytes` bytes, valid for the access; they are
         // aligned (checked) and every bit pattern is a valid `T`. `dst` may equal `a`, which
@@ -674,6 +678,83 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn unaligned_half_precision_matches_aligned() {
+        // Odd addresses take the widen-to-f32 path for f16 and bf16; it must give the aligned
+        // kernels' bits (which the oracle tests check), in place and out of place.
+        let n = 37;
+        // Infinities, NaNs, zeros of both signs and subnormals first (of either format), then
+        // finite values of mixed signs.
+        let special = [0x7c00u16, 0x7f80, 0xff80, 0x7fc1, 0x7e01, 0x8000, 0x0000, 0x0001, 0x8003];
+        let bits = move |k: usize| {
+            (0..n).map(move |i| {
+                if i < special.len() {
+                    special[(i + k) % special.len()]
+                } else {
+                    ((i * 2654435761 + k * 97) % 0xfb00) as u16
+                }
+            })
+        };
+        for dtype in [DType::F16, DType::BF16] {
+            for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+                let a: Vec<u8> = bits(1).flat_map(u16::to_le_bytes).collect();
+                let b: Vec<u8> = bits(2).flat_map(u16::to_le_bytes).collect();
+                let mut want = a.clone();
+                let mut wa: Vec<u16> =
+                    want.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                let wb: Vec<u16> = b.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                // SAFETY: two aligned vectors of `n` u16 each; in place.
+                unsafe {
+                    let p = wa.as_mut_ptr().cast::<u8>();
+                    reduce_raw(dtype, op, p, p, wb.as_ptr().cast(), 2 * n);
+                }
+                want.clear();
+                want.extend(wa.iter().flat_map(|v| v.to_le_bytes()));
+                let (mut ua, mut ub, mut out) =
+                    (vec![0u8; 2 * n + 1], vec![0u8; 2 * n + 1], vec![0u8; 2 * n + 1]);
+                ua[1..].copy_from_slice(&a);
+                ub[1..].copy_from_slice(&b);
+                // SAFETY: ranges of 2n bytes at offset 1 of buffers of 2n + 1 bytes.
+                unsafe {
+                    reduce_raw(
+                        dtype,
+                        op,
+                        out.as_mut_ptr().add(1),
+                        ua.as_ptr().add(1),
+                        ub.as_ptr().add(1),
+                        2 * n,
+                    );
+                    let p = ua.as_mut_ptr().add(1);
+                    reduce_raw(dtype, op, p, p, ub.as_ptr().add(1), 2 * n);
+                }
+                // Bit for bit, except that any NaN matches any NaN (payloads may differ).
+                let nan = |lo: u8, hi: u8| {
+                    let v = u16::from_le_bytes([lo, hi]);
+                    match dtype {
+                        DType::F16 => f16::from_bits(v).is_nan(),
+                        _ => bf16::from_bits(v).is_nan(),
+                    }
+                };
+                for (what, got) in [("out of place", &out[1..]), ("in place", &ua[1..])] {
+                    for (i, (g, w)) in got.chunks(2).zip(want.chunks(2)).enumerate() {
+                        assert!(
+                            g == w || (nan(g[0], g[1]) && nan(w[0], w[1])),
+                            "{dtype:?} {op} {what} element {i}: {g:?} vs {w:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn alignment_check() {
+        assert!(all_aligned(4, [0, 4, 4096]));
+        assert!(!all_aligned(4, [0, 5, 8]));
+        assert!(!all_aligned(8, [12, 16, 24]));
+        assert!(all_aligned(1, [1, 3, 7]));
     }
 
     #[test]
