@@ -76,6 +76,11 @@ mod tests {
         assert!(!b.verify(&[b"x", b"y"], &m));
         assert!(!a.verify(&[b"x", b"z"], &m));
         assert!(!a.verify(&[b"x", b"y"], &m[..31]));
+        // Two bytes wrong in the same bit: their differences must not cancel out.
+        let mut t = m;
+        t[0] ^= 1;
+        t[1] ^= 1;
+        assert!(!a.verify(&[b"x", b"y"], &t));
     }
 
     fn hex(s: &str) -> Vec<u8> {
@@ -121,6 +126,21 @@ mod tests {
             let (a, b) = data.split_at(data.len() / 3);
             assert!(k.verify(&[a, b], &hex(want)), "case {}: parts concatenate", i + 1);
         }
+    }
+
+    #[test]
+    fn debug_never_shows_the_key() {
+        let k = JobKey::from_token("secret");
+        assert_eq!(format!("{k:?}"), "JobKey(…)");
+    }
+
+    #[test]
+    fn random_tokens_are_fresh_hex() {
+        let (a, b) = (random_token().unwrap(), random_token().unwrap());
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()), "{a}");
+        assert_ne!(a, b);
+        assert_ne!(random::<16>().unwrap(), [0u8; 16]);
     }
 
     #[test]

@@ -433,6 +433,66 @@ mod tests {
     }
 
     #[test]
+    fn every_code_is_fixed() {
+        // The codes are the wire format: each decodes to its own variant and name, and the
+        // codes next to the table's ends are refused.
+        let ops = [
+            (1, "sendrecv"),
+            (2, "broadcast"),
+            (3, "reduce"),
+            (4, "allreduce"),
+            (5, "allgather"),
+            (6, "reduce_scatter"),
+            (7, "alltoall"),
+            (8, "gather"),
+            (9, "scatter"),
+            (10, "barrier"),
+            (11, "control"),
+        ];
+        for (code, name) in ops {
+            let op = OpKind::from_u8(code).unwrap_or_else(|| panic!("op code {code}"));
+            assert_eq!((op as u8, op.name(), op.to_string()), (code, name, name.to_string()));
+        }
+        assert_eq!(OpKind::from_u8(0), None);
+        assert_eq!(OpKind::from_u8(12), None);
+        let dtypes = [
+            (1, "uint8", 1),
+            (2, "int8", 1),
+            (3, "int32", 4),
+            (4, "int64", 8),
+            (5, "half", 2),
+            (6, "bfloat16", 2),
+            (7, "float", 4),
+            (8, "double", 8),
+        ];
+        for (code, name, size) in dtypes {
+            let d = DType::from_u8(code).unwrap_or_else(|| panic!("dtype code {code}"));
+            assert_eq!(
+                (d as u8, d.name(), d.to_string(), d.size()),
+                (code, name, name.into(), size)
+            );
+        }
+        assert_eq!(DType::from_u8(0), None);
+        assert_eq!(DType::from_u8(9), None);
+        for (k, kind) in [
+            (1, FrameKind::Data),
+            (2, FrameKind::KeepAlive),
+            (3, FrameKind::Abort),
+            (4, FrameKind::Close),
+            (5, FrameKind::Probe),
+        ] {
+            let mut h = sample();
+            h.kind = kind;
+            let b = h.encode();
+            assert_eq!(b[2], k);
+            assert_eq!(Header::decode(&b), Ok(h));
+        }
+        let mut b = sample().encode();
+        b[2] = 6;
+        assert_eq!(Header::decode(&b), Err(HeaderError::Kind(6)));
+    }
+
+    #[test]
     fn rejects_bad_magic_and_codes() {
         let mut b = sample().encode();
         b[0] = 0;
