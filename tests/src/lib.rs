@@ -154,6 +154,18 @@ pub fn spawn_job_with(
     (children.into_iter().map(|c| c.wait_with_output().expect("wait")).collect(), killed)
 }
 
+/// Assert that every rank exited 0 after printing `OK <rank>`; `what` starts each message.
+pub fn assert_all_ok(outs: &[Output], what: &str) {
+    for (r, o) in outs.iter().enumerate() {
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success() && text.contains(&format!("OK {r}")),
+            "{what}: rank {r}: {text}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
 /// True when process `pid` still exists (and is not a zombie we could reap).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

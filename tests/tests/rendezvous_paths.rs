@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use tutti_tests::{spawn_job_with, Rendezvous};
+use tutti_tests::{assert_all_ok, spawn_job_with, Rendezvous};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tt-rank");
 
@@ -22,14 +22,7 @@ fn run(scenario: &str, n: usize, extra: &[(&str, &str)], rdv: &Rendezvous) {
         rdv,
     );
     assert!(!killed, "{rdv:?} {scenario}: the job ran past its 120 s deadline");
-    for (r, o) in outs.iter().enumerate() {
-        let text = String::from_utf8_lossy(&o.stdout);
-        assert!(
-            o.status.success() && text.contains(&format!("OK {r}")),
-            "{rdv:?} {scenario}: rank {r}: {text}\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
+    assert_all_ok(&outs, &format!("{rdv:?} {scenario}"));
 }
 
 #[test]

@@ -4,18 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use tutti_tests::spawn_job;
-
-fn ok_all(outs: &[std::process::Output]) {
-    for (r, o) in outs.iter().enumerate() {
-        let text = String::from_utf8_lossy(&o.stdout);
-        assert!(
-            o.status.success() && text.contains(&format!("OK {r}")),
-            "rank {r}: {text}\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
-}
+use tutti_tests::{assert_all_ok, spawn_job};
 
 #[test]
 fn p2p_ring_and_tags_across_processes() {
@@ -27,6 +16,6 @@ fn p2p_ring_and_tags_across_processes() {
             |_| vec![],
             Duration::from_secs(120),
         );
-        ok_all(&outs);
+        assert_all_ok(&outs, &format!("p2p n={n}"));
     }
 }
