@@ -26,5 +26,5 @@ pub fn handshake(data: &[u8]) {
 
 /// Decode a store request body (what follows the length prefix).
 pub fn store_request(data: &[u8]) {
-    let _ = crate::rendezvous::store::decode_request(data);
+    let _ = crate::store::decode_request(data);
 }

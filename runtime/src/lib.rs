@@ -31,6 +31,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod group;
 pub mod rendezvous;
+pub mod store;
 pub mod testing;
 pub mod transport;
 mod util;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::auth::JobKey;
 use crate::error::Result;
 use crate::group::Group;
-use crate::rendezvous::{Store, StoreServer, TcpStore};
+use crate::store::{Store, StoreServer, TcpStore};
 use crate::transport::mem::MemTransport;
 use crate::transport::tcp::{JobIdentity, TcpConfig, TcpTransport};
 use crate::transport::Transport;

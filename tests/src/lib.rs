@@ -49,12 +49,12 @@ pub enum Rendezvous {
 /// What the ranks of a job are told, and the store the test serves for them (if any).
 struct Setup {
     env: Vec<(String, String)>,
-    store: Option<tutti_runtime::rendezvous::StoreServer>,
+    store: Option<tutti_runtime::store::StoreServer>,
 }
 
 fn setup(rdv: &Rendezvous, n: usize) -> Setup {
     use tutti_runtime::auth::JobKey;
-    use tutti_runtime::rendezvous::StoreServer;
+    use tutti_runtime::store::StoreServer;
     let served = |addr: std::net::SocketAddr| {
         let token = "integration-test-token";
         let store =
@@ -182,7 +182,7 @@ pub struct LiveJob {
     pub lines: Vec<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
     /// Set when a rank's output reached its end (all its lines are in `lines`).
     eof: Vec<std::sync::Arc<std::sync::atomic::AtomicBool>>,
-    _store: Option<tutti_runtime::rendezvous::StoreServer>,
+    _store: Option<tutti_runtime::store::StoreServer>,
 }
 
 impl LiveJob {

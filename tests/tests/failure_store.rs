@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tutti_runtime::auth::JobKey;
-use tutti_runtime::rendezvous::{Store, TcpStore};
+use tutti_runtime::store::{Store, TcpStore};
 use tutti_tests::{LiveJob, Rendezvous};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tt-rank");

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tutti_runtime::auth::{self, JobKey};
-use tutti_runtime::rendezvous::StoreServer;
+use tutti_runtime::store::StoreServer;
 
 /// Set by the SIGINT/SIGTERM handler.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);

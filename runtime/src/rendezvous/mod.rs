@@ -17,14 +17,13 @@ use tracing::info;
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::store::{FileStore, Store, StoreServer, TcpStore};
 use crate::transport::tcp::{JobIdentity, TcpConfig, TcpTransport};
 
 pub mod env;
 pub mod ifaddr;
-pub mod store;
 
 pub use env::{EnvInfo, Launcher, StoreSpec};
-pub use store::{FileStore, Store, StoreServer, TcpStore};
 
 /// Which transport connects the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,10 +178,11 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         store.set("tutti/job", &job.to_le_bytes())?;
         (token, job)
     } else {
-        let job_raw = store::get_or(store.as_ref(), "tutti/job", deadline, || Error::Rendezvous {
-            rank,
-            detail: format!("rank 0 did not publish the job id within {deadline:?}"),
-        })?;
+        let job_raw =
+            crate::store::get_or(store.as_ref(), "tutti/job", deadline, || Error::Rendezvous {
+                rank,
+                detail: format!("rank 0 did not publish the job id within {deadline:?}"),
+            })?;
         let job =
             <[u8; 8]>::try_from(job_raw.as_slice()).map(u64::from_le_bytes).map_err(|_| {
                 Error::Rendezvous { rank, detail: "malformed job id in the store".into() }

@@ -371,7 +371,7 @@ mod refused {
     fn missing_rank_is_named() {
         // World of 3, rank 2 never starts: ranks 0 and 1 fail within the connect timeout,
         // naming rank 2.
-        use crate::rendezvous::{Store, StoreServer, TcpStore};
+        use crate::store::{Store, StoreServer, TcpStore};
         let key = JobKey::from_token("k");
         let server =
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))

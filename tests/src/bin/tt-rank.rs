@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tutti_collectives::{verify, Comm, ReduceOp};
 use tutti_runtime::auth::JobKey;
-use tutti_runtime::rendezvous::StoreServer;
+use tutti_runtime::store::StoreServer;
 
 fn pattern(len: usize, src: usize, dst: usize, salt: usize) -> Vec<u8> {
     (0..len).map(|i| ((i * 131 + src * 31 + dst * 7 + salt) % 251) as u8).collect()

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tracing::info;
 
 use crate::error::{Error, Result};
-use crate::rendezvous::Store;
+use crate::store::Store;
 use crate::transport::tcp::{JobIdentity, TcpConfig};
 
 mod engine;
@@ -195,7 +195,7 @@ impl QuicTransport {
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
         for (j, slot) in peers.iter_mut().enumerate().filter(|(j, _)| *j != rank) {
             let left = deadline.saturating_duration_since(Instant::now());
-            let raw = crate::rendezvous::store::get_or(store, &quic_key(j), left, || {
+            let raw = crate::store::get_or(store, &quic_key(j), left, || {
                 rv(format!(
                     "rank {j} did not publish its QUIC address within {:?}",
                     cfg.connect_timeout
@@ -429,7 +429,7 @@ mod tests {
     #[test]
     fn a_certificate_that_was_not_published_is_refused_during_start_up() {
         use crate::auth::JobKey;
-        use crate::rendezvous::{StoreServer, TcpStore};
+        use crate::store::{StoreServer, TcpStore};
         let key = JobKey::from_token("tutti-test");
         let server =
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 2, Some(key.clone()))

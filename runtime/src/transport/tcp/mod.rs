@@ -17,8 +17,8 @@ use tracing::{debug, info, warn};
 
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
-use crate::rendezvous::store::get_or;
-use crate::rendezvous::Store;
+use crate::store::get_or;
+use crate::store::Store;
 
 mod engine;
 pub(crate) mod handshake;
