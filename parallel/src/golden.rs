@@ -1,5 +1,5 @@
 //! The golden runner: loads a PyTorch reference case (`<case>.json` + `<case>.safetensors`, the
-//! format of `shared/golden/README.md`), runs it under a parallel strategy on this rank's group
+//! format described in `parallel/golden/README.md`), runs it under a parallel strategy on this rank's group
 //! and compares every reference tensor it reproduces.
 //!
 //! Shapes and hyper-parameters come from the files (the tensors' shapes, the json's `config`),

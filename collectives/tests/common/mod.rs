@@ -1,4 +1,4 @@
-//! Exact test data (GUIDE §4): small integers every dtype stores exactly, kept inside the exact
+//! Exact test data: small integers every dtype stores exactly, kept inside the exact
 //! range after reduction, so any summation order gives the same bits. Each rank computes the
 //! expected output locally from (seed, rank, world, op).
 
