@@ -78,7 +78,11 @@ pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreS
 /// Any rendezvous failure.
 #[cfg(feature = "quic")]
 pub fn quic_world(n: usize, cfg: &TcpConfig) -> Result<Vec<crate::transport::quic::QuicTransport>> {
-    Ok(job(n, cfg, crate::transport::quic::QuicTransport::connect)?.0)
+    let quic = crate::transport::QuicConfig::default();
+    Ok(job(n, cfg, |id, store, cfg| {
+        crate::transport::quic::QuicTransport::connect(id, store, cfg, &quic)
+    })?
+    .0)
 }
 
 /// Transports of a job of `n` ranks of the given kind, in rank order.

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::store::{FileStore, Store, StoreServer, TcpStore};
 use crate::transport::tcp::{JobIdentity, TcpConfig, TcpTransport};
+use crate::transport::QuicConfig;
 
 pub mod env;
 pub mod ifaddr;
@@ -50,6 +51,8 @@ pub struct Options {
     /// TCP transport settings (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
     /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`).
     pub tcp: TcpConfig,
+    /// QUIC-only settings (`TUTTI_QUIC_MTU`, `TUTTI_QUIC_GSO`).
+    pub quic: QuicConfig,
 }
 
 impl Default for Options {
@@ -60,6 +63,7 @@ impl Default for Options {
             timeout: crate::group::DEFAULT_TIMEOUT,
             transport: TransportKind::Tcp,
             tcp: TcpConfig::default(),
+            quic: QuicConfig::default(),
         }
     }
 }
@@ -74,13 +78,22 @@ fn secs(name: &str, v: &str) -> Result<Duration> {
 
 impl Options {
     /// Read `TUTTI_TOKEN`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
-    /// `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER` and `TUTTI_SPIN_US`.
+    /// `TUTTI_TRANSPORT`, `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER`, `TUTTI_QUIC_MTU`,
+    /// `TUTTI_QUIC_GSO` and `TUTTI_SPIN_US`; an empty variable counts as unset.
     ///
     /// # Errors
     /// [`Error::Config`] naming a malformed variable.
     pub fn from_env() -> Result<Options> {
+        Options::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`Options::from_env`] with the variables looked up by `lookup`.
+    ///
+    /// # Errors
+    /// As [`Options::from_env`].
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
         let mut o = Options::default();
-        let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let get = |k: &str| lookup(k).filter(|v| !v.is_empty());
         o.token = get("TUTTI_TOKEN");
         if let Some(v) = get("TUTTI_SOCKET_IFNAME") {
             o.ifname = Some(v.parse()?);
@@ -107,6 +120,27 @@ impl Options {
         }
         if let Some(v) = get("TUTTI_DEAD_AFTER") {
             o.tcp.dead_after = secs("TUTTI_DEAD_AFTER", &v)?;
+        }
+        if let Some(v) = get("TUTTI_QUIC_MTU") {
+            o.quic.loopback_mtu = v
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|m| (QuicConfig::MIN_MTU..=QuicConfig::MAX_MTU).contains(m))
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "TUTTI_QUIC_MTU={v:?} is not a datagram size from {} to {} bytes",
+                        QuicConfig::MIN_MTU,
+                        QuicConfig::MAX_MTU
+                    ))
+                })?;
+        }
+        if let Some(v) = get("TUTTI_QUIC_GSO") {
+            o.quic.gso = match v.trim() {
+                "1" => true,
+                "0" => false,
+                _ => return Err(Error::Config(format!("TUTTI_QUIC_GSO={v:?}: expected 1 or 0"))),
+            };
         }
         if let Some(v) = get("TUTTI_SPIN_US") {
             let us: u64 = v.trim().parse().map_err(|_| {
@@ -204,7 +238,12 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         }
         #[cfg(feature = "quic")]
         TransportKind::Quic => {
-            let t = crate::transport::quic::QuicTransport::connect(&id, store.as_ref(), &tcp)?;
+            let t = crate::transport::quic::QuicTransport::connect(
+                &id,
+                store.as_ref(),
+                &tcp,
+                &opts.quic,
+            )?;
             info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (quic)");
             Arc::new(t)
         }
@@ -214,4 +253,51 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
     let g = Group::with_keep(t, keep);
     g.set_timeout(opts.timeout);
     Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> Result<Options> {
+        let vars: Vec<(String, String)> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Options::from_lookup(|k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn quic_settings_parse_strictly() {
+        let o = with(&[]).unwrap();
+        assert_eq!(o.quic, QuicConfig::default());
+        let o = with(&[("TUTTI_QUIC_MTU", "9000"), ("TUTTI_QUIC_GSO", "0")]).unwrap();
+        assert_eq!(o.quic, QuicConfig { loopback_mtu: 9000, gso: false });
+        for (k, v) in [
+            ("TUTTI_QUIC_MTU", "1199"),
+            ("TUTTI_QUIC_MTU", "65528"),
+            ("TUTTI_QUIC_MTU", "big"),
+            ("TUTTI_QUIC_GSO", "off"),
+            ("TUTTI_QUIC_GSO", "2"),
+        ] {
+            let e = with(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");
+        }
+    }
+
+    #[test]
+    fn every_malformed_variable_is_named() {
+        for (k, v) in [
+            ("TUTTI_TIMEOUT", "soon"),
+            ("TUTTI_CONNECT_TIMEOUT", "-1"),
+            ("TUTTI_TRANSPORT", "udp"),
+            ("TUTTI_KEEPALIVE", "0"),
+            ("TUTTI_DEAD_AFTER", "inf"),
+            ("TUTTI_SPIN_US", "1.5"),
+        ] {
+            let e = with(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k), "{k}={v}: {e}");
+        }
+        let o = with(&[("TUTTI_TIMEOUT", "2.5"), ("TUTTI_TRANSPORT", "quic")]).unwrap();
+        assert_eq!(o.timeout, Duration::from_millis(2500));
+        assert_eq!(o.transport, TransportKind::Quic);
+    }
 }

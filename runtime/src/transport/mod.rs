@@ -95,6 +95,34 @@ macro_rules! engine_transport {
     };
 }
 
+/// Settings only the QUIC transport has; the ones it shares with TCP (timeouts, keep-alive,
+/// dead-peer limit, spin, budgets) are in [`tcp::TcpConfig`]. Read from the environment by
+/// `rendezvous::Options::from_env`, where a malformed value is an error naming the variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuicConfig {
+    /// Datagram size on loopback, bytes (`TUTTI_QUIC_MTU`, 1,200 to 65,527). Default 65,000:
+    /// the largest UDP payload less headroom for IP options.
+    /// Hazard: above what one `sendmsg` may carry, every datagram is dropped.
+    pub loopback_mtu: u16,
+    /// Segmentation offload off loopback: batches of datagrams per `sendmsg` (`TUTTI_QUIC_GSO`,
+    /// `1` or `0`). Default on. Hazard: off costs CPU per datagram; turn it off only on a
+    /// network path that drops the batches.
+    pub gso: bool,
+}
+
+impl QuicConfig {
+    /// Smallest datagram QUIC allows.
+    pub const MIN_MTU: u16 = 1_200;
+    /// Largest UDP payload over IPv4.
+    pub const MAX_MTU: u16 = 65_527;
+}
+
+impl Default for QuicConfig {
+    fn default() -> QuicConfig {
+        QuicConfig { loopback_mtu: 65_000, gso: true }
+    }
+}
+
 pub(crate) mod matcher;
 pub mod mem;
 #[cfg_attr(not(feature = "quic"), allow(dead_code))]

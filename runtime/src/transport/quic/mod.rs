@@ -20,6 +20,7 @@ use tracing::info;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use crate::transport::tcp::{JobIdentity, TcpConfig};
+use crate::transport::QuicConfig;
 
 mod engine;
 mod tls;
@@ -53,9 +54,6 @@ impl std::fmt::Debug for QuicTransport {
 
 /// Most bytes a rank sends unacknowledged on loopback.
 const LOOPBACK_SEND_WINDOW: u64 = 1 << 20;
-
-/// Datagram size on loopback: the largest UDP payload (65,527) less IP options headroom.
-const LOOPBACK_MTU: u16 = 65_000;
 
 /// Set the UDP socket buffers to `want` bytes (forcing past `net.core.rmem_max` where the process
 /// may, as root does); returns the receive buffer the kernel granted.
@@ -105,6 +103,7 @@ fn in_flight_limit(rcvbuf: usize, world: usize, loopback: bool) -> u64 {
 
 fn transport_config(
     cfg: &TcpConfig,
+    quic: &QuicConfig,
     loopback: bool,
     in_flight: u64,
 ) -> quinn_proto::TransportConfig {
@@ -140,8 +139,7 @@ fn transport_config(
         // a GSO batch of 64 KiB segments exceeds the kernel's 64 KiB limit per send, the batch
         // is dropped, quinn counts the losses, its black-hole detection falls back to 1,200-byte
         // packets and the congestion window collapses (see docs/transport.md).
-        let mtu = std::env::var("TUTTI_QUIC_MTU").ok().and_then(|v| v.parse::<u16>().ok());
-        t.initial_mtu(mtu.unwrap_or(LOOPBACK_MTU));
+        t.initial_mtu(quic.loopback_mtu);
         t.mtu_discovery_config(None);
     } else {
         // Probe up to jumbo frames (9,000-byte MTU less IPv6 and UDP headers); probes larger
@@ -151,9 +149,7 @@ fn transport_config(
         t.mtu_discovery_config(Some(mtud));
     }
     // Batches of datagrams per `sendmsg` off loopback; `TUTTI_QUIC_GSO=0` turns them off.
-    t.enable_segmentation_offload(
-        !loopback && std::env::var("TUTTI_QUIC_GSO").map_or(true, |v| v != "0"),
-    );
+    t.enable_segmentation_offload(!loopback && quic.gso);
     t
 }
 
@@ -164,8 +160,13 @@ impl QuicTransport {
     /// # Errors
     /// [`Error::Io`] when the UDP socket cannot be bound; [`Error::Rendezvous`] naming the ranks
     /// that did not publish or connect in time, or whose certificate did not match.
-    pub fn connect(id: &JobIdentity, store: &dyn Store, cfg: &TcpConfig) -> Result<QuicTransport> {
-        Self::connect_as(id, store, cfg, None)
+    pub fn connect(
+        id: &JobIdentity,
+        store: &dyn Store,
+        cfg: &TcpConfig,
+        quic: &QuicConfig,
+    ) -> Result<QuicTransport> {
+        Self::connect_as(id, store, cfg, quic, None)
     }
 
     /// [`QuicTransport::connect`], with `loopback` overriding whether the path is treated as
@@ -175,6 +176,7 @@ impl QuicTransport {
         id: &JobIdentity,
         store: &dyn Store,
         cfg: &TcpConfig,
+        quic: &QuicConfig,
         loopback: Option<bool>,
     ) -> Result<QuicTransport> {
         let (rank, world) = (id.rank, id.world);
@@ -216,7 +218,7 @@ impl QuicTransport {
                 || peers.iter().flatten().all(|(addr, _)| addr.ip().is_loopback())
         });
         let in_flight = in_flight_limit(rcvbuf, world, loopback);
-        let transport = Arc::new(transport_config(cfg, loopback, in_flight));
+        let transport = Arc::new(transport_config(cfg, quic, loopback, in_flight));
         let server_tls =
             tls::server_config(&me, allowed.clone()).map_err(|e| rv(format!("TLS: {e}")))?;
         let server_crypto = quinn_proto::crypto::rustls::QuicServerConfig::try_from(server_tls)
@@ -325,7 +327,7 @@ mod tests {
         // MTU discovery), forced on 127.0.0.1: messages from 0 bytes to 8 MiB both ways at once,
         // content checked byte for byte.
         let (ts, _server) = crate::testing::job(2, &TcpConfig::default(), |id, store, cfg| {
-            QuicTransport::connect_as(id, store, cfg, Some(false))
+            QuicTransport::connect_as(id, store, cfg, &QuicConfig::default(), Some(false))
         })
         .unwrap();
         let sizes = [0usize, 1, 1199, 1472, 60_000, 65_536, 1 << 20, 8 << 20];
@@ -440,7 +442,7 @@ mod tests {
             let rank0 = s.spawn(|| {
                 let store = TcpStore::connect(addr, 0, 2, Some(&key), Duration::from_secs(30))?;
                 let id = JobIdentity { rank: 0, world: 2, job: 7, key: key.clone() };
-                QuicTransport::connect(&id, &store as &dyn Store, &cfg)
+                QuicTransport::connect(&id, &store as &dyn Store, &cfg, &QuicConfig::default())
             });
             // Rank 1's slot: the store holds a published fingerprint that is not the stranger's,
             // so rank 0 (accepting, in start-up) must refuse the stranger's certificate.
