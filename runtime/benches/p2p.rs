@@ -2,7 +2,7 @@
 //! QUIC transport, in the same run. Prints one-way latency (half the ping-pong round trip) at
 //! 8 B and streaming throughput at 64 MiB, medians of several repetitions, and the ratios.
 //!
-//! `cargo bench -p tutti-runtime --bench p2p` (`P2P_REPS`, `P2P_PINGS` to change the counts).
+//! `cargo bench -p tutti-runtime --features testing --bench p2p` (`P2P_REPS`, `P2P_PINGS` to change the counts).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -28,10 +28,12 @@
 
 pub mod auth;
 pub mod error;
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod group;
 pub mod rendezvous;
 pub mod store;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod transport;
 mod util;
