@@ -285,7 +285,7 @@ impl Comm {
         op: ReduceOp,
     ) -> Result<Stats> {
         let count = out.len();
-        let bytes = std::mem::size_of_val(out);
+        let bytes = size_of_val(out);
         let req = Req {
             coll: Coll::Allreduce,
             name: "allreduce",
@@ -387,7 +387,7 @@ impl Comm {
         root: usize,
     ) -> Result<Stats> {
         self.check_root("broadcast", root)?;
-        let len = std::mem::size_of_val(out);
+        let len = size_of_val(out);
         let req = Req {
             coll: Coll::Broadcast,
             name: "broadcast",
@@ -453,7 +453,7 @@ impl Comm {
         root: usize,
     ) -> Result<Stats> {
         self.check_root("reduce", root)?;
-        let len = std::mem::size_of_val(out);
+        let len = size_of_val(out);
         let req = Req {
             coll: Coll::Reduce,
             name: "reduce",
@@ -567,7 +567,7 @@ impl Comm {
         out: &mut [T],
         counts: &[usize],
     ) -> Result<Stats> {
-        let es = std::mem::size_of::<T>();
+        let es = size_of::<T>();
         let blocks = blocks_from_counts(counts, es);
         let uniform = counts.windows(2).all(|w| w[0] == w[1]);
         let total = out.len();
@@ -579,7 +579,7 @@ impl Comm {
             redop: None,
             root: None,
             count: total,
-            bytes: std::mem::size_of_val(out),
+            bytes: size_of_val(out),
             uniform,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
@@ -686,7 +686,7 @@ impl Comm {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<Stats> {
-        let es = std::mem::size_of::<T>();
+        let es = size_of::<T>();
         let blocks = blocks_from_counts(counts, es);
         let total: usize = counts.iter().sum();
         let uniform = counts.windows(2).all(|w| w[0] == w[1]);
@@ -799,11 +799,11 @@ impl Comm {
         rc: &[usize],
         uniform: bool,
     ) -> Result<Stats> {
-        let es = std::mem::size_of::<T>();
+        let es = size_of::<T>();
         let send = blocks_from_counts(sc, es);
         let recv = blocks_from_counts(rc, es);
         let total = out.len();
-        let total_bytes = std::mem::size_of_val(out);
+        let total_bytes = size_of_val(out);
         let req = Req {
             coll: Coll::AllToAll,
             name: "all_to_all",
@@ -861,7 +861,7 @@ impl Comm {
                 ),
             ));
         }
-        let es = std::mem::size_of::<T>();
+        let es = size_of::<T>();
         let blocks = split(input.len() * n, n, es);
         let req = Req {
             coll: Coll::Gather,
@@ -916,7 +916,7 @@ impl Comm {
                 self.invalid(name, format!("{} elements do not divide by {n} ranks", buf.len()))
             );
         }
-        let es = std::mem::size_of::<T>();
+        let es = size_of::<T>();
         let blocks = split(buf.len(), n, es);
         let req = Req {
             coll,
@@ -926,7 +926,7 @@ impl Comm {
             redop: None,
             root: Some(root),
             count: buf.len() / n,
-            bytes: std::mem::size_of_val(buf),
+            bytes: size_of_val(buf),
             uniform: true,
             data: as_bytes_mut(buf),
             input: None,
@@ -957,7 +957,7 @@ impl Comm {
                 format!("root input has {} elements, expected {} x {n}", input.len(), output.len()),
             ));
         }
-        let es = std::mem::size_of::<T>();
+        let es = size_of::<T>();
         let blocks = split(output.len() * n, n, es);
         let req = Req {
             coll: Coll::Scatter,
@@ -1028,8 +1028,7 @@ impl Comm {
         src: usize,
         tag: u32,
     ) -> Result<usize> {
-        Ok(self.group.sendrecv(dst, as_bytes(send), src, as_bytes_mut(recv), tag)?
-            / std::mem::size_of::<T>())
+        Ok(self.group.sendrecv(dst, as_bytes(send), src, as_bytes_mut(recv), tag)? / size_of::<T>())
     }
 
     /// Receive into `buf` from group rank `src` under `tag`; returns the elements received.
@@ -1041,7 +1040,7 @@ impl Comm {
     /// As [`Group::recv`].
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u32) -> Result<usize> {
         self.drain()?;
-        Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / std::mem::size_of::<T>())
+        Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / size_of::<T>())
     }
 
     /// Several sends and receives posted together and waited for together (PyTorch's
@@ -1064,6 +1063,6 @@ impl Comm {
         let mut r: Vec<(usize, u32, &mut [u8])> =
             recvs.iter_mut().map(|(src, t, b)| (*src, *t, as_bytes_mut(b))).collect();
         let got = self.group.batch_p2p(&s, &mut r)?;
-        Ok(got.into_iter().map(|n| n / std::mem::size_of::<T>()).collect())
+        Ok(got.into_iter().map(|n| n / size_of::<T>()).collect())
     }
 }

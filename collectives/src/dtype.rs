@@ -165,14 +165,14 @@ half_element!(bf16, DType::BF16);
 pub fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
     // SAFETY: every `Element` is plain old data without padding; the byte view covers exactly
     // the slice's memory and borrows it immutably.
-    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), size_of_val(s)) }
 }
 
 /// View a typed slice as mutable bytes.
 pub fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
     // SAFETY: as `as_bytes`, and every bit pattern is a valid value of every `Element`, so
     // writes through the byte view cannot create invalid values.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), size_of_val(s)) }
 }
 
 #[cfg(test)]

@@ -48,8 +48,8 @@ fn all_aligned(align: usize, addrs: [usize; 3]) -> bool {
 }
 
 fn typed<T: Element>(op: ReduceOp, dst: *mut u8, a: *const u8, b: *const u8, bytes: usize) {
-    let n = bytes / std::mem::size_of::<T>();
-    let aligned = all_aligned(std::mem::align_of::<T>(), [dst as usize, a as usize, b as usize]);
+    let n = bytes / size_of::<T>();
+    let aligned = all_aligned(align_of::<T>(), [dst as usize, a as usize, b as usize]);
     if aligned {
         // SAFETY: the caller passes ranges of `bytes` bytes, valid for the access; they are
         // aligned (checked) and every bit pattern is a valid `T`. `dst` may equal `a`, which
@@ -479,16 +479,16 @@ pub unsafe fn reduce_raw(
     match dtype {
         DType::F32 => typed::<f32>(op, dst, a, b, bytes),
         DType::F64 => typed::<f64>(op, dst, a, b, bytes),
-        // SAFETY: forwarded contract.
-        DType::F16 | DType::BF16
-            if [dst as usize, a as usize, b as usize].iter().any(|p| p % 2 != 0) =>
-        unsafe {
-            if dtype == DType::F16 {
-                via_f32::<f16>(op, dst, a, b, bytes / 2)
-            } else {
-                via_f32::<bf16>(op, dst, a, b, bytes / 2)
+        DType::F16 | DType::BF16 if !all_aligned(2, [dst as usize, a as usize, b as usize]) => {
+            // SAFETY: forwarded contract; `via_f32` copies through aligned locals.
+            unsafe {
+                if dtype == DType::F16 {
+                    via_f32::<f16>(op, dst, a, b, bytes / 2)
+                } else {
+                    via_f32::<bf16>(op, dst, a, b, bytes / 2)
+                }
             }
-        },
+        }
         // SAFETY: forwarded contract; the ranges are 2-byte aligned (checked above).
         DType::BF16 => unsafe { half16::bf16(op, dst.cast(), a.cast(), b.cast(), bytes / 2) },
         // SAFETY: as above.
@@ -589,7 +589,7 @@ mod tests {
                     let mut v = a.clone();
                     let p = v.as_mut_ptr();
                     // SAFETY: AVX2 is present; `n` elements each; in place.
-                    let done = unsafe { super::simd::bf16_avx2(op, p, p, b.as_ptr(), n) };
+                    let done = unsafe { simd::bf16_avx2(op, p, p, b.as_ptr(), n) };
                     for i in 0..done {
                         let want = <bf16 as Element>::combine(op, ab[i], bb[i]);
                         let got = bf16::from_bits(v[i]);

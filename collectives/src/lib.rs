@@ -21,8 +21,6 @@
 //! });
 //! ```
 
-#![warn(missing_docs, unreachable_pub)]
-
 pub mod algo;
 mod comm;
 pub mod device;

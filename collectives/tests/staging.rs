@@ -18,7 +18,7 @@ fn world<T: Send>(kind: Kind, n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> 
 }
 
 fn up<T: Element>(dev: &dyn Device, v: &[T]) -> Box<dyn DeviceBuffer> {
-    let b = dev.alloc(std::mem::size_of_val(v)).unwrap();
+    let b = dev.alloc(size_of_val(v)).unwrap();
     dev.upload(as_bytes(v), &*b).unwrap();
     b
 }
@@ -51,10 +51,10 @@ fn check<T: Element>(kind: Kind, n: usize, count: usize, cfg: StagingConfig) {
             bits(&want),
             "allreduce n={n} count={count}"
         );
-        let seg = (cfg.segment_bytes / std::mem::size_of::<T>()).max(1);
+        let seg = (cfg.segment_bytes / size_of::<T>()).max(1);
         assert_eq!(s.segments, count.div_ceil(seg));
         // Allreduce out of place: the input stays.
-        let (bi, bo) = (up(&*dev, &x), dev.alloc(count * std::mem::size_of::<T>()).unwrap());
+        let (bi, bo) = (up(&*dev, &x), dev.alloc(count * size_of::<T>()).unwrap());
         st.allreduce_from::<T>(&*bi, &*bo, count, op).unwrap();
         assert_eq!(
             bits(&down::<T>(&*dev, &*bo, count)),
@@ -65,20 +65,20 @@ fn check<T: Element>(kind: Kind, n: usize, count: usize, cfg: StagingConfig) {
         // Allgather.
         let mut want = vec![T::default(); n * count];
         c.allgather(&x, &mut want).unwrap();
-        let (bi, bo) = (up(&*dev, &x), dev.alloc(n * count * std::mem::size_of::<T>()).unwrap());
+        let (bi, bo) = (up(&*dev, &x), dev.alloc(n * count * size_of::<T>()).unwrap());
         st.allgather::<T>(&*bi, &*bo, count).unwrap();
         assert_eq!(bits(&down::<T>(&*dev, &*bo, n * count)), bits(&want), "allgather");
         // Reduce-scatter.
         let big: Vec<T> = input(2, r, n * count, op);
         let mut want = vec![T::default(); count];
         c.reduce_scatter(&big, &mut want, op).unwrap();
-        let (bi, bo) = (up(&*dev, &big), dev.alloc(count * std::mem::size_of::<T>()).unwrap());
+        let (bi, bo) = (up(&*dev, &big), dev.alloc(count * size_of::<T>()).unwrap());
         st.reduce_scatter::<T>(&*bi, &*bo, count, op).unwrap();
         assert_eq!(bits(&down::<T>(&*dev, &*bo, count)), bits(&want), "reduce_scatter");
         // All-to-all.
         let mut want = vec![T::default(); n * count];
         c.all_to_all(&big, &mut want).unwrap();
-        let (bi, bo) = (up(&*dev, &big), dev.alloc(n * count * std::mem::size_of::<T>()).unwrap());
+        let (bi, bo) = (up(&*dev, &big), dev.alloc(n * count * size_of::<T>()).unwrap());
         st.all_to_all::<T>(&*bi, &*bo, count).unwrap();
         assert_eq!(bits(&down::<T>(&*dev, &*bo, n * count)), bits(&want), "all_to_all");
         // In place again, now on pooled slots that carry output stages from the calls above.

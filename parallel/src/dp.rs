@@ -319,7 +319,7 @@ fn pack<T: candle_core::WithDType>(
 /// faults, 35–40 ms of a 60 ms sync on the 2-core VM). Best effort: without THP nothing changes.
 fn huge_vec<T>(n: usize) -> Vec<T> {
     let v = Vec::<T>::with_capacity(n);
-    let bytes = n * std::mem::size_of::<T>();
+    let bytes = n * size_of::<T>();
     #[cfg(target_os = "linux")]
     if bytes >= 4 << 20 {
         const PAGE: usize = 4096;

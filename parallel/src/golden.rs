@@ -540,8 +540,7 @@ fn tiny_lm(case: &Case, strategy: Strategy, comm: &Comm) -> Result<Report> {
         losses.push(scalar(&loss)? as f32);
         let grads = lm.backward(&loss)?;
         if step == 0 {
-            let range =
-                crate::shard_range(case.tensor("act.logits")?.dim(2)?, comm.rank(), comm.size());
+            let range = shard_range(case.tensor("act.logits")?.dim(2)?, comm.rank(), comm.size());
             let want = case.tensor("act.logits")?.narrow(2, range.start, range.len())?;
             ck.part("act.logits", &logits, &want, Tol::Forward)?;
             check_params(&mut ck, lm.params(), &grads)?;

@@ -45,8 +45,6 @@
 //! assert_eq!(outs[1], outs[0]);
 //! ```
 
-#![warn(missing_docs, unreachable_pub)]
-
 pub mod block;
 pub mod compare;
 pub mod data;

@@ -24,8 +24,6 @@
 //! });
 //! ```
 
-#![warn(missing_docs, unreachable_pub)]
-
 pub mod auth;
 pub mod error;
 #[cfg(any(test, feature = "fuzzing"))]

@@ -1,7 +1,5 @@
 //! tutti-tools: `collbench`, the nccl-tests-style benchmark, and `tutti-run`, the launcher.
 
-#![warn(missing_docs, unreachable_pub)]
-
 pub mod collbench;
 pub mod launch;
 pub mod run;

@@ -90,7 +90,7 @@ pub enum Response {
 ///
 /// # Errors
 /// A description of what is malformed.
-pub fn decode_request(body: &[u8]) -> std::result::Result<Request, String> {
+pub fn decode_request(body: &[u8]) -> Result<Request, String> {
     postcard::from_bytes(body).map_err(|e| format!("malformed store request: {e}"))
 }
 

@@ -295,7 +295,7 @@ impl Bench {
 
     fn size<T: Element>(&mut self, coll: &'static str, size: u64) -> Result<Row> {
         let n = self.comm.size();
-        let d = dims(coll, size, std::mem::size_of::<T>(), n, self.s.args.root);
+        let d = dims(coll, size, size_of::<T>(), n, self.s.args.root);
         let (oop, algo) = self.mode::<T>(coll, d, false)?;
         let (ip, _) = self.mode::<T>(coll, d, true)?;
         Ok(Row {
@@ -439,7 +439,7 @@ impl Bench {
         };
         let device = dev.device.clone();
         let (inp, out) = self.buffers::<T>(coll, d, false);
-        let esz = std::mem::size_of::<T>();
+        let esz = size_of::<T>();
         let din = device.alloc(d.in_len.max(1) * esz)?;
         let dout = device.alloc(d.out_len.max(1) * esz)?;
         let in_place = ip && coll == "allreduce";

@@ -71,7 +71,7 @@ fn udp_buffers(s: &socket2::SockRef<'_>, want: usize) -> usize {
                 libc::SOL_SOCKET,
                 force,
                 (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                size_of::<libc::c_int>() as libc::socklen_t,
             )
         } == 0;
         if !forced {
@@ -82,7 +82,7 @@ fn udp_buffers(s: &socket2::SockRef<'_>, want: usize) -> usize {
                     libc::SOL_SOCKET,
                     plain,
                     (&v as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    size_of::<libc::c_int>() as libc::socklen_t,
                 )
             };
         }

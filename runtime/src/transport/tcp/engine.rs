@@ -484,7 +484,7 @@ impl Engine {
 impl Inner {
     /// Ask `peer` whether it is in the same collective as `desc` (see `FrameKind::Probe`).
     fn send_probe(&mut self, peer: usize, desc: MsgDesc) {
-        if peer == self.rank || desc.tag.group & crate::transport::matcher::P2P_GROUP_BIT != 0 {
+        if peer == self.rank || desc.tag.group & matcher::P2P_GROUP_BIT != 0 {
             return;
         }
         let Some(c) = self.conns[peer].as_mut() else { return };
