@@ -6,7 +6,7 @@
 //! after `log2(p)` rounds it owns one block reduced over all ranks. Doubling gathers the blocks
 //! back. `2(p-1)/p·S` bytes sent per rank (like the ring) in `2·log2(p)` steps (unlike the ring's
 //! `2(p-1)`): the medium-size algorithm. Non-power-of-two worlds fold first (see
-//! [`Fold`](super::recursive_doubling::Fold)).
+//! [`super::recursive_doubling::Fold`]).
 
 use super::recursive_doubling::{range, Fold};
 use super::Shape;

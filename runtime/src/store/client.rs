@@ -13,7 +13,7 @@ use super::Store;
 use crate::auth::JobKey;
 use crate::error::{Error, Result};
 
-/// A client of a [`StoreServer`].
+/// A client of a [`StoreServer`](super::StoreServer).
 pub struct TcpStore {
     addr: SocketAddr,
     conn: Mutex<TcpStream>,

@@ -5,7 +5,7 @@
 //! One QUIC connection per pair of ranks (the higher rank connects), and on it one long-lived
 //! unidirectional stream per direction carrying the same frames as TCP (48-byte wire header plus
 //! payload), so messages of one (peer, tag) stay in order. There is no async runtime: like the
-//! TCP engine, the thread that waits drives the socket and the connections ([`engine`]), and a
+//! TCP engine, the thread that waits drives the socket and the connections (`engine.rs`), and a
 //! background thread does so only while nobody waits. QUIC's own keep-alives and idle timeout
 //! replace TCP's: a silent peer is declared dead after `dead_after`, with the same typed errors.
 
