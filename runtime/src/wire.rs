@@ -493,6 +493,19 @@ mod tests {
     }
 
     #[test]
+    fn descriptors_print_every_field() {
+        // Mismatch errors print both descriptors this way.
+        let mut d = sample().desc;
+        assert_eq!(
+            d.to_string(),
+            "{op allreduce, dtype bfloat16, redop 2, count 10007, root -, group 7, \
+             seq 1099511627776, step 3}"
+        );
+        d.fp.root = 3;
+        assert!(d.to_string().contains("root 3, group 7"), "{d}");
+    }
+
+    #[test]
     fn rejects_bad_magic_and_codes() {
         let mut b = sample().encode();
         b[0] = 0;
