@@ -575,3 +575,152 @@ pub(crate) fn peer_lost(
     let reason = format!("rank {rank} lost its connection to rank {peer} ({detail})");
     (Error::PeerLost { rank, peer, ctx: None, detail }, reason)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{DType, Fingerprint, OpKind};
+
+    fn desc(group: u32, seq: u64, step: u32, count: u64) -> MsgDesc {
+        MsgDesc {
+            tag: Tag { group, seq, step },
+            fp: Fingerprint {
+                op: OpKind::Allreduce,
+                dtype: DType::U8,
+                redop: 1,
+                root: u32::MAX,
+                count,
+            },
+        }
+    }
+
+    /// One peer's matching state (this is rank 0, the peer rank 1).
+    #[derive(Default)]
+    struct State {
+        queues: PeerQueues,
+        ops: Ops,
+        unexpected: u64,
+    }
+
+    impl State {
+        fn matching(&mut self) -> Matching<'_> {
+            Matching {
+                rank: 0,
+                peer: 1,
+                queues: &mut self.queues,
+                ops: &mut self.ops,
+                unexpected_bytes: &mut self.unexpected,
+            }
+        }
+
+        /// Post a receive of `cap` bytes into `buf`; true when it stays queued.
+        fn post(&mut self, d: MsgDesc, buf: &mut [u8]) -> (OpId, bool) {
+            let id = self.ops.insert(1, d, buf.len());
+            let post = RecvPost { id, desc: d, buf: RawBuf(buf.as_mut_ptr()), cap: buf.len() };
+            (id, self.matching().post_recv(post))
+        }
+
+        fn result(&mut self, id: OpId) -> Option<Result<usize>> {
+            self.ops.take_finished(id)
+        }
+    }
+
+    #[test]
+    fn a_posted_receive_takes_its_message_and_others_wait() {
+        let mut s = State::default();
+        let mut buf = [0u8; 8];
+        let (id, queued) = s.post(desc(0, 1, 0, 8), &mut buf);
+        assert!(queued);
+        // Another tag arrives first: it is unexpected and counted against the budget.
+        let (l, used) = s.matching().arrive_header(&desc(0, 1, 1, 8), 4, 64, 100);
+        assert!(matches!(l, Ok(Landing::Buffer)) && used == 0, "{l:?}");
+        // Its own tag lands in the posted buffer.
+        let (l, used) = s.matching().arrive_header(&desc(0, 1, 0, 8), 8, 64, 100);
+        assert!(matches!(l, Ok(Landing::Posted { id: got, .. }) if got == id), "{l:?}");
+        assert_eq!(used, 1);
+    }
+
+    #[test]
+    fn an_early_message_is_delivered_when_its_receive_is_posted() {
+        let mut s = State::default();
+        s.unexpected = 3;
+        let used = s.matching().arrive_whole(&desc(0, 1, 0, 3), vec![7, 8, 9].into(), true);
+        assert_eq!((used, s.unexpected), (0, 3));
+        let mut buf = [0u8; 3];
+        let (id, queued) = s.post(desc(0, 1, 0, 3), &mut buf);
+        assert!(!queued);
+        assert_eq!(s.unexpected, 0, "delivery gives the budget back");
+        assert_eq!(s.result(id).map(|r| r.ok()), Some(Some(3)));
+        assert_eq!(buf, [7, 8, 9]);
+    }
+
+    #[test]
+    fn budget_big_messages_and_length_are_checked() {
+        let mut s = State::default();
+        // Larger than the eager size with no receive: parked, nothing buffered.
+        let (l, _) = s.matching().arrive_header(&desc(0, 1, 0, 9), 1000, 64, 100);
+        assert!(matches!(l, Ok(Landing::Park)), "{l:?}");
+        assert_eq!(s.unexpected, 0);
+        // Small ones fill the budget, then the next fails naming the peer.
+        for step in 1..=2 {
+            let (l, _) = s.matching().arrive_header(&desc(0, 1, step, 9), 50, 64, 100);
+            assert!(matches!(l, Ok(Landing::Buffer)), "{l:?}");
+        }
+        let (l, _) = s.matching().arrive_header(&desc(0, 1, 3, 9), 1, 64, 100);
+        match l {
+            Err(Error::UnexpectedOverflow { rank: 0, peer: 1, bytes: 101, limit: 100 }) => {}
+            other => panic!("{other:?}"),
+        }
+        // A message longer than its posted receive fails that receive and is discarded.
+        let mut buf = [0u8; 4];
+        let (id, _) = s.post(desc(0, 2, 0, 4), &mut buf);
+        let (l, used) = s.matching().arrive_header(&desc(0, 2, 0, 4), 5, 64, 100);
+        assert!(matches!(l, Ok(Landing::Discard)) && used == 1, "{l:?}");
+        match s.result(id) {
+            Some(Err(Error::TooLong { posted: 4, got: 5, peer: 1, .. })) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn mismatches_and_stale_receives_fail_with_both_descriptors() {
+        let mut s = State::default();
+        // Same tag, other fingerprint.
+        let mut buf = [0u8; 4];
+        let (id, _) = s.post(desc(0, 1, 0, 4), &mut buf);
+        let (l, _) = s.matching().arrive_header(&desc(0, 1, 0, 5), 4, 64, 100);
+        assert!(matches!(l, Ok(Landing::Discard)), "{l:?}");
+        match s.result(id) {
+            Some(Err(e @ Error::Mismatch { .. })) => {
+                let t = e.to_string();
+                assert!(t.contains("count 4") && t.contains("count 5"), "{t}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The peer already moved on to a later collective of the group: the waiting receive
+        // can never match and fails at once.
+        let mut buf = [0u8; 4];
+        let (id, _) = s.post(desc(0, 2, 0, 4), &mut buf);
+        let (l, used) = s.matching().arrive_header(&desc(0, 3, 0, 4), 4, 64, 100);
+        assert!(matches!(l, Ok(Landing::Buffer)) && used == 1, "{l:?}");
+        match s.result(id) {
+            Some(Err(e @ Error::Mismatch { .. })) => {
+                assert!(e.to_string().contains("moved on"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // Its payload arrives and waits in the unexpected queue; a receive of the older
+        // collective posted now fails on posting.
+        s.matching().arrive_whole(&desc(0, 3, 0, 4), vec![1, 2, 3, 4].into(), true);
+        let mut buf = [0u8; 4];
+        let (id, queued) = s.post(desc(0, 2, 1, 4), &mut buf);
+        assert!(!queued);
+        assert!(matches!(s.result(id), Some(Err(Error::Mismatch { .. }))));
+        // Point-to-point tags have no order: no staleness there.
+        let p2p = P2P_GROUP_BIT | 5;
+        let mut buf = [0u8; 4];
+        let (_, queued) = s.post(desc(p2p, 1, 0, 4), &mut buf);
+        let (l, _) = s.matching().arrive_header(&desc(p2p, 9, 0, 4), 4, 64, 1000);
+        assert!(queued && matches!(l, Ok(Landing::Buffer)), "{l:?}");
+    }
+}
