@@ -642,8 +642,7 @@ mod tests {
 
     #[test]
     fn an_early_message_is_delivered_when_its_receive_is_posted() {
-        let mut s = State::default();
-        s.unexpected = 3;
+        let mut s = State { unexpected: 3, ..State::default() };
         let used = s.matching().arrive_whole(&desc(0, 1, 0, 3), vec![7, 8, 9].into(), true);
         assert_eq!((used, s.unexpected), (0, 3));
         let mut buf = [0u8; 3];
