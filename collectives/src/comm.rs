@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tracing::debug;
 use tutti_runtime::{Fingerprint, Group, OpKind};
 
-use crate::algo::{self, Shape};
+use crate::algo::{self, PlanCtx};
 use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::exec::{self, Call, Scratch};
@@ -184,7 +184,11 @@ impl Comm {
             .unwrap_or_else(|| choose(coll, bytes, self.size(), uniform))
     }
 
-    fn run(&self, req: Req<'_>, plan: impl FnOnce(&Shape, Algo) -> Result<Plan>) -> Result<Stats> {
+    fn run(
+        &self,
+        req: Req<'_>,
+        plan: impl FnOnce(&PlanCtx, Algo) -> Result<Plan>,
+    ) -> Result<Stats> {
         // Non-blocking calls submitted earlier run first: program order on every rank.
         self.drain()?;
         self.group.check()?;
@@ -198,7 +202,7 @@ impl Comm {
                 detail: format!("{} does not implement {}", algo, req.coll),
             });
         }
-        let shape = Shape {
+        let shape = PlanCtx {
             rank: self.rank(),
             n: self.size(),
             esize: req.dtype.size(),

@@ -2,16 +2,16 @@
 //! has its receive, nothing deadlocks) and send the bytes and take the critical-path steps that
 //! docs/algorithms.md states.
 
-use tutti_collectives::algo::{self, Shape};
+use tutti_collectives::algo::{self, PlanCtx};
 use tutti_collectives::plan::{blocks_from_counts, simulate, Buf, Plan, SimResult};
 
 const BIG_SEG: usize = 1 << 40;
 
-fn shape(rank: usize, n: usize, seg: usize) -> Shape {
-    Shape { rank, n, esize: 4, seg, in_place: true }
+fn shape(rank: usize, n: usize, seg: usize) -> PlanCtx {
+    PlanCtx { rank, n, esize: 4, seg, in_place: true }
 }
 
-fn sim(n: usize, f: impl Fn(&Shape) -> Plan, seg: usize) -> SimResult {
+fn sim(n: usize, f: impl Fn(&PlanCtx) -> Plan, seg: usize) -> SimResult {
     let plans: Vec<Plan> = (0..n).map(|r| f(&shape(r, n, seg))).collect();
     simulate(&plans).unwrap_or_else(|e| panic!("n={n}: {e}"))
 }
@@ -52,7 +52,7 @@ fn ring_allgather_and_reduce_scatter_cost() {
         assert_eq!(r.critical_steps, n as u64 - 1);
         let r = sim(
             n,
-            |sh| algo::ring::reduce_scatter(&Shape { in_place: false, ..*sh }, &blocks),
+            |sh| algo::ring::reduce_scatter(&PlanCtx { in_place: false, ..*sh }, &blocks),
             BIG_SEG,
         );
         assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * total / n as u64));
@@ -133,11 +133,11 @@ fn tree_chain_bruck_barrier_cost() {
 fn alltoall_gather_scatter_cost() {
     for n in 1..=17 {
         let blocks = blocks_from_counts(&vec![10; n], 4);
-        let pw = |sh: &Shape| {
+        let pw = |sh: &PlanCtx| {
             let mut p = Plan::new();
             algo::alltoall::pairwise(
                 &mut p,
-                &Shape { in_place: false, ..*sh },
+                &PlanCtx { in_place: false, ..*sh },
                 Buf::Input,
                 &blocks,
                 &blocks,
@@ -146,11 +146,11 @@ fn alltoall_gather_scatter_cost() {
         };
         let r = sim(n, pw, BIG_SEG);
         assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * 40));
-        let pa = |sh: &Shape| {
+        let pa = |sh: &PlanCtx| {
             let mut p = Plan::new();
             algo::alltoall::post_all(
                 &mut p,
-                &Shape { in_place: false, ..*sh },
+                &PlanCtx { in_place: false, ..*sh },
                 Buf::Input,
                 &blocks,
                 &blocks,
@@ -162,13 +162,13 @@ fn alltoall_gather_scatter_cost() {
         assert!(r.critical_steps <= 1);
         let r = sim(
             n,
-            |sh| algo::linear::gather(&Shape { in_place: false, ..*sh }, &blocks, n - 1),
+            |sh| algo::linear::gather(&PlanCtx { in_place: false, ..*sh }, &blocks, n - 1),
             BIG_SEG,
         );
         assert_eq!(r.bytes_sent.iter().sum::<u64>(), (n as u64 - 1) * 40);
         let r = sim(
             n,
-            |sh| algo::linear::scatter(&Shape { in_place: false, ..*sh }, &blocks, 0),
+            |sh| algo::linear::scatter(&PlanCtx { in_place: false, ..*sh }, &blocks, 0),
             BIG_SEG,
         );
         assert_eq!(r.bytes_sent[0], (n as u64 - 1) * 40);
@@ -191,7 +191,7 @@ fn every_plan_matches_at_every_world() {
                 sim(n, |sh| algo::ring::allgather(sh, &blocks), seg);
                 sim(
                     n,
-                    |sh| algo::ring::reduce_scatter(&Shape { in_place: false, ..*sh }, &blocks),
+                    |sh| algo::ring::reduce_scatter(&PlanCtx { in_place: false, ..*sh }, &blocks),
                     seg,
                 );
                 sim(n, |sh| algo::ring::reduce_scatter(sh, &blocks), seg);

@@ -5,7 +5,7 @@
 //! oversubscribed and no world size can deadlock. Post-all posts every send and receive at once
 //! and lets the transport sort them out (best for small blocks). Both send `(n-1)/n·S` bytes.
 
-use super::Shape;
+use super::PlanCtx;
 use crate::plan::{Buf, Plan, Region};
 
 /// Rounds of the pairwise exchange kept in flight.
@@ -15,7 +15,7 @@ const WINDOW: usize = 4;
 /// in the source and destination buffers; `src` is the buffer the blocks are read from.
 pub fn pairwise(
     p: &mut Plan,
-    sh: &Shape,
+    sh: &PlanCtx,
     src: Buf,
     send: &[(usize, usize)],
     recv: &[(usize, usize)],
@@ -41,7 +41,7 @@ pub fn pairwise(
 /// Append a post-all all-to-all (same arguments as [`pairwise`]).
 pub fn post_all(
     p: &mut Plan,
-    sh: &Shape,
+    sh: &PlanCtx,
     src: Buf,
     send: &[(usize, usize)],
     recv: &[(usize, usize)],

@@ -2,11 +2,11 @@
 //! one from `r-2^k`; after `⌈log2 n⌉` rounds every rank has heard, directly or transitively, from
 //! every other. Works for any world size.
 
-use super::Shape;
+use super::PlanCtx;
 use crate::plan::{Plan, Region};
 
 /// Dissemination barrier.
-pub fn dissemination(sh: &Shape) -> Plan {
+pub fn dissemination(sh: &PlanCtx) -> Plan {
     let mut p = Plan::new();
     let n = sh.n;
     let rounds = (usize::BITS - (n.max(1) - 1).leading_zeros()) as usize;

@@ -3,11 +3,11 @@
 //! first `min(2^k, n-2^k)` blocks to `r-2^k` and appends the same number from `r+2^k`. A final
 //! copy un-rotates. `(n-1)/n·S` bytes sent per rank; equal blocks only.
 
-use super::Shape;
+use super::PlanCtx;
 use crate::plan::{Buf, Plan, Region};
 
 /// Bruck allgather of `blk` bytes per rank.
-pub fn allgather(sh: &Shape, blk: usize) -> Plan {
+pub fn allgather(sh: &PlanCtx, blk: usize) -> Plan {
     let mut p = Plan::new();
     let (n, r) = (sh.n, sh.rank);
     let own = if sh.in_place {

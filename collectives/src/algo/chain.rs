@@ -3,11 +3,11 @@
 //! large messages every rank receives at nearly the bandwidth of one link, where a binomial tree
 //! makes the root send `log2 n` copies.
 
-use super::{Shape, LOOKAHEAD};
+use super::{PlanCtx, LOOKAHEAD};
 use crate::plan::{segments, Buf, Plan, Region};
 
 /// Chain broadcast of `len` bytes from `root`.
-pub fn broadcast(sh: &Shape, len: usize, root: usize) -> Plan {
+pub fn broadcast(sh: &PlanCtx, len: usize, root: usize) -> Plan {
     let mut p = Plan::new();
     let n = sh.n;
     let v = (sh.rank + n - root) % n;

@@ -9,7 +9,7 @@
 //! [`super::recursive_doubling::Fold`]).
 
 use super::recursive_doubling::{range, Fold};
-use super::Shape;
+use super::PlanCtx;
 use crate::plan::{split, Buf, Plan, Region};
 
 /// Halving reduce-scatter rounds on `work` (a buffer in the blocks' layout), among the `fp`
@@ -53,7 +53,7 @@ fn halving(
 }
 
 /// Rabenseifner allreduce of `count` elements.
-pub fn allreduce(sh: &Shape, count: usize) -> Plan {
+pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
     let mut p = Plan::new();
     let len = count * sh.esize;
     let data = Region::new(Buf::Data, 0, len);
@@ -92,7 +92,7 @@ pub fn allreduce(sh: &Shape, count: usize) -> Plan {
 ///
 /// # Panics
 /// If `n` is not a power of two.
-pub fn reduce_scatter(sh: &Shape, blocks: &[(usize, usize)]) -> Plan {
+pub fn reduce_scatter(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     assert!(sh.n.is_power_of_two(), "recursive halving needs a power-of-two world");
     let mut p = Plan::new();
     let r = sh.rank;

@@ -2,12 +2,12 @@
 //! once. `(n-1)/n·S` bytes cross the root's link in one step; the other ranks send or receive
 //! one block.
 
-use super::Shape;
+use super::PlanCtx;
 use crate::plan::{Buf, Plan, Region};
 
 /// Gather `blocks` (output layout at the root) to `root`. Non-roots send their input (or, in
 /// place, their block of the data buffer).
-pub fn gather(sh: &Shape, blocks: &[(usize, usize)], root: usize) -> Plan {
+pub fn gather(sh: &PlanCtx, blocks: &[(usize, usize)], root: usize) -> Plan {
     let mut p = Plan::new();
     let r = sh.rank;
     let own = if sh.in_place {
@@ -31,7 +31,7 @@ pub fn gather(sh: &Shape, blocks: &[(usize, usize)], root: usize) -> Plan {
 
 /// Scatter `blocks` (input layout at the root) from `root`; every rank's block lands at offset 0
 /// of its data buffer (in place: at its own offset).
-pub fn scatter(sh: &Shape, blocks: &[(usize, usize)], root: usize) -> Plan {
+pub fn scatter(sh: &PlanCtx, blocks: &[(usize, usize)], root: usize) -> Plan {
     let mut p = Plan::new();
     let r = sh.rank;
     let mine = if sh.in_place {

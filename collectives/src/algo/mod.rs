@@ -16,9 +16,10 @@ pub mod tree;
 /// Receives kept posted ahead of the one being processed in pipelined algorithms.
 pub const LOOKAHEAD: usize = 4;
 
-/// Who runs the plan and how big things are.
+/// The context a plan is built for: who runs it (rank, group size), the element size, the
+/// pipeline segment and whether the call is in place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shape {
+pub struct PlanCtx {
     /// Group rank.
     pub rank: usize,
     /// Group size.
@@ -31,7 +32,7 @@ pub struct Shape {
     pub in_place: bool,
 }
 
-impl Shape {
+impl PlanCtx {
     /// The buffer the local contribution is read from.
     pub fn src(&self) -> crate::plan::Buf {
         if self.in_place {

@@ -6,7 +6,7 @@
 //! above it and sits out, and receives the result at the end (two extra steps).
 //! Allgather: each round exchanges the window gathered so far (power-of-two worlds).
 
-use super::Shape;
+use super::PlanCtx;
 use crate::plan::{pow2_floor, Buf, Plan, Region};
 
 /// The folding of a non-power-of-two world onto `p = pow2_floor(n)` ranks.
@@ -71,7 +71,7 @@ impl Fold {
 }
 
 /// Recursive-doubling allreduce of `count` elements.
-pub fn allreduce(sh: &Shape, count: usize) -> Plan {
+pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
     let mut p = Plan::new();
     let len = count * sh.esize;
     let data = Region::new(Buf::Data, 0, len);
@@ -118,7 +118,7 @@ pub fn range(blocks: &[(usize, usize)], a: usize, b: usize) -> Region {
 ///
 /// # Panics
 /// If `n` is not a power of two (selection never asks for it then).
-pub fn allgather(sh: &Shape, blocks: &[(usize, usize)]) -> Plan {
+pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     assert!(sh.n.is_power_of_two(), "recursive-doubling allgather needs a power-of-two world");
     let mut p = Plan::new();
     let r = sh.rank;

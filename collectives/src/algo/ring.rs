@@ -8,7 +8,7 @@
 //! (or received), and [`LOOKAHEAD`] receives stay posted, so transfer and reduction overlap.
 //! Blocks may differ in size (the `v` variants).
 
-use super::{Shape, LOOKAHEAD};
+use super::{PlanCtx, LOOKAHEAD};
 use crate::plan::{segments, Buf, Plan, Region};
 
 /// Where reduce-scatter results accumulate.
@@ -25,7 +25,7 @@ pub enum Acc {
 /// layout) to `p`. Tags start at `tag0`; returns the first unused tag.
 pub fn reduce_scatter_phase(
     p: &mut Plan,
-    sh: &Shape,
+    sh: &PlanCtx,
     blocks: &[(usize, usize)],
     acc: Acc,
     tag0: u32,
@@ -101,7 +101,7 @@ pub fn reduce_scatter_phase(
 /// `own` (its place in the data buffer, or the input buffer). Returns the first unused tag.
 pub fn allgather_phase(
     p: &mut Plan,
-    sh: &Shape,
+    sh: &PlanCtx,
     blocks: &[(usize, usize)],
     own: Region,
     tag0: u32,
@@ -145,7 +145,7 @@ pub fn allgather_phase(
 
 /// Ring allreduce of `count` elements: reduce-scatter then allgather, `2(n-1)/n·S` bytes sent
 /// per rank in `2(n-1)` steps.
-pub fn allreduce(sh: &Shape, count: usize) -> Plan {
+pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
     let mut p = Plan::new();
     let blocks = crate::plan::split(count, sh.n, sh.esize);
     if sh.n == 1 {
@@ -164,7 +164,7 @@ pub fn allreduce(sh: &Shape, count: usize) -> Plan {
 
 /// Ring reduce-scatter with per-rank block sizes (`blocks` in the input layout). Out of place,
 /// the own block lands at offset 0 of the data buffer; in place, at its own offset.
-pub fn reduce_scatter(sh: &Shape, blocks: &[(usize, usize)]) -> Plan {
+pub fn reduce_scatter(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     let mut p = Plan::new();
     let (off, len) = blocks[sh.rank];
     if sh.n == 1 {
@@ -181,7 +181,7 @@ pub fn reduce_scatter(sh: &Shape, blocks: &[(usize, usize)]) -> Plan {
 /// Ring allgather with per-rank block sizes (`blocks` in the output layout). Out of place the
 /// own block is read from the input buffer (offset 0) and copied into place; in place it is
 /// already at its offset.
-pub fn allgather(sh: &Shape, blocks: &[(usize, usize)]) -> Plan {
+pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     let mut p = Plan::new();
     let (off, len) = blocks[sh.rank];
     let own = if sh.in_place {

@@ -5,7 +5,7 @@
 //! move in segments, so a long message streams down (or up) the tree: `⌈log2 n⌉` steps of
 //! latency plus one segment per extra segment. Root sends `⌈log2 n⌉·S` bytes.
 
-use super::{Shape, LOOKAHEAD};
+use super::{PlanCtx, LOOKAHEAD};
 use crate::plan::{segments, Buf, Plan, Region};
 
 /// Parent (relative) of relative rank `v`, `None` for the root.
@@ -29,7 +29,7 @@ fn children(v: usize, n: usize) -> Vec<usize> {
 
 /// Binomial-tree broadcast of `len` bytes from `root` (data buffer; the root's data comes from
 /// the input buffer when out of place).
-pub fn broadcast(sh: &Shape, len: usize, root: usize) -> Plan {
+pub fn broadcast(sh: &PlanCtx, len: usize, root: usize) -> Plan {
     let mut p = Plan::new();
     let n = sh.n;
     let v = (sh.rank + n - root) % n;
@@ -65,7 +65,7 @@ pub fn broadcast(sh: &Shape, len: usize, root: usize) -> Plan {
 
 /// Binomial-tree reduce of `len` bytes to `root`. Every rank's data buffer is used as the
 /// accumulator; only the root's holds the result afterwards.
-pub fn reduce(sh: &Shape, len: usize, root: usize) -> Plan {
+pub fn reduce(sh: &PlanCtx, len: usize, root: usize) -> Plan {
     let mut p = Plan::new();
     let n = sh.n;
     let v = (sh.rank + n - root) % n;
@@ -107,11 +107,11 @@ pub fn reduce(sh: &Shape, len: usize, root: usize) -> Plan {
 }
 
 /// Tree allreduce: binomial reduce to rank 0, then binomial broadcast (tags offset).
-pub fn allreduce(sh: &Shape, count: usize) -> Plan {
+pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
     let len = count * sh.esize;
     let mut p = reduce(sh, len, 0);
     p.wait_all();
-    let b = broadcast(&Shape { in_place: true, ..*sh }, len, 0);
+    let b = broadcast(&PlanCtx { in_place: true, ..*sh }, len, 0);
     let base = segments(len, sh.seg, sh.esize).len() as u32;
     append_shifted(&mut p, b, base);
     p
