@@ -654,7 +654,7 @@ pub fn run_threads(
     world: usize,
     opts: &Options,
 ) -> Result<Report> {
-    let mut reports = crate::launch::run_threads(world, |c| run(case, strategy, &c, opts))?;
+    let mut reports = crate::ranks::run_threads(world, |c| run(case, strategy, &c, opts))?;
     Ok(reports.swap_remove(0))
 }
 
@@ -711,11 +711,11 @@ pub fn main() -> std::process::ExitCode {
     let opts =
         Options { micro_batches: a.micro_batches, pp_micro_batches: a.pp_micro_batches, schedule };
     let threads = a.threads.unwrap_or(1);
-    let report = if a.threads.is_none() && crate::launch::launched() {
+    let report = if a.threads.is_none() && crate::ranks::launched() {
         crate::run_ranks(1, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))
             .map(|mut v| v.swap_remove(0))
     } else {
-        crate::launch::run_threads(threads, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))
+        crate::ranks::run_threads(threads, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))
             .map(|mut v| v.swap_remove(0))
     };
     let (report, rank) = match report {

@@ -51,7 +51,7 @@ pub mod data;
 mod dp;
 mod error;
 pub mod golden;
-mod launch;
+mod ranks;
 pub mod lm;
 pub mod ops;
 pub mod pipeline;
@@ -65,7 +65,7 @@ pub use block::{
 };
 pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
-pub use launch::{launched, run_example, run_ranks};
+pub use ranks::{launched, run_example, run_ranks};
 pub use lm::{LmConfig, LmMode, TinyLm};
 pub use ops::{
     all_to_all, copy_to_parallel_region, gather_from_parallel_region,
