@@ -1,10 +1,12 @@
 //! The golden runner: loads a PyTorch reference case (`<case>.json` + `<case>.safetensors`, the
-//! format described in `parallel/golden/README.md`), runs it under a parallel strategy on this rank's group
-//! and compares every reference tensor it reproduces.
+//! format described in `parallel/golden/README.md`), runs it under a parallel strategy on this
+//! rank's group and compares every reference tensor it reproduces.
 //!
 //! Shapes and hyper-parameters come from the files (the tensors' shapes, the json's `config`),
 //! so a case of the same kind with other sizes runs unchanged. The kind is the json's `case`
-//! field: `linear_step` (G1) and `mlp_train` (G2).
+//! field: `linear_step` (G1: data parallel, accumulation, tensor parallel), `mlp_train` (G2: the
+//! same over several steps), `transformer_block` (G3: TP, TP + SP, Ulysses), `tiny_lm` (G4: TP,
+//! TP + SP, vocab parallel) and `pipeline_mlp` (G5: pipeline parallel).
 //!
 //! Tolerances are the json's: forward values of a single pass within `forward_max_abs` (1e-5);
 //! gradients, multi-step losses and updated weights within

@@ -51,10 +51,10 @@ pub mod data;
 mod dp;
 mod error;
 pub mod golden;
-mod ranks;
 pub mod lm;
 pub mod ops;
 pub mod pipeline;
+mod ranks;
 mod shard;
 mod tp;
 mod vocab;
@@ -65,7 +65,6 @@ pub use block::{
 };
 pub use dp::{DataParallel, DpConfig, Synced};
 pub use error::{Error, Result};
-pub use ranks::{launched, run_example, run_ranks};
 pub use lm::{LmConfig, LmMode, TinyLm};
 pub use ops::{
     all_to_all, copy_to_parallel_region, gather_from_parallel_region,
@@ -73,6 +72,7 @@ pub use ops::{
     reduce_scatter_to_sequence_parallel_region, scatter_to_parallel_region,
 };
 pub use pipeline::{Pipeline, Schedule, StepResult};
+pub use ranks::{launched, run_example, run_ranks};
 pub use shard::{shard, shard_even, shard_range};
 pub use tp::{ColumnParallelLinear, RowParallelLinear};
 pub use tutti_collectives::{Comm, ReduceOp};

@@ -1,7 +1,7 @@
 //! The one wire header every data frame starts with.
 //!
 //! Fixed layout, little-endian, 48 bytes. Encode and decode sit side by side so the layout is
-//! written down exactly once; `docs/transport.md` reproduces this table.
+//! written down exactly once; `docs/transport.md` reproduces this table word for word.
 //!
 //! | offset | size | field   | meaning                                                  |
 //! |-------:|-----:|---------|----------------------------------------------------------|
@@ -11,7 +11,7 @@
 //! | 4      | 1    | dtype   | [`DType`] (fingerprint)                                  |
 //! | 5      | 1    | redop   | reduction op code (fingerprint; 0 when none)             |
 //! | 6      | 2    | reserved| zero                                                     |
-//! | 8      | 4    | group   | group id                                                 |
+//! | 8      | 4    | group   | group id (0 = world; bit 31 marks point-to-point traffic) |
 //! | 12     | 4    | src     | sender's global rank                                     |
 //! | 16     | 8    | seq     | collective sequence number within the group             |
 //! | 24     | 4    | step    | step (tag) within the collective                         |

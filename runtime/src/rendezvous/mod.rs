@@ -2,10 +2,13 @@
 //!
 //! ```text
 //! env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TUTTI_*)
-//!   → rank 0 serves the TCP store on MASTER_ADDR:MASTER_PORT (or a file store is used)
+//!   → rank 0 serves the TCP store on MASTER_ADDR:MASTER_PORT (or TUTTI_STORE names a store
+//!     served elsewhere, or a file store)
 //!   → every rank claims its rank number (duplicates are refused), learns the job id and token
-//!   → every rank listens on its chosen address (port from the OS) and publishes it
-//!   → full mesh of authenticated TCP connections → Group
+//!   → every rank listens on its chosen address (port from the OS) and publishes it (with its
+//!     certificate's fingerprint over QUIC)
+//!   → full mesh of authenticated connections (TCP with an HMAC handshake, or QUIC with TLS 1.3
+//!     and pinned certificates, TUTTI_TRANSPORT) → Group
 //! ```
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};

@@ -137,8 +137,9 @@ pub struct OpId(pub u64);
 
 /// Point-to-point message passing between the ranks of one job.
 ///
-/// Implementations: [`mem::MemTransport`] (ranks as threads) and [`tcp::TcpTransport`] (ranks as
-/// processes). Collective algorithms see only this trait.
+/// Implementations: [`mem::MemTransport`] (ranks as threads), [`tcp::TcpTransport`] and, with
+/// the `quic` feature, `quic::QuicTransport` (ranks as processes). Collective algorithms see
+/// only this trait.
 pub trait Transport: Send + Sync {
     /// This process's rank in `0..world_size()`.
     fn rank(&self) -> usize;
