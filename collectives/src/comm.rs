@@ -1032,6 +1032,8 @@ impl Comm {
         src: usize,
         tag: u32,
     ) -> Result<usize> {
+        // Like every entry point: non-blocking calls posted earlier go first.
+        self.drain()?;
         Ok(self.group.sendrecv(dst, as_bytes(send), src, as_bytes_mut(recv), tag)? / size_of::<T>())
     }
 
