@@ -40,8 +40,8 @@ pub(crate) struct Args {
     /// Do not prefix output lines with the rank.
     #[arg(long = "no-prefix")]
     no_prefix: bool,
-    /// Seconds between SIGTERM and SIGKILL when stopping ranks.
-    #[arg(long, default_value_t = 5.0)]
+    /// Seconds between SIGTERM and SIGKILL when stopping ranks (0 to 3600).
+    #[arg(long, default_value_t = 5.0, value_parser = grace_secs)]
     grace: f64,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
@@ -62,7 +62,7 @@ pub fn main() -> ExitCode {
         program: a.program,
         prefix: !a.no_prefix,
         log_dir: a.log_dir,
-        grace: Duration::from_secs_f64(a.grace.max(0.0)),
+        grace: Duration::from_secs_f64(a.grace),
         env: Vec::new(),
     };
     match launch::run(&job) {
@@ -72,4 +72,13 @@ pub fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `--grace`: a finite number of seconds from 0 to an hour (anything else would panic or hang).
+fn grace_secs(v: &str) -> Result<f64, String> {
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| (0.0..=3600.0).contains(s))
+        .ok_or_else(|| format!("{v:?} is not a number of seconds from 0 to 3600"))
 }

@@ -71,10 +71,20 @@ impl Default for Options {
     }
 }
 
+/// Longest duration a setting may ask for (about 31 years): deadlines computed from it never
+/// overflow.
+const MAX_SECS: f64 = 1e9;
+
 fn secs(name: &str, v: &str) -> Result<Duration> {
-    let f: f64 =
-        v.trim().parse().ok().filter(|f: &f64| f.is_finite() && *f > 0.0).ok_or_else(|| {
-            Error::Config(format!("{name}={v:?} is not a positive number of seconds"))
+    let f: f64 = v
+        .trim()
+        .parse()
+        .ok()
+        .filter(|f: &f64| f.is_finite() && *f > 0.0 && *f <= MAX_SECS)
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "{name}={v:?} is not a number of seconds above 0 and at most {MAX_SECS:e}"
+            ))
         })?;
     Ok(Duration::from_secs_f64(f))
 }
@@ -294,6 +304,8 @@ mod tests {
             ("TUTTI_TRANSPORT", "udp"),
             ("TUTTI_KEEPALIVE", "0"),
             ("TUTTI_DEAD_AFTER", "inf"),
+            ("TUTTI_TIMEOUT", "1e20"),
+            ("TUTTI_CONNECT_TIMEOUT", "NaN"),
             ("TUTTI_SPIN_US", "1.5"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();

@@ -85,7 +85,7 @@ impl TcpStore {
         let err = |detail: String| Error::Store { addr: self.addr.to_string(), detail };
         let mut s = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         let io = |e: std::io::Error| err(format!("store connection failed (rank 0 died?): {e}"));
-        s.set_read_timeout(Some(timeout + Duration::from_secs(10))).map_err(io)?;
+        s.set_read_timeout(Some(timeout.saturating_add(Duration::from_secs(10)))).map_err(io)?;
         write_frame(&mut s, req).map_err(io)?;
         let body = read_frame(&mut s, MAX_STORE_MESSAGE).map_err(io)?;
         postcard::from_bytes(&body).map_err(|e| err(format!("malformed store answer: {e}")))
