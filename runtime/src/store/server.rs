@@ -247,16 +247,7 @@ fn check_hello(
     if h.version != STORE_VERSION {
         return Err(format!("store protocol version {} differs from {STORE_VERSION}", h.version));
     }
-    if h.world as usize != world {
-        return Err(format!(
-            "world size disagreement: rank {} says WORLD_SIZE={} but the store (rank 0) was \
-             started with WORLD_SIZE={world}; is another job using this MASTER_PORT?",
-            h.rank, h.world
-        ));
-    }
-    if h.rank as usize >= world {
-        return Err(format!("rank {} is outside the world of {world}", h.rank));
-    }
+    // Authentication first: a client without the job key learns nothing about the job.
     if let Some(k) = key {
         let ok = h.mac.is_some_and(|m| {
             k.verify(&[b"store", nonce, &h.rank.to_le_bytes(), &h.world.to_le_bytes()], &m)
@@ -266,6 +257,16 @@ fn check_hello(
                         (a process of another job?)"
                 .into());
         }
+    }
+    if h.world as usize != world {
+        return Err(format!(
+            "world size disagreement: rank {} says WORLD_SIZE={} but the store (rank 0) was \
+             started with WORLD_SIZE={world}; is another job using this MASTER_PORT?",
+            h.rank, h.world
+        ));
+    }
+    if h.rank as usize >= world {
+        return Err(format!("rank {} is outside the world of {world}", h.rank));
     }
     Ok(())
 }

@@ -111,6 +111,10 @@ fn refuses_wrong_world_and_wrong_token() {
     assert!(e.to_string().contains("TUTTI_TOKEN"), "{e}");
     let e = TcpStore::connect(srv.addr(), 1, 4, None, Duration::from_secs(5)).unwrap_err();
     assert!(e.to_string().contains("authentication"), "{e}");
+    // Without the key, a wrong world size is not revealed: authentication fails first.
+    let e = TcpStore::connect(srv.addr(), 1, 3, Some(&bad), Duration::from_secs(5)).unwrap_err();
+    let t = e.to_string();
+    assert!(t.contains("authentication") && !t.contains("WORLD_SIZE=4"), "{t}");
 }
 
 #[test]
