@@ -193,3 +193,80 @@ fn unexpected_data_budget_quic() {
     let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &flood(), false);
     check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
 }
+
+/// A receive that failed mid-frame is never written again: rank 1 posts a 32 MiB receive from
+/// rank 0, which sends it; once the first bytes have landed, rank 2's malformed frame poisons
+/// rank 1. Rank 1's wait fails;
+/// it then overwrites its buffer and drops its transport (whose shutdown drains the sockets):
+/// the buffer must keep rank 1's own bytes, as a caller that freed it would need.
+fn no_write_after_failure<T: Transport + Sync>(
+    ts: Vec<T>,
+    raw: impl Fn(&T, usize, [u8; HEADER_LEN], Vec<u8>) + Sync,
+) {
+    let len = 32 << 20;
+    let big = |seq| {
+        let mut d = desc(seq);
+        d.fp.count = len as u64;
+        d
+    };
+    let ready = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        let mut ts = ts.into_iter();
+        let (t0, t1, t2) = (ts.next().unwrap(), ts.next().unwrap(), ts.next().unwrap());
+        let ready = &ready;
+        let raw = &raw;
+        s.spawn(move || {
+            let data = vec![0x11u8; len];
+            let _ = t0.send(1, big(1), &data, Duration::from_secs(20));
+        });
+        s.spawn(move || {
+            ready.wait();
+            raw(&t2, 1, [0xab; HEADER_LEN], vec![]);
+            std::thread::sleep(Duration::from_millis(500));
+        });
+        let mut buf = vec![0u8; len];
+        let mut other = [0u8; 16];
+        // SAFETY: both buffers outlive their operations: they are kept until after the
+        // transport is dropped.
+        let (id, later) = unsafe {
+            let id = t1.post_recv(0, big(1), buf.as_mut_ptr(), len).unwrap();
+            (id, t1.post_recv(0, desc(9), other.as_mut_ptr(), 16).unwrap())
+        };
+        // Let the frame start: its first bytes land (nothing writes `buf` between calls).
+        let start = Instant::now();
+        // The transport writes through the posted pointer: read the first byte afresh each time.
+        // SAFETY: in bounds; no write is in progress (this thread makes the only `test` calls).
+        while unsafe { std::ptr::read_volatile(buf.as_ptr()) } != 0x11 {
+            assert!(t1.test(id).unwrap().is_none(), "32 MiB cannot have arrived whole");
+            assert!(start.elapsed() < Duration::from_secs(20), "rank 0's data never came");
+            std::thread::yield_now();
+        }
+        ready.wait();
+        let e = t1.wait(id, Instant::now() + Duration::from_secs(20));
+        assert!(e.is_err(), "the receive should fail when rank 2 breaks the protocol");
+        buf.fill(0x5a);
+        // Anything that drives the connections now (another wait, a test, the shutdown) must
+        // drop what rank 0 still sends instead of writing it into the failed receive.
+        let _ = t1.wait(later, Instant::now() + Duration::from_millis(300));
+        for _ in 0..20 {
+            let _ = t1.test(later);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop(t1);
+        let written = buf.iter().filter(|b| **b != 0x5a).count();
+        assert_eq!(written, 0, "{written} bytes written into a failed receive's buffer");
+    });
+}
+
+#[test]
+fn no_write_after_failure_tcp() {
+    let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
+    no_write_after_failure(ts, |t, p, h, b| t.send_raw(p, h, b));
+}
+
+#[cfg(feature = "quic")]
+#[test]
+fn no_write_after_failure_quic() {
+    let ts = testing::quic_world(3, &cfg()).unwrap();
+    no_write_after_failure(ts, |t, p, h, b| t.send_raw(p, h, b));
+}

@@ -551,6 +551,7 @@ impl Inner {
             }
         }
         loop {
+            self.release_failed_receive(peer);
             let r = match self.conns[peer].as_mut() {
                 Some(c) => c.read_some(),
                 None => return,
@@ -571,9 +572,21 @@ impl Inner {
         }
     }
 
+    /// The frame being received belongs to a receive that failed (poison, a dead peer): its
+    /// caller may already have freed the buffer, so the rest of the payload is read and dropped.
+    fn release_failed_receive(&mut self, peer: usize) {
+        let Some(f) = self.conns[peer].as_mut().and_then(|c| c.cur.as_mut()) else { return };
+        if let RxDest::Posted { id, .. } = f.dest {
+            if self.ops.pending(id).is_none() {
+                f.dest = RxDest::Discard;
+            }
+        }
+    }
+
     /// Parse what sits in the staging buffer (and finish direct reads).
     fn consume(&mut self, peer: usize) -> Result<(), ConnFail> {
         loop {
+            self.release_failed_receive(peer);
             let Some(c) = self.conns[peer].as_mut() else { return Ok(()) };
             if let Some(f) = c.cur.as_mut() {
                 if matches!(f.dest, RxDest::Parked(_)) {
@@ -585,8 +598,10 @@ impl Inner {
                     let src = &c.stage[c.start..c.start + n];
                     match &mut f.dest {
                         RxDest::Posted { buf, .. } => {
-                            // SAFETY: the receive is posted with `cap >= len` (checked at header
-                            // time) and `done + n <= len`.
+                            // SAFETY: the receive is still posted (`release_failed_receive` just
+                            // turned a failed one into a discard, under the engine lock that
+                            // `cancel` and every failure take) with `cap >= len` (checked at
+                            // header time), and `done + n <= len`.
                             unsafe {
                                 std::ptr::copy_nonoverlapping(src.as_ptr(), buf.0.add(f.done), n)
                             };
