@@ -24,3 +24,19 @@ pub fn dissemination(sh: &PlanCtx) -> Plan {
     }
     p
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_round_per_doubling_and_an_inbox_byte_per_round() {
+        for n in 1..=33usize {
+            let p = dissemination(&PlanCtx { rank: 0, n, esize: 1, seg: 64, in_place: true });
+            // ⌈log2 n⌉ rounds, written out as the smallest k with 2^k >= n.
+            let rounds = (0..).find(|k| 1usize << k >= n).unwrap_or(0);
+            assert_eq!(p.posts, 2 * rounds, "n={n}: a send and a receive per round");
+            assert_eq!(p.scratch, vec![1, rounds.max(1)], "n={n}: token and inbox bytes");
+        }
+    }
+}

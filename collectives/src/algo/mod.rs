@@ -52,3 +52,23 @@ impl PlanCtx {
         (self.rank + self.n - d % self.n) % self.n
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_neighbours_at_every_distance() {
+        for n in 1..=9 {
+            for rank in 0..n {
+                let sh = PlanCtx { rank, n, esize: 4, seg: 64, in_place: true };
+                for d in 0..3 * n {
+                    // Written out: walking d steps right then d steps left comes home.
+                    let right = (rank + d) % n;
+                    let left = ((rank as isize - d as isize).rem_euclid(n as isize)) as usize;
+                    assert_eq!((sh.right(d), sh.left(d)), (right, left), "n={n} r={rank} d={d}");
+                }
+            }
+        }
+    }
+}
