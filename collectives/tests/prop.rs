@@ -4,14 +4,14 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use tutti_collectives::{Algo, Comm, ReduceOp};
+use tutti_collectives::{Algo, Coll, Comm, ReduceOp};
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
     fn allreduce_any_shape(n in 1usize..10, count in 0usize..3000, seg in 4usize..5000, algo in 0usize..4, in_place in any::<bool>()) {
-        let algo = [Algo::Ring, Algo::RecursiveDoubling, Algo::Rabenseifner, Algo::Tree][algo];
+        let algo = Coll::Allreduce.algos()[algo % Coll::Allreduce.algos().len()];
         world(n, seg, |c: Comm| {
             let c = c.with_algo(algo);
             let inp = input::<f32>(21, c.rank(), count, ReduceOp::Sum);
