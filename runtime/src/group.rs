@@ -157,6 +157,16 @@ impl Group {
         Ok(())
     }
 
+    /// A point-to-point call failed: record it, and on a fatal error tell every peer at once
+    /// (as a failed collective does), so ranks waiting on this one fail now, naming it, instead
+    /// of at their timeout.
+    fn p2p_failed(&self, op: &str, e: &Error) {
+        self.fail(e);
+        if e.is_fatal() {
+            self.abort(&format!("rank {} failed in {op}: {e}", self.global_rank(self.rank())));
+        }
+    }
+
     /// Record a failure: fatal errors poison the group so later calls fail fast.
     pub fn fail(&self, e: &Error) {
         if e.is_fatal() {
@@ -273,7 +283,7 @@ impl Group {
             data,
             self.timeout(),
         );
-        r.inspect_err(|e| self.fail(e))
+        r.inspect_err(|e| self.p2p_failed("send", e))
     }
 
     /// Receive from group rank `src` under `tag` into `buf`; returns the bytes received.
@@ -292,7 +302,7 @@ impl Group {
             buf,
             self.timeout(),
         );
-        r.inspect_err(|e| self.fail(e))
+        r.inspect_err(|e| self.p2p_failed("recv", e))
     }
 
     /// Send `data` to `dst` and receive from `src` into `buf` at the same time (both under
@@ -319,7 +329,10 @@ impl Group {
             crate::transport::Op::Recv { peer: self.global_rank(src), desc: d, buf, received: 0 },
             crate::transport::Op::Send { peer: self.global_rank(dst), desc: d, data },
         ];
-        self.inner.transport.exchange(&mut ops, self.timeout()).inspect_err(|e| self.fail(e))?;
+        self.inner
+            .transport
+            .exchange(&mut ops, self.timeout())
+            .inspect_err(|e| self.p2p_failed("sendrecv", e))?;
         match ops[0] {
             crate::transport::Op::Recv { received, .. } => Ok(received),
             _ => unreachable!("slot 0 holds the receive built above"),
@@ -364,7 +377,10 @@ impl Group {
                 data,
             });
         }
-        self.inner.transport.exchange(&mut ops, self.timeout()).inspect_err(|e| self.fail(e))?;
+        self.inner
+            .transport
+            .exchange(&mut ops, self.timeout())
+            .inspect_err(|e| self.p2p_failed("batch_p2p", e))?;
         Ok(ops
             .iter()
             .filter_map(|op| match op {
@@ -393,6 +409,41 @@ impl Group {
                 data.as_ptr(),
                 data.len(),
             )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn a_failed_point_to_point_call_tells_every_peer() {
+        // Rank 0 times out waiting for rank 1 (which waits for rank 2, which waits for rank 0):
+        // ranks 1 and 2 must hear of it at once, not at their own 30 s timeout.
+        let gs = Group::mem_world(3);
+        gs[0].set_timeout(Duration::from_millis(300));
+        let errs: Vec<(String, Duration)> = std::thread::scope(|s| {
+            let hs: Vec<_> = gs
+                .iter()
+                .map(|g| {
+                    s.spawn(move || {
+                        let start = Instant::now();
+                        let mut b = [0u8; 4];
+                        let from = (g.rank() + 1) % 3;
+                        let e = g.recv(from, 5, &mut b).unwrap_err();
+                        (e.to_string(), start.elapsed())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(errs[0].0.contains("timed out"), "{}", errs[0].0);
+        for (r, (e, t)) in errs.iter().enumerate().skip(1) {
+            assert!(e.contains("rank 0 failed in recv"), "rank {r}: {e}");
+            assert!(*t < Duration::from_secs(10), "rank {r} heard only after {t:?}");
         }
     }
 }
