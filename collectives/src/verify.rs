@@ -62,8 +62,8 @@ pub fn fill<T: Element>(buf: &mut [T], seed: u64, r: usize, first: usize, op: Re
 /// # Panics
 /// If `n` is 0.
 pub fn reduced<T: Element>(seed: u64, n: usize, i: usize, op: ReduceOp) -> T {
-    let vals: Vec<i128> = (0..n).map(|r| i128::from(raw(seed, r, i, op))).collect();
-    oracle::<T>(&vals, op)
+    // No allocation per element: collbench checks every element of every buffer with this.
+    reduce_exact::<T>((0..n).map(|r| i128::from(raw(seed, r, i, op))), op)
 }
 
 /// The expected reduction of `vals` (one exact integer per rank, in rank order) under `op`, as
@@ -73,12 +73,17 @@ pub fn reduced<T: Element>(seed: u64, n: usize, i: usize, op: ReduceOp) -> T {
 /// If `vals` is empty, or a float result lies outside the range the oracle handles (magnitudes
 /// from 2^-60 to 2^60).
 pub fn oracle<T: Element>(vals: &[i128], op: ReduceOp) -> T {
-    assert!(!vals.is_empty(), "a reduction over no ranks has no value");
-    let n = vals.len() as i128;
+    reduce_exact::<T>(vals.iter().copied(), op)
+}
+
+/// [`oracle`] over any (re-iterable) sequence of per-rank values.
+fn reduce_exact<T: Element>(vals: impl Iterator<Item = i128> + Clone, op: ReduceOp) -> T {
+    let n = vals.clone().count() as i128;
+    assert!(n > 0, "a reduction over no ranks has no value");
     match format(T::DTYPE) {
         Format::Int { bits, signed } => {
             let w = |x: i128| wrap(x, bits, signed);
-            let typed = vals.iter().map(|&v| w(v));
+            let typed = vals.map(w);
             let r = match op {
                 ReduceOp::Sum => w(typed.sum()),
                 ReduceOp::Prod => typed.fold(1, |acc, v| w(acc * v)),
@@ -90,11 +95,11 @@ pub fn oracle<T: Element>(vals: &[i128], op: ReduceOp) -> T {
             from_bits::<T>((r as u128 & mask(bits)) as u64)
         }
         Format::Float { .. } => match op {
-            ReduceOp::Sum => exact::<T>(vals.iter().sum(), 1),
-            ReduceOp::Prod => exact::<T>(vals.iter().product(), 1),
-            ReduceOp::Min => exact::<T>(vals.iter().copied().min().unwrap_or(0), 1),
-            ReduceOp::Max => exact::<T>(vals.iter().copied().max().unwrap_or(0), 1),
-            ReduceOp::Avg => exact::<T>(vals.iter().sum(), n),
+            ReduceOp::Sum => exact::<T>(vals.sum(), 1),
+            ReduceOp::Prod => exact::<T>(vals.product(), 1),
+            ReduceOp::Min => exact::<T>(vals.min().unwrap_or(0), 1),
+            ReduceOp::Max => exact::<T>(vals.max().unwrap_or(0), 1),
+            ReduceOp::Avg => exact::<T>(vals.sum(), n),
         },
     }
 }

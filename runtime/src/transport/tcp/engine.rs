@@ -450,8 +450,6 @@ impl Engine {
         }
     }
 
-    /// Queue a keep-alive on every connection idle for `idle`; called by the transport's
-    /// keep-alive thread. Never reads: data for unposted receives stays in the kernel.
     /// Queue a frame of exactly these header bytes and payload to `peer`, as a misbehaving but
     /// authenticated peer would send it: the tests of the receiving side's protocol checks.
     #[cfg(test)]
@@ -463,6 +461,8 @@ impl Engine {
         }
     }
 
+    /// Queue a keep-alive on every connection idle for `idle`; called by the transport's
+    /// keep-alive thread. Never reads: data for unposted receives stays in the kernel.
     pub(crate) fn send_keepalives(&self, idle: Duration) {
         let mut g = self.lock();
         if g.poisoned.is_some() {
