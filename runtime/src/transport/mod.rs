@@ -16,85 +16,6 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::wire::MsgDesc;
 
-/// `Transport` for a connection-based transport whose `engine` field does the work (TCP, QUIC):
-/// a `rank` field, and an engine with the same operations plus `world()`.
-macro_rules! engine_transport {
-    ($ty:ty, $name:literal) => {
-        impl $crate::transport::Transport for $ty {
-            fn rank(&self) -> usize {
-                self.rank
-            }
-
-            fn world_size(&self) -> usize {
-                self.engine.world()
-            }
-
-            fn name(&self) -> &'static str {
-                $name
-            }
-
-            unsafe fn post_send(
-                &self,
-                peer: usize,
-                desc: $crate::wire::MsgDesc,
-                data: *const u8,
-                len: usize,
-            ) -> $crate::error::Result<$crate::transport::OpId> {
-                // SAFETY: forwarded contract.
-                unsafe { self.engine.post_send(peer, desc, data, len) }
-            }
-
-            unsafe fn post_recv(
-                &self,
-                peer: usize,
-                desc: $crate::wire::MsgDesc,
-                buf: *mut u8,
-                cap: usize,
-            ) -> $crate::error::Result<$crate::transport::OpId> {
-                // SAFETY: forwarded contract.
-                unsafe { self.engine.post_recv(peer, desc, buf, cap) }
-            }
-
-            fn wait(
-                &self,
-                op: $crate::transport::OpId,
-                deadline: std::time::Instant,
-            ) -> $crate::error::Result<usize> {
-                self.engine.wait(op, deadline)
-            }
-
-            fn test(&self, op: $crate::transport::OpId) -> $crate::error::Result<Option<usize>> {
-                self.engine.test(op)
-            }
-
-            fn cancel(&self, op: $crate::transport::OpId) {
-                self.engine.cancel(op)
-            }
-
-            fn abort(&self, reason: &str) {
-                self.engine.abort(reason)
-            }
-
-            fn poisoned(&self) -> Option<$crate::error::Error> {
-                self.engine.poisoned()
-            }
-        }
-
-        #[cfg(test)]
-        impl $ty {
-            /// See the engine's `send_raw`.
-            pub(crate) fn send_raw(
-                &self,
-                peer: usize,
-                hdr: [u8; $crate::wire::HEADER_LEN],
-                payload: Vec<u8>,
-            ) {
-                self.engine.send_raw(peer, hdr, payload)
-            }
-        }
-    };
-}
-
 /// Settings only the QUIC transport has; the ones it shares with TCP (timeouts, keep-alive,
 /// dead-peer limit, spin, budgets) are in [`tcp::TcpConfig`]. Read from the environment by
 /// `rendezvous::Options::from_env`, where a malformed value is an error naming the variable.
@@ -123,6 +44,9 @@ impl Default for QuicConfig {
     }
 }
 
+#[cfg_attr(not(feature = "quic"), allow(dead_code))]
+pub(crate) mod core;
+pub(crate) mod engine;
 pub(crate) mod matcher;
 pub mod mem;
 #[cfg_attr(not(feature = "quic"), allow(dead_code))]

@@ -4,6 +4,7 @@
 //! rank 1 hears an abort naming rank 2 — within seconds: never a panic, a hang or
 //! memory held for the peer. The unexpected-data budget is held the same way.
 
+use crate::transport::engine::Wired;
 use std::time::{Duration, Instant};
 
 use crate::testing;
@@ -164,7 +165,8 @@ fn flood() -> Vec<Frame> {
 fn malformed_frames_tcp() {
     for (case, frames, needle) in cases() {
         let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
-        let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &frames, case == AFTER_CLOSE);
+        let errs =
+            rogue(&ts, |t, p, h, b| t.engine().send_raw(p, h, b), &frames, case == AFTER_CLOSE);
         check_all(&errs, case, needle);
     }
 }
@@ -172,7 +174,7 @@ fn malformed_frames_tcp() {
 #[test]
 fn unexpected_data_budget_tcp() {
     let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
-    let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &flood(), false);
+    let errs = rogue(&ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
     check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
 }
 
@@ -181,7 +183,8 @@ fn unexpected_data_budget_tcp() {
 fn malformed_frames_quic() {
     for (case, frames, needle) in cases() {
         let ts = testing::quic_world(3, &cfg()).unwrap();
-        let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &frames, case == AFTER_CLOSE);
+        let errs =
+            rogue(&ts, |t, p, h, b| t.engine().send_raw(p, h, b), &frames, case == AFTER_CLOSE);
         check_all(&errs, case, needle);
     }
 }
@@ -190,7 +193,7 @@ fn malformed_frames_quic() {
 #[test]
 fn unexpected_data_budget_quic() {
     let ts = testing::quic_world(3, &cfg()).unwrap();
-    let errs = rogue(&ts, |t, p, h, b| t.send_raw(p, h, b), &flood(), false);
+    let errs = rogue(&ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
     check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
 }
 
@@ -261,12 +264,12 @@ fn no_write_after_failure<T: Transport + Sync>(
 #[test]
 fn no_write_after_failure_tcp() {
     let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
-    no_write_after_failure(ts, |t, p, h, b| t.send_raw(p, h, b));
+    no_write_after_failure(ts, |t, p, h, b| t.engine().send_raw(p, h, b));
 }
 
 #[cfg(feature = "quic")]
 #[test]
 fn no_write_after_failure_quic() {
     let ts = testing::quic_world(3, &cfg()).unwrap();
-    no_write_after_failure(ts, |t, p, h, b| t.send_raw(p, h, b));
+    no_write_after_failure(ts, |t, p, h, b| t.engine().send_raw(p, h, b));
 }

@@ -22,10 +22,12 @@ use crate::store::Store;
 use crate::transport::tcp::{JobIdentity, TcpConfig};
 use crate::transport::QuicConfig;
 
-mod engine;
+mod driver;
 mod tls;
 
-use engine::{Engine, EngineConfig};
+use crate::transport::core::{Core, CoreConfig};
+use crate::transport::engine::{Engine, Wired};
+use driver::QuicDriver;
 
 /// Store key under which rank `r` publishes `addr|fingerprint`.
 pub fn quic_key(r: usize) -> String {
@@ -35,9 +37,9 @@ pub fn quic_key(r: usize) -> String {
 /// The QUIC transport of one rank.
 pub struct QuicTransport {
     rank: usize,
-    engine: Arc<Engine>,
+    engine: Arc<Engine<QuicDriver>>,
     local: SocketAddr,
-    driver: Option<JoinHandle<()>>,
+    background: Option<JoinHandle<()>>,
     /// This rank's certificate fingerprint (as published); read by tests.
     #[allow(dead_code)]
     fp: [u8; 32],
@@ -233,20 +235,23 @@ impl QuicTransport {
         // Off loopback: path MTU discovery (quinn-udp forbids fragmentation on the socket) and
         // batches of datagrams per `sendmsg` (GSO).
         let ep = quinn_proto::Endpoint::new(Arc::new(ec), Some(Arc::new(server)), !loopback, None);
-        let engine = Engine::new(
+        let core = Core::new(
             rank,
             world,
-            sock,
-            !loopback,
-            ep,
-            allowed,
-            EngineConfig {
-                spin: cfg.spin,
+            CoreConfig {
                 unexpected_limit: cfg.unexpected_limit,
+                // quinn's receive buffer, not the kernel's, holds what is not read: nothing parks.
+                park_above: u64::MAX,
                 probe_after: cfg.probe_after,
+                dead_after: cfg.dead_after,
+                // quinn sends its own keep-alives (see `transport_config`).
+                keepalive: None,
             },
-        )
-        .map_err(|e| Error::io(rank, "configuring the UDP socket", &e))?;
+            Instant::now(),
+        );
+        let engine = QuicDriver::new(rank, world, sock, !loopback, ep, allowed)
+            .and_then(|d| Engine::new(core, d, cfg.spin))
+            .map_err(|e| Error::io(rank, "configuring the UDP socket", &e))?;
         let engine = Arc::new(engine);
         for (j, p) in peers.iter().enumerate().take(rank) {
             let Some((addr, fp)) = p else { continue };
@@ -255,15 +260,15 @@ impl QuicTransport {
                 .map_err(|e| rv(format!("QUIC TLS: {e}")))?;
             let mut cc = quinn_proto::ClientConfig::new(Arc::new(crypto));
             cc.transport_config(transport.clone());
-            engine.connect_to(j, cc, *addr).map_err(rv)?;
+            driver::connect_to(&engine, j, cc, *addr).map_err(rv)?;
         }
-        engine.establish(deadline).map_err(|e| {
+        driver::establish(&engine, deadline).map_err(|e| {
             rv(format!(
                 "{e} (within {:?}; a refused certificate also ends here)",
                 cfg.connect_timeout
             ))
         })?;
-        let driver = {
+        let background = {
             let engine = engine.clone();
             std::thread::Builder::new()
                 .name(format!("tutti-quic-{rank}"))
@@ -271,7 +276,7 @@ impl QuicTransport {
                 .map_err(|e| Error::io(rank, "spawning the QUIC driver thread", &e))?
         };
         info!(rank, world, %local, loopback, elapsed = ?start.elapsed(), "quic transport connected");
-        Ok(QuicTransport { rank, engine, local, driver: Some(driver), fp: me.fp })
+        Ok(QuicTransport { rank, engine, local, background: Some(background), fp: me.fp })
     }
 
     /// The UDP address this rank listens on.
@@ -280,12 +285,19 @@ impl QuicTransport {
     }
 }
 
-engine_transport!(QuicTransport, "quic");
+impl Wired for QuicTransport {
+    type Driver = QuicDriver;
+    const NAME: &'static str = "quic";
+
+    fn engine(&self) -> &Engine<QuicDriver> {
+        &self.engine
+    }
+}
 
 impl Drop for QuicTransport {
     fn drop(&mut self) {
         self.engine.stop();
-        if let Some(t) = self.driver.take() {
+        if let Some(t) = self.background.take() {
             let _ = t.join();
         }
         self.engine.shutdown(Duration::from_secs(2));

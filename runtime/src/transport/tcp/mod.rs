@@ -20,10 +20,12 @@ use crate::error::{Error, Result};
 use crate::store::get_or;
 use crate::store::Store;
 
-mod engine;
+mod driver;
 pub(crate) mod handshake;
 
-use engine::{Engine, EngineConfig};
+use crate::transport::core::{Core, CoreConfig};
+use crate::transport::engine::{Engine, Wired};
+use driver::TcpDriver;
 
 /// Settings of the TCP transport.
 #[derive(Debug, Clone)]
@@ -91,10 +93,12 @@ pub struct JobIdentity {
 /// The TCP transport of one rank.
 pub struct TcpTransport {
     rank: usize,
-    engine: Arc<Engine>,
+    engine: Arc<Engine<TcpDriver>>,
     local: SocketAddr,
+    /// Stops the acceptor.
     stop: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    acceptor: Option<JoinHandle<()>>,
+    background: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -204,33 +208,39 @@ impl TcpTransport {
             let _ = acceptor.join();
             return Err(e);
         }
-        let engine = Engine::new(
+        let now = Instant::now();
+        let mut core = Core::new(
             rank,
-            streams,
-            EngineConfig {
-                spin: cfg.spin,
+            world,
+            CoreConfig {
                 unexpected_limit: cfg.unexpected_limit,
+                park_above: driver::EAGER_MAX,
                 probe_after: cfg.probe_after,
                 dead_after: cfg.dead_after,
+                keepalive: Some(cfg.keepalive_interval),
             },
-        )
-        .map_err(|e| Error::io(rank, "configuring connections", &e))?;
+            now,
+        );
+        let engine = TcpDriver::new(streams, &mut core, now)
+            .and_then(|d| Engine::new(core, d, cfg.spin))
+            .map_err(|e| Error::io(rank, "configuring connections", &e))?;
         let engine = Arc::new(engine);
-        let keepalive = {
-            let (engine, stop, every) = (engine.clone(), stop.clone(), cfg.keepalive_interval);
+        let background = {
+            let engine = engine.clone();
             std::thread::Builder::new()
-                .name(format!("tutti-keepalive-{rank}"))
-                .spawn(move || {
-                    while !stop.load(Ordering::SeqCst) {
-                        std::thread::sleep(every.min(Duration::from_millis(100)));
-                        engine.send_keepalives(every);
-                        engine.poll_control();
-                    }
-                })
-                .map_err(|e| Error::io(rank, "spawning the keep-alive thread", &e))?
+                .name(format!("tutti-tcp-{rank}"))
+                .spawn(move || engine.background())
+                .map_err(|e| Error::io(rank, "spawning the background driver", &e))?
         };
         info!(rank, world, %local, elapsed = ?start.elapsed(), "tcp transport connected");
-        Ok(TcpTransport { rank, engine, local, stop, threads: vec![acceptor, keepalive] })
+        Ok(TcpTransport {
+            rank,
+            engine,
+            local,
+            stop,
+            acceptor: Some(acceptor),
+            background: Some(background),
+        })
     }
 
     /// The address this rank listens on.
@@ -355,13 +365,24 @@ fn accept_loop(
     }
 }
 
-engine_transport!(TcpTransport, "tcp");
+impl Wired for TcpTransport {
+    type Driver = TcpDriver;
+    const NAME: &'static str = "tcp";
+
+    fn engine(&self) -> &Engine<TcpDriver> {
+        &self.engine
+    }
+}
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
+        self.engine.stop();
+        if let Some(t) = self.background.take() {
+            let _ = t.join();
+        }
         self.engine.shutdown(Duration::from_secs(2));
         self.stop.store(true, Ordering::SeqCst);
-        for t in self.threads.drain(..) {
+        if let Some(t) = self.acceptor.take() {
             let _ = t.join();
         }
     }

@@ -1,0 +1,816 @@
+//! The connection core: everything one rank knows about its connections except how bytes move.
+//!
+//! A sans-IO state machine in the manner of quinn-proto. It owns, per peer, the frames waiting to
+//! be sent and the parser of the arriving byte stream (headers, payloads into posted receives or
+//! the unexpected queue, control frames); it owns matching, poisoning, and the timing decisions
+//! (keep-alives, the probe of a long wait, dead-peer detection). It never touches a socket or
+//! reads the clock: every call that depends on time takes `now`. A driver (`tcp/driver.rs`,
+//! `quic/driver.rs`) moves the bytes — it hands the core what arrived ([`Core::rx_bytes`]), writes
+//! what [`Core::sendq`] holds and reports how far it got ([`Core::tx_done`]), and sleeps until
+//! the earlier of its own timers and the core's. The generic engine (`engine.rs`) ties the two
+//! together behind the [`Transport`](crate::transport::Transport) trait.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use crate::error::{Error, Result};
+use crate::transport::matcher::{self, Landing, Matching, Ops, PeerQueues, RawBuf, RecvPost};
+use crate::transport::queue::{self, RxDest, RxFrame, SendItem};
+use crate::transport::OpId;
+use crate::wire::{FrameKind, Header, MsgDesc, HEADER_LEN};
+
+/// Longest abort reason accepted from a peer.
+pub(crate) const MAX_ABORT_REASON: u64 = 4096;
+
+/// Tunables of the core.
+#[derive(Debug, Clone)]
+pub(crate) struct CoreConfig {
+    /// Most bytes of unexpected messages (arrived before their receive) held at once.
+    pub(crate) unexpected_limit: u64,
+    /// A message without its receive that is longer than this is parked: its header is read,
+    /// its payload stays in the driver's lower layer (TCP: the kernel, which flow-controls the
+    /// sender) until the receive is posted. `u64::MAX`: never park.
+    pub(crate) park_above: u64,
+    /// A wait this long asks the peer whether it is in the same collective.
+    pub(crate) probe_after: Duration,
+    /// A peer silent this long while a wait needs it is dead.
+    pub(crate) dead_after: Duration,
+    /// Send a keep-alive on a link idle this long; `None`: the driver's protocol keeps the
+    /// link alive itself (QUIC).
+    pub(crate) keepalive: Option<Duration>,
+}
+
+/// Why a link failed, as the driver or the core saw it.
+#[derive(Debug)]
+pub(crate) enum LinkFail {
+    /// The peer closed the connection (end of stream).
+    Closed,
+    /// The connection failed (reset, unreachable, a stream error).
+    Lost(String),
+    /// The peer broke the protocol.
+    Protocol(String),
+    /// Nothing arrived from the peer for too long.
+    Silent(String),
+    /// The peer aborted with this reason.
+    Aborted(String),
+}
+
+/// One peer's connection, as the core sees it.
+struct Link {
+    /// Frames waiting for the driver (the first one possibly partly handed over).
+    sendq: VecDeque<SendItem>,
+    hdr: [u8; HEADER_LEN],
+    hdr_have: usize,
+    /// The frame being received.
+    cur: Option<RxFrame>,
+    /// Receives posted for this peer that wait for data (queued or being filled).
+    want: usize,
+    /// The driver has a working connection and no failure was seen.
+    up: bool,
+    /// The peer said it is shutting down cleanly (a close frame arrived).
+    peer_closed: bool,
+    /// Our own close frame is queued (it is the last frame we send).
+    close_sent: bool,
+    /// When bytes last arrived from the peer (data, control, or the driver's own traffic).
+    last_rx: Instant,
+    /// When the driver last handed bytes of ours to its wire.
+    last_tx: Instant,
+}
+
+// SAFETY: the raw pointers inside (`Payload::Borrowed`, `RxDest::Posted`) are only dereferenced
+// under the engine lock while their operations are posted; posters guarantee validity until then.
+unsafe impl Send for Link {}
+
+impl Link {
+    fn new(now: Instant) -> Link {
+        Link {
+            sendq: VecDeque::new(),
+            hdr: [0; HEADER_LEN],
+            hdr_have: 0,
+            cur: None,
+            want: 0,
+            up: false,
+            peer_closed: false,
+            close_sent: false,
+            last_rx: now,
+            last_tx: now,
+        }
+    }
+
+    fn parked(&self) -> bool {
+        matches!(self.cur, Some(RxFrame { dest: RxDest::Parked(_), .. }))
+    }
+}
+
+/// One blocked call's view of an operation: when it began to wait and what it already did.
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    pub(crate) op: OpId,
+    pub(crate) start: Instant,
+    pub(crate) deadline: Instant,
+    probed: bool,
+}
+
+impl Waiter {
+    pub(crate) fn new(op: OpId, start: Instant, deadline: Instant) -> Waiter {
+        Waiter { op, start, deadline, probed: false }
+    }
+}
+
+/// What a wait should do next.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// The operation finished (or failed, or its deadline passed).
+    Done(Result<usize>),
+    /// The core changed state (a frame to send, a parked frame to read): drive again now.
+    Again,
+    /// Nothing to do before this instant unless the driver sees input.
+    Sleep(Instant),
+}
+
+/// The connection core of one rank: every peer's link, the operation table and the matching.
+pub(crate) struct Core {
+    rank: usize,
+    links: Vec<Link>,
+    queues: Vec<PeerQueues>,
+    ops: Ops,
+    poisoned: Option<Error>,
+    unexpected_bytes: u64,
+    cfg: CoreConfig,
+    /// Links that failed since the driver last asked: it closes their connections.
+    down: Vec<usize>,
+    /// Poisoned since the driver last asked: it writes the abort frames out.
+    fresh_poison: bool,
+}
+
+impl Core {
+    /// A core for `rank` of `world`; no link is up until the driver says so.
+    pub(crate) fn new(rank: usize, world: usize, cfg: CoreConfig, now: Instant) -> Core {
+        Core {
+            rank,
+            links: (0..world).map(|_| Link::new(now)).collect(),
+            queues: (0..world).map(|_| PeerQueues::default()).collect(),
+            ops: Ops::default(),
+            poisoned: None,
+            unexpected_bytes: 0,
+            cfg,
+            down: Vec::new(),
+            fresh_poison: false,
+        }
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn world(&self) -> usize {
+        self.links.len()
+    }
+
+    pub(crate) fn poisoned(&self) -> Option<&Error> {
+        self.poisoned.as_ref()
+    }
+
+    /// The driver connected `peer`: its link carries frames from now on.
+    pub(crate) fn link_up(&mut self, peer: usize, now: Instant) {
+        if let Some(l) = self.links.get_mut(peer).filter(|_| peer != self.rank) {
+            l.up = true;
+            l.last_rx = now;
+            l.last_tx = now;
+        }
+    }
+
+    /// Whether `peer`'s link is up (not failed, not finished).
+    pub(crate) fn is_up(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(|l| l.up)
+    }
+
+    /// Whether `peer` said it is leaving cleanly (its close frame arrived).
+    pub(crate) fn peer_closed(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(|l| l.peer_closed)
+    }
+
+    /// A link that failed since the last call; its driver connection should be closed.
+    pub(crate) fn take_down(&mut self) -> Option<usize> {
+        self.down.pop()
+    }
+
+    /// Whether the core was poisoned since the last call: abort frames wait on every link.
+    pub(crate) fn take_fresh_poison(&mut self) -> bool {
+        std::mem::take(&mut self.fresh_poison)
+    }
+
+    // ---- posting -------------------------------------------------------------------------
+
+    /// Post a send; the frame waits in `peer`'s queue for the driver (a send to self completes
+    /// at once).
+    ///
+    /// # Safety
+    /// As `Transport::post_send`: `data..data+len` stays readable until the operation finished
+    /// or was cancelled.
+    pub(crate) unsafe fn post_send(
+        &mut self,
+        peer: usize,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) -> Result<OpId> {
+        matcher::check_peer(self.rank, self.world(), peer, "send")?;
+        let id = matcher::register(&self.poisoned, &mut self.ops, peer, desc, len)?;
+        if peer == self.rank {
+            // SAFETY: the caller guarantees the range is readable (the copy ends before return).
+            unsafe { self.matching(peer).send_to_self(id, desc, data, len) };
+            return Ok(id);
+        }
+        let l = &mut self.links[peer];
+        if !l.up || l.peer_closed {
+            self.ops.forget(id);
+            return Err(matcher::closed_peer(self.rank, peer, &desc, len));
+        }
+        let hdr = Header::data(desc, self.rank, len).encode();
+        l.sendq.push_back(SendItem::data(id, hdr, data, len));
+        Ok(id)
+    }
+
+    /// Post a receive. Returns its id and whether a parked frame was attached to it (the driver
+    /// then reads the payload in).
+    ///
+    /// # Safety
+    /// As `Transport::post_recv`: `buf..buf+cap` stays writable and untouched by the caller
+    /// until the operation finished or was cancelled.
+    pub(crate) unsafe fn post_recv(
+        &mut self,
+        peer: usize,
+        desc: MsgDesc,
+        buf: *mut u8,
+        cap: usize,
+    ) -> Result<(OpId, bool)> {
+        matcher::check_peer(self.rank, self.world(), peer, "recv")?;
+        let id = matcher::register(&self.poisoned, &mut self.ops, peer, desc, cap)?;
+        let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
+        if !self.matching(peer).post_recv(post) || peer == self.rank {
+            return Ok((id, false));
+        }
+        let l = &mut self.links[peer];
+        if !l.up || l.peer_closed {
+            self.queues[peer].remove(id);
+            self.ops.forget(id);
+            return Err(matcher::closed_peer(self.rank, peer, &desc, cap));
+        }
+        l.want += 1;
+        Ok((id, self.attach_parked(peer)))
+    }
+
+    /// `Some(result)` when `op` finished (it is then forgotten).
+    pub(crate) fn take_finished(&mut self, op: OpId) -> Option<Result<usize>> {
+        self.ops.take_finished(op)
+    }
+
+    /// Withdraw `op`: when this returns no buffer of it is referenced any more.
+    pub(crate) fn cancel(&mut self, op: OpId) {
+        for peer in 0..self.queues.len() {
+            if self.queues[peer].remove(op) {
+                let l = &mut self.links[peer];
+                l.want = l.want.saturating_sub(1);
+            }
+        }
+        for l in self.links.iter_mut() {
+            queue::forget(&mut l.cur, &mut l.sendq, op);
+        }
+        self.ops.forget(op);
+    }
+
+    /// The local abort: fail everything and tell every peer `reason`.
+    pub(crate) fn abort(&mut self, reason: &str) {
+        let err = Error::Aborted { rank: self.rank, reason: reason.to_string() };
+        self.poison(err, Some(reason));
+    }
+
+    // ---- the send side -------------------------------------------------------------------
+
+    /// Frames waiting to be written to `peer` (the first one possibly partly written: its
+    /// `off` says how far).
+    pub(crate) fn sendq(&self, peer: usize) -> &VecDeque<SendItem> {
+        &self.links[peer].sendq
+    }
+
+    /// Whether `peer` has frames to write.
+    pub(crate) fn wants_tx(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(|l| !l.sendq.is_empty())
+    }
+
+    /// The driver handed `n` more bytes of `peer`'s queue to its wire: completes the sends
+    /// whose last byte went.
+    pub(crate) fn tx_done(&mut self, peer: usize, mut n: usize, now: Instant) {
+        let l = &mut self.links[peer];
+        if n > 0 {
+            l.last_tx = now;
+        }
+        while n > 0 {
+            let Some(s) = l.sendq.front_mut() else { break };
+            let take = n.min(s.total() - s.off);
+            s.off += take;
+            n -= take;
+            if s.off == s.total() {
+                if let Some(id) = s.id {
+                    self.ops.complete(id, s.len);
+                }
+                l.sendq.pop_front();
+            }
+        }
+    }
+
+    /// Our close frame is queued and everything before it was written: the driver may end its
+    /// side of the stream.
+    pub(crate) fn tx_finished(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(|l| l.close_sent && l.sendq.is_empty())
+    }
+
+    /// Clean shutdown: queue a close frame on every link that is up.
+    pub(crate) fn close_all(&mut self) {
+        for peer in 0..self.links.len() {
+            self.queue_close(peer);
+        }
+    }
+
+    fn queue_close(&mut self, peer: usize) {
+        let rank = self.rank;
+        let l = &mut self.links[peer];
+        if l.up && !l.close_sent {
+            l.close_sent = true;
+            let hdr = Header::control(FrameKind::Close, rank, 0).encode();
+            l.sendq.push_back(SendItem::control(hdr, Vec::new()));
+        }
+    }
+
+    /// Queue a frame of exactly these header bytes and payload, as a misbehaving but
+    /// authenticated peer would send it: the tests of the receiving side's protocol checks.
+    #[cfg(test)]
+    pub(crate) fn send_raw(&mut self, peer: usize, hdr: [u8; HEADER_LEN], payload: Vec<u8>) {
+        self.links[peer].sendq.push_back(SendItem::control(hdr, payload));
+    }
+
+    // ---- the receive side ----------------------------------------------------------------
+
+    /// Whether `peer`'s link needs reading: a receive waits for it or a frame is half read.
+    pub(crate) fn wants_rx(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(|l| l.up && (l.want > 0 || l.cur.is_some()))
+    }
+
+    /// Whether the frame being received from `peer` is parked (the driver must not read).
+    pub(crate) fn rx_parked(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(Link::parked)
+    }
+
+    /// Whether `peer`'s stream is between frames (no header or payload half read).
+    pub(crate) fn rx_idle(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(|l| l.cur.is_none() && l.hdr_have == 0)
+    }
+
+    /// The driver heard from `peer` (any traffic of its protocol): the peer is alive.
+    pub(crate) fn heard(&mut self, peer: usize, now: Instant) {
+        if let Some(l) = self.links.get_mut(peer) {
+            l.last_rx = l.last_rx.max(now);
+        }
+    }
+
+    /// Where the current frame's payload may be read directly: the rest of a posted receive's
+    /// buffer, when at least `min` bytes of it are still to come. Valid until the next call
+    /// into the core; report what was read with [`Core::rx_direct_done`].
+    pub(crate) fn rx_direct(&mut self, peer: usize, min: usize) -> Option<(*mut u8, usize)> {
+        self.release_failed_receive(peer);
+        match &self.links[peer].cur {
+            Some(RxFrame { dest: RxDest::Posted { buf, .. }, len, done }) if len - done >= min => {
+                // SAFETY: `done < len <= cap` of the posted buffer (checked at header time).
+                Some((unsafe { buf.0.add(*done) }, len - done))
+            }
+            _ => None,
+        }
+    }
+
+    /// `n` bytes were read directly into the place [`Core::rx_direct`] gave.
+    pub(crate) fn rx_direct_done(&mut self, peer: usize, n: usize, now: Instant) {
+        let l = &mut self.links[peer];
+        l.last_rx = now;
+        let Some(f) = l.cur.as_mut() else { return };
+        f.done += n;
+        if f.done == f.len {
+            if let Some(f) = l.cur.take() {
+                if let Err(fail) = self.finish(peer, f) {
+                    self.link_failed(peer, fail);
+                }
+            }
+        }
+    }
+
+    /// Bytes of `peer`'s stream arrived. Returns how many the core took: all of them, except
+    /// when a frame is (or becomes) parked, where the driver keeps the rest and offers it again
+    /// once [`Core::rx_parked`] is false. A protocol violation fails the link (and poisons).
+    pub(crate) fn rx_bytes(&mut self, peer: usize, mut data: &[u8], now: Instant) -> usize {
+        let total = data.len();
+        if total > 0 {
+            self.links[peer].last_rx = now;
+        }
+        while !data.is_empty() {
+            if !self.links[peer].up {
+                return total;
+            }
+            self.release_failed_receive(peer);
+            let l = &mut self.links[peer];
+            if let Some(f) = l.cur.as_mut() {
+                if matches!(f.dest, RxDest::Parked(_)) {
+                    return total - data.len();
+                }
+                let n = data.len().min(f.len - f.done);
+                match &mut f.dest {
+                    RxDest::Posted { buf, .. } => {
+                        // SAFETY: the receive is still posted (`release_failed_receive` just
+                        // turned a failed or cancelled one into a discard, under the engine lock
+                        // that `cancel` and every failure take) with `cap >= len` (checked at
+                        // header time), and `done + n <= len`.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(data.as_ptr(), buf.0.add(f.done), n)
+                        };
+                    }
+                    RxDest::Unexpected { data: v, .. } | RxDest::Abort(v) => {
+                        v.extend_from_slice(&data[..n])
+                    }
+                    RxDest::Discard | RxDest::Parked(_) => {}
+                }
+                f.done += n;
+                data = &data[n..];
+                if f.done == f.len {
+                    if let Some(f) = l.cur.take() {
+                        if let Err(fail) = self.finish(peer, f) {
+                            self.link_failed(peer, fail);
+                            return total;
+                        }
+                    }
+                }
+                continue;
+            }
+            let n = data.len().min(HEADER_LEN - l.hdr_have);
+            l.hdr[l.hdr_have..l.hdr_have + n].copy_from_slice(&data[..n]);
+            l.hdr_have += n;
+            data = &data[n..];
+            if l.hdr_have < HEADER_LEN {
+                break;
+            }
+            l.hdr_have = 0;
+            let started = match Header::decode(&l.hdr) {
+                Ok(hdr) => self.start_frame(peer, hdr),
+                Err(e) => Err(LinkFail::Protocol(format!("undecodable frame header: {e}"))),
+            };
+            if let Err(fail) = started {
+                self.link_failed(peer, fail);
+                return total;
+            }
+        }
+        total
+    }
+
+    /// The frame being received belongs to a receive that failed or was cancelled: its caller
+    /// may already have freed the buffer, so the rest of the payload is read and dropped.
+    fn release_failed_receive(&mut self, peer: usize) {
+        let Some(f) = self.links[peer].cur.as_mut() else { return };
+        if let RxDest::Posted { id, .. } = f.dest {
+            if self.ops.pending(id).is_none() {
+                f.dest = RxDest::Discard;
+            }
+        }
+    }
+
+    fn start_frame(&mut self, peer: usize, hdr: Header) -> Result<(), LinkFail> {
+        if self.links[peer].peer_closed {
+            return Err(LinkFail::Protocol(format!(
+                "a {:?} frame after the peer's close frame",
+                hdr.kind
+            )));
+        }
+        if hdr.src as usize != peer {
+            return Err(LinkFail::Protocol(format!(
+                "frame claims source rank {} on the connection of rank {peer}",
+                hdr.src
+            )));
+        }
+        let len = hdr.len;
+        let empty = |what: &str| {
+            if len != 0 {
+                Err(LinkFail::Protocol(format!("{what} frame with a payload")))
+            } else {
+                Ok(RxDest::Discard)
+            }
+        };
+        let dest = match hdr.kind {
+            FrameKind::KeepAlive => empty("keep-alive")?,
+            FrameKind::Probe => {
+                let d = empty("probe")?;
+                if let Some(err) = matcher::probe_mismatch(self.rank, peer, &self.ops, &hdr.desc) {
+                    let reason = err.to_string();
+                    self.poison(err, Some(&reason));
+                }
+                d
+            }
+            FrameKind::Close => {
+                let d = empty("close")?;
+                self.peer_closing(peer);
+                d
+            }
+            FrameKind::Abort => {
+                if len > MAX_ABORT_REASON {
+                    return Err(LinkFail::Protocol(format!("abort reason of {len} bytes")));
+                }
+                RxDest::Abort(Vec::with_capacity(len as usize))
+            }
+            FrameKind::Data => {
+                let (park, limit) = (self.cfg.park_above, self.cfg.unexpected_limit);
+                let (landing, used) =
+                    self.matching(peer).arrive_header(&hdr.desc, len, park, limit);
+                self.used(peer, used);
+                match landing {
+                    Ok(Landing::Posted { id, buf }) => RxDest::Posted { id, buf },
+                    Ok(Landing::Park) => RxDest::Parked(hdr.desc),
+                    // Bounded by the budget `arrive_header` checked.
+                    Ok(Landing::Buffer) => RxDest::Unexpected {
+                        desc: hdr.desc,
+                        data: Vec::with_capacity(len as usize),
+                    },
+                    Ok(Landing::Discard) => RxDest::Discard,
+                    Err(err) => {
+                        // Over the budget: poisoned; the payload is read and dropped.
+                        self.poison(err, None);
+                        RxDest::Discard
+                    }
+                }
+            }
+        };
+        let Ok(len) = usize::try_from(len) else {
+            return Err(LinkFail::Protocol(format!("frame length {len} does not fit in memory")));
+        };
+        let f = RxFrame { dest, len, done: 0 };
+        if len == 0 {
+            return self.finish(peer, f);
+        }
+        self.links[peer].cur = Some(f);
+        Ok(())
+    }
+
+    fn finish(&mut self, peer: usize, f: RxFrame) -> Result<(), LinkFail> {
+        match f.dest {
+            RxDest::Posted { id, .. } => self.ops.complete(id, f.len),
+            RxDest::Unexpected { desc, data } => {
+                // A receive may have been posted while the message was arriving.
+                let used =
+                    self.matching(peer).arrive_whole(&desc, std::borrow::Cow::Owned(data), true);
+                self.used(peer, used);
+            }
+            RxDest::Abort(reason) => {
+                return Err(LinkFail::Aborted(String::from_utf8_lossy(&reason).into_owned()));
+            }
+            RxDest::Discard | RxDest::Parked(_) => {}
+        }
+        Ok(())
+    }
+
+    /// The matching state of messages from `peer`.
+    fn matching(&mut self, peer: usize) -> Matching<'_> {
+        Matching {
+            rank: self.rank,
+            peer,
+            queues: &mut self.queues[peer],
+            ops: &mut self.ops,
+            unexpected_bytes: &mut self.unexpected_bytes,
+        }
+    }
+
+    /// `used` posted receives of `peer` were matched or failed: they no longer wait for data.
+    fn used(&mut self, peer: usize, used: usize) {
+        let l = &mut self.links[peer];
+        l.want = l.want.saturating_sub(used);
+    }
+
+    /// A receive was posted: if the frame parked on `peer`'s link is its message, attach it
+    /// (the payload then goes straight into the receive buffer). True when attached.
+    fn attach_parked(&mut self, peer: usize) -> bool {
+        let (desc, len) = match &self.links[peer].cur {
+            Some(RxFrame { dest: RxDest::Parked(d), len, .. }) => (*d, *len),
+            _ => return false,
+        };
+        // `park_above` 0: if the new receive is not this message's, the frame stays parked.
+        let (landing, used) = self.matching(peer).arrive_header(&desc, len as u64, 0, 0);
+        self.used(peer, used);
+        let new = match landing {
+            Ok(Landing::Posted { id, buf }) => RxDest::Posted { id, buf },
+            Ok(Landing::Discard) => RxDest::Discard,
+            _ => return false,
+        };
+        if let Some(f) = self.links[peer].cur.as_mut() {
+            f.dest = new;
+        }
+        true
+    }
+
+    /// Someone needs a later message from `peer`: move the parked frame to the unexpected queue
+    /// (bounded by the budget) so the stream can advance.
+    fn unpark(&mut self, peer: usize) {
+        let (desc, len) = match &self.links[peer].cur {
+            Some(RxFrame { dest: RxDest::Parked(d), len, .. }) => (*d, *len),
+            _ => return,
+        };
+        let limit = self.cfg.unexpected_limit;
+        let total = self.unexpected_bytes.saturating_add(len as u64);
+        if total > limit {
+            let err = Error::UnexpectedOverflow { rank: self.rank, peer, bytes: total, limit };
+            self.poison(err, None);
+            return;
+        }
+        self.unexpected_bytes = total;
+        if let Some(f) = self.links[peer].cur.as_mut() {
+            f.dest = RxDest::Unexpected { desc, data: Vec::with_capacity(len) };
+        }
+    }
+
+    /// Make way for a peer that is going away: a parked frame is buffered (within the budget)
+    /// so what the peer sent before leaving is read in.
+    pub(crate) fn unpark_for_end(&mut self, peer: usize) {
+        self.unpark(peer);
+    }
+
+    // ---- time ----------------------------------------------------------------------------
+
+    /// One step of a wait for `w.op`: its result, or what to do before looking again. Decides
+    /// the deadline, the dead-peer rule (the peer silent for `dead_after` since the later of
+    /// its last traffic and the start of this wait), unparking, and the probe.
+    pub(crate) fn poll_wait(&mut self, w: &mut Waiter, now: Instant) -> Step {
+        if let Some(r) = self.ops.take_finished(w.op) {
+            return Step::Done(r);
+        }
+        let Some((peer, desc, bytes, posted)) = self.ops.pending(w.op) else {
+            return Step::Done(Err(matcher::not_posted(self.rank, w.op)));
+        };
+        if now >= w.deadline {
+            let done = self.bytes_done(w.op);
+            return Step::Done(Err(matcher::timed_out(
+                self.rank, peer, &desc, done, bytes, posted, w.deadline,
+            )));
+        }
+        let mut until = w.deadline;
+        if let Some(l) = self.links.get(peer).filter(|l| l.up) {
+            let since = l.last_rx.max(w.start);
+            let quiet = now.saturating_duration_since(since);
+            if quiet >= self.cfg.dead_after {
+                let detail = format!(
+                    "nothing (not even a keep-alive) arrived from rank {peer} for {quiet:.1?}: \
+                     the process is stopped (SIGSTOP), hung in the kernel, or its host is \
+                     unreachable"
+                );
+                self.link_failed(peer, LinkFail::Silent(detail));
+                return Step::Again;
+            }
+            until = until.min(since + self.cfg.dead_after);
+            if l.parked() && self.queues[peer].is_posted(w.op) {
+                self.unpark(peer);
+                return Step::Again;
+            }
+        }
+        if !w.probed {
+            if now.saturating_duration_since(w.start) >= self.cfg.probe_after {
+                w.probed = true;
+                self.send_probe(peer, desc);
+                return Step::Again;
+            }
+            until = until.min(w.start + self.cfg.probe_after);
+        }
+        if let Some(t) = self.poll_timeout() {
+            until = until.min(t);
+        }
+        Step::Sleep(until)
+    }
+
+    /// The next instant [`Core::handle_timeout`] has work (a keep-alive due).
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let every = self.cfg.keepalive?;
+        if self.poisoned.is_some() {
+            return None;
+        }
+        self.links.iter().filter(|l| l.up && l.sendq.is_empty()).map(|l| l.last_tx + every).min()
+    }
+
+    /// Queue a keep-alive on every link idle for the keep-alive interval.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+        let Some(every) = self.cfg.keepalive else { return };
+        if self.poisoned.is_some() {
+            return;
+        }
+        let rank = self.rank;
+        for l in self.links.iter_mut().filter(|l| l.up && !l.close_sent) {
+            if l.sendq.is_empty() && now.saturating_duration_since(l.last_tx) >= every {
+                let hdr = Header::control(FrameKind::KeepAlive, rank, 0).encode();
+                l.sendq.push_back(SendItem::control(hdr, Vec::new()));
+            }
+        }
+    }
+
+    /// Ask `peer` whether it is in the same collective as `desc` (see `FrameKind::Probe`).
+    fn send_probe(&mut self, peer: usize, desc: MsgDesc) {
+        if peer == self.rank || desc.tag.group & matcher::P2P_GROUP_BIT != 0 {
+            return;
+        }
+        let rank = self.rank;
+        let l = &mut self.links[peer];
+        if !l.up || l.close_sent {
+            return;
+        }
+        let mut h = Header::data(desc, rank, 0);
+        h.kind = FrameKind::Probe;
+        l.sendq.push_back(SendItem::control(h.encode(), Vec::new()));
+    }
+
+    fn bytes_done(&self, op: OpId) -> u64 {
+        self.links.iter().find_map(|l| queue::progress(&l.cur, &l.sendq, op)).unwrap_or(0)
+    }
+
+    // ---- failure -------------------------------------------------------------------------
+
+    /// Fail everything, tell every live peer why (abort frame), stop taking work.
+    fn poison(&mut self, err: Error, abort_reason: Option<&str>) {
+        if self.poisoned.is_some() {
+            return;
+        }
+        warn!(rank = self.rank, "transport poisoned: {err}");
+        let e2 = err.clone();
+        self.ops.fail_all(|_, _| e2.clone());
+        self.poisoned = Some(err.clone());
+        self.fresh_poison = true;
+        for q in self.queues.iter_mut() {
+            q.clear_posted();
+        }
+        let reason = abort_reason.map_or_else(|| err.to_string(), str::to_string);
+        let reason = reason.as_bytes();
+        let reason = &reason[..reason.len().min(MAX_ABORT_REASON as usize)];
+        let rank = self.rank;
+        for l in self.links.iter_mut() {
+            l.want = 0;
+            if l.up && !l.peer_closed {
+                queue::abort_queue(&mut l.sendq, rank, reason);
+            }
+        }
+    }
+
+    /// A close frame arrived (or the driver saw the peer leave cleanly): the peer finished.
+    /// Operations still waiting on it fail (naming it) but the transport is not poisoned; our
+    /// own close answers it, so a peer waiting in its shutdown need not wait for our exit.
+    pub(crate) fn peer_closing(&mut self, peer: usize) {
+        let l = &mut self.links[peer];
+        if l.peer_closed || !l.up {
+            return;
+        }
+        l.peer_closed = true;
+        l.want = 0;
+        self.queue_close(peer);
+        matcher::fail_closed_peer(self.rank, peer, &mut self.ops, &mut self.queues[peer]);
+    }
+
+    /// `peer`'s link failed. After the peer's close frame an end of stream is the normal end;
+    /// otherwise every operation with the peer fails naming it and the transport is poisoned.
+    pub(crate) fn link_failed(&mut self, peer: usize, f: LinkFail) {
+        let l = &mut self.links[peer];
+        if !l.up {
+            return;
+        }
+        l.up = false;
+        l.want = 0;
+        l.cur = None;
+        l.hdr_have = 0;
+        l.sendq.clear();
+        self.down.push(peer);
+        if l.peer_closed && matches!(f, LinkFail::Closed | LinkFail::Lost(_)) {
+            // End of a clean shutdown.
+            return;
+        }
+        let detail = match &f {
+            LinkFail::Closed => "connection closed by peer".to_string(),
+            LinkFail::Lost(d) => d.clone(),
+            LinkFail::Protocol(p) => format!("protocol error: {p}"),
+            LinkFail::Silent(d) => d.clone(),
+            LinkFail::Aborted(r) => format!("peer aborted: {r}"),
+        };
+        debug!(rank = self.rank, peer, "{detail}");
+        let rank = self.rank;
+        self.queues[peer].clear_posted();
+        if let LinkFail::Aborted(reason) = f {
+            // Pass the original reason on: it names the culprit, wherever the abort started.
+            let err = Error::PeerAborted { rank, peer, reason: reason.clone() };
+            self.poison(err, Some(&reason));
+            return;
+        }
+        // Operations with the failed peer name it and themselves; the rest fail through poison.
+        let (err, reason) = matcher::peer_lost(rank, peer, &mut self.ops, detail);
+        self.poison(err, Some(&reason));
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1 @@
+//! Tests of the connection core on a fake clock.

@@ -1,0 +1,436 @@
+//! The progress engine shared by the connection-based transports: the [`Core`] and a [`Driver`]
+//! under one lock, driven by whichever thread waits.
+//!
+//! There is no I/O thread on the data path. A thread in [`Engine::wait`] lets the driver move
+//! bytes for every connection with work, asks the core what the wait should do next, spins for a
+//! short, bounded time yielding the CPU, then sleeps in `ppoll` on the driver's descriptors with
+//! the lock released, until input arrives or the earliest of the core's and the driver's
+//! deadlines. Posting a send writes at once when the connection has room, so small messages leave
+//! without waiting for anyone. A background thread drives only while nobody waits (keep-alives,
+//! aborts, dead peers, what a large send left queued), so 2-core machines running 4+ ranks never
+//! spin without bound.
+//!
+//! The one [`Transport`] implementation for every driver is here: TCP and QUIC differ only in
+//! their driver (`tcp/driver.rs`, `quic/driver.rs`).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::transport::core::{Core, Step, Waiter};
+use crate::transport::{OpId, Transport};
+use crate::util::WakePipe;
+use crate::wire::MsgDesc;
+
+/// Longest a blocked thread sleeps before looking again (abort and deadlines are also checked).
+const POLL_SLICE: Duration = Duration::from_millis(100);
+/// How long the background thread naps while some thread is waiting (and driving).
+const NAP: Duration = Duration::from_millis(5);
+
+/// What the engine is doing when it asks the driver to move bytes or sleep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// A thread waits for an operation: read everything that arrives.
+    Wait,
+    /// Nobody waits: handle control traffic and keep sending, but leave data for receives not
+    /// yet posted where it is when the driver can (TCP: in the kernel, flow-controlling the
+    /// sender).
+    Idle,
+    /// Clean shutdown: the core queued close frames; see them out.
+    Shutdown,
+}
+
+/// How one transport moves bytes: sockets, system calls and the protocol below the frames.
+/// Never blocks; the engine sleeps on the descriptors it names.
+pub(crate) trait Driver: Send + 'static {
+    /// Write what the core queued for `peer` (eagerly, right after a post).
+    fn flush(&mut self, core: &mut Core, peer: usize, now: Instant);
+    /// `peer`'s frame in progress got a destination (a receive was posted for a parked
+    /// message): read its payload in.
+    fn read(&mut self, core: &mut Core, peer: usize, now: Instant);
+    /// One non-blocking pass over every connection with work.
+    fn progress(&mut self, core: &mut Core, mode: Mode, now: Instant);
+    /// The driver's own next deadline (protocol timers), if any.
+    fn next_timer(&mut self) -> Option<Instant>;
+    /// Append the descriptors to sleep on in `mode`.
+    fn poll_set(&mut self, core: &Core, mode: Mode, fds: &mut Vec<libc::pollfd>);
+    /// Serve what the sleep flagged (`fds` as `poll_set` appended them, `revents` set).
+    fn ready(&mut self, core: &mut Core, mode: Mode, fds: &[libc::pollfd], now: Instant);
+    /// The core gave up on `peer`'s link: close the connection.
+    fn link_down(&mut self, core: &mut Core, peer: usize);
+    /// One step of a clean shutdown; true when every connection is finished.
+    fn shutdown_step(&mut self, core: &mut Core, now: Instant) -> bool;
+    /// Close what is left once the shutdown is over (or out of time).
+    fn close(&mut self, core: &mut Core, now: Instant);
+}
+
+/// The core and the driver, always locked together.
+pub(crate) struct State<D> {
+    pub(crate) core: Core,
+    pub(crate) driver: D,
+}
+
+impl<D: Driver> State<D> {
+    /// Let the driver close the links the core gave up on, and write out the abort frames a
+    /// fresh poisoning queued on every other link.
+    fn settle(&mut self) {
+        loop {
+            while let Some(peer) = self.core.take_down() {
+                self.driver.link_down(&mut self.core, peer);
+            }
+            if !self.core.take_fresh_poison() {
+                return;
+            }
+            self.flush_links(Instant::now());
+        }
+    }
+
+    fn flush_links(&mut self, now: Instant) {
+        for peer in 0..self.core.world() {
+            if self.core.wants_tx(peer) {
+                self.driver.flush(&mut self.core, peer, now);
+            }
+        }
+    }
+
+    /// Write whatever the core queued, on every link.
+    fn flush_all(&mut self, now: Instant) {
+        self.flush_links(now);
+        self.settle();
+    }
+}
+
+/// All connections of one rank.
+pub(crate) struct Engine<D> {
+    rank: usize,
+    world: usize,
+    state: Mutex<State<D>>,
+    /// Wakes threads blocked in `ppoll` (abort, stop).
+    pipe: WakePipe,
+    aborted: AtomicBool,
+    /// Threads inside `wait` (they drive; the background thread stays out of the way).
+    waiters: AtomicUsize,
+    stop: AtomicBool,
+    spin: Duration,
+}
+
+impl<D: Driver> Engine<D> {
+    /// An engine over `core` and `driver`; waits spin `spin` before they sleep.
+    pub(crate) fn new(core: Core, driver: D, spin: Duration) -> std::io::Result<Engine<D>> {
+        Ok(Engine {
+            rank: core.rank(),
+            world: core.world(),
+            state: Mutex::new(State { core, driver }),
+            pipe: WakePipe::new()?,
+            aborted: AtomicBool::new(false),
+            waiters: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            spin,
+        })
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn world(&self) -> usize {
+        self.world
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State<D>> {
+        // Critical sections do not panic on network input; if a caller's thread panicked inside
+        // one, the state is still structurally valid, so continue rather than cascade panics.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sleep until a descriptor in `fds` (after the wake pipe, which this adds first) is ready,
+    /// the pipe is written, or `until` (at most one poll slice); µs precision, as protocol
+    /// timers need. Returns whether a descriptor other than the pipe is ready.
+    pub(crate) fn sleep(&self, fds: &mut [libc::pollfd], until: Instant) -> bool {
+        fds[0] = libc::pollfd { fd: self.pipe.fd(), events: libc::POLLIN, revents: 0 };
+        let d = until.saturating_duration_since(Instant::now()).min(POLL_SLICE);
+        let ts = libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ };
+        // SAFETY: `fds` is a valid pollfd array of its length; a valid timespec; no mask change.
+        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+        if fds[0].revents != 0 {
+            self.pipe.drain();
+        }
+        fds[1..].iter().any(|f| f.revents != 0)
+    }
+
+    /// Build the descriptor list for `mode` under the lock: the pipe's slot first.
+    fn poll_set(s: &mut State<D>, mode: Mode, fds: &mut Vec<libc::pollfd>) {
+        fds.clear();
+        fds.push(libc::pollfd { fd: -1, events: 0, revents: 0 });
+        s.driver.poll_set(&s.core, mode, fds);
+    }
+
+    /// # Safety
+    /// See `Transport::post_send`.
+    pub(crate) unsafe fn post_send(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) -> Result<OpId> {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        // SAFETY: forwarded contract.
+        let id = unsafe { s.core.post_send(peer, desc, data, len) }?;
+        if peer != self.rank {
+            // Eager: small messages leave now, without waiting for a waiter.
+            s.driver.flush(&mut s.core, peer, Instant::now());
+            s.settle();
+        }
+        Ok(id)
+    }
+
+    /// # Safety
+    /// See `Transport::post_recv`.
+    pub(crate) unsafe fn post_recv(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        buf: *mut u8,
+        cap: usize,
+    ) -> Result<OpId> {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        // SAFETY: forwarded contract.
+        let (id, attached) = unsafe { s.core.post_recv(peer, desc, buf, cap) }?;
+        if attached {
+            s.driver.read(&mut s.core, peer, Instant::now());
+            s.settle();
+        }
+        Ok(id)
+    }
+
+    pub(crate) fn test(&self, op: OpId) -> Result<Option<usize>> {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        s.driver.progress(&mut s.core, Mode::Wait, Instant::now());
+        s.settle();
+        s.core.take_finished(op).transpose()
+    }
+
+    pub(crate) fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let r = self.wait_inner(op, deadline);
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
+    fn wait_inner(&self, op: OpId, deadline: Instant) -> Result<usize> {
+        let mut w = Waiter::new(op, Instant::now(), deadline);
+        let mut spin_until = None;
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
+        loop {
+            let until = {
+                let mut guard = self.lock();
+                let s = &mut *guard;
+                let now = Instant::now();
+                s.core.handle_timeout(now);
+                s.driver.progress(&mut s.core, Mode::Wait, now);
+                s.settle();
+                let until = match s.core.poll_wait(&mut w, now) {
+                    Step::Done(r) => return r,
+                    Step::Again => continue,
+                    Step::Sleep(t) => t,
+                };
+                let spin_end = *spin_until.get_or_insert(now + self.spin);
+                if now < spin_end {
+                    drop(guard);
+                    std::thread::yield_now();
+                    continue;
+                }
+                Self::poll_set(s, Mode::Wait, &mut fds);
+                s.driver.next_timer().map_or(until, |t| t.min(until))
+            };
+            if self.sleep(&mut fds, until) {
+                let mut guard = self.lock();
+                let s = &mut *guard;
+                s.driver.ready(&mut s.core, Mode::Wait, &fds[1..], Instant::now());
+                s.settle();
+            }
+            // After a sleep, spin again briefly: the next message often follows closely.
+            spin_until = None;
+        }
+    }
+
+    pub(crate) fn cancel(&self, op: OpId) {
+        self.lock().core.cancel(op);
+    }
+
+    pub(crate) fn abort(&self, reason: &str) {
+        if self.aborted.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut g = self.lock();
+        g.core.abort(reason);
+        g.flush_all(Instant::now());
+        drop(g);
+        self.pipe.wake();
+    }
+
+    pub(crate) fn poisoned(&self) -> Option<Error> {
+        self.lock().core.poisoned().cloned()
+    }
+
+    /// The background driver: runs until [`Engine::stop`], serving the connections (and the
+    /// core's keep-alives) whenever no thread is inside `wait`.
+    pub(crate) fn background(&self) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        while !self.stop.load(Ordering::SeqCst) {
+            if self.waiters.load(Ordering::SeqCst) > 0 {
+                std::thread::sleep(NAP);
+                continue;
+            }
+            let until = {
+                let mut guard = self.lock();
+                let s = &mut *guard;
+                let now = Instant::now();
+                s.driver.progress(&mut s.core, Mode::Idle, now);
+                s.core.handle_timeout(now);
+                s.flush_all(now);
+                Self::poll_set(s, Mode::Idle, &mut fds);
+                let mut until = now + POLL_SLICE;
+                if let Some(t) = s.core.poll_timeout() {
+                    until = until.min(t);
+                }
+                if let Some(t) = s.driver.next_timer() {
+                    until = until.min(t);
+                }
+                until
+            };
+            if self.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            if self.sleep(&mut fds, until) {
+                let mut guard = self.lock();
+                let s = &mut *guard;
+                s.driver.ready(&mut s.core, Mode::Idle, &fds[1..], Instant::now());
+                s.settle();
+            }
+        }
+    }
+
+    /// Stop the background driver (it returns within one poll slice; the wake makes it sooner).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.pipe.wake();
+    }
+
+    /// Clean shutdown: a close frame on every link, then let the driver see them out and wait
+    /// for the peers' own ends (so nothing in flight is cut off) until `timeout`; then close.
+    pub(crate) fn shutdown(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        self.lock().core.close_all();
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        loop {
+            let until = {
+                let mut guard = self.lock();
+                let s = &mut *guard;
+                let now = Instant::now();
+                let done = s.driver.shutdown_step(&mut s.core, now);
+                s.settle();
+                if done {
+                    break;
+                }
+                if now >= deadline {
+                    tracing::debug!(rank = self.rank, "shutdown: peers still open at the deadline");
+                    break;
+                }
+                Self::poll_set(s, Mode::Shutdown, &mut fds);
+                s.driver.next_timer().map_or(deadline, |t| t.min(deadline))
+            };
+            self.sleep(&mut fds, until);
+        }
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        s.driver.close(&mut s.core, Instant::now());
+    }
+
+    /// Queue a frame of exactly these header bytes and payload to `peer`, as a misbehaving but
+    /// authenticated peer would send it: the tests of the receiving side's protocol checks.
+    #[cfg(test)]
+    pub(crate) fn send_raw(
+        &self,
+        peer: usize,
+        hdr: [u8; crate::wire::HEADER_LEN],
+        payload: Vec<u8>,
+    ) {
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        s.core.send_raw(peer, hdr, payload);
+        s.driver.flush(&mut s.core, peer, Instant::now());
+        s.settle();
+    }
+}
+
+/// A transport made of an [`Engine`]: it gets the one [`Transport`] implementation below.
+pub(crate) trait Wired: Send + Sync {
+    /// How its bytes move.
+    type Driver: Driver;
+    /// The transport's name (`tcp`, `quic`).
+    const NAME: &'static str;
+    /// Its engine.
+    fn engine(&self) -> &Engine<Self::Driver>;
+}
+
+impl<T: Wired> Transport for T {
+    fn rank(&self) -> usize {
+        self.engine().rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.engine().world()
+    }
+
+    fn name(&self) -> &'static str {
+        T::NAME
+    }
+
+    unsafe fn post_send(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        data: *const u8,
+        len: usize,
+    ) -> Result<OpId> {
+        // SAFETY: forwarded contract.
+        unsafe { self.engine().post_send(peer, desc, data, len) }
+    }
+
+    unsafe fn post_recv(
+        &self,
+        peer: usize,
+        desc: MsgDesc,
+        buf: *mut u8,
+        cap: usize,
+    ) -> Result<OpId> {
+        // SAFETY: forwarded contract.
+        unsafe { self.engine().post_recv(peer, desc, buf, cap) }
+    }
+
+    fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
+        self.engine().wait(op, deadline)
+    }
+
+    fn test(&self, op: OpId) -> Result<Option<usize>> {
+        self.engine().test(op)
+    }
+
+    fn cancel(&self, op: OpId) {
+        self.engine().cancel(op)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.engine().abort(reason)
+    }
+
+    fn poisoned(&self) -> Option<Error> {
+        self.engine().poisoned()
+    }
+}

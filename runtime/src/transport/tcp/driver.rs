@@ -1,0 +1,369 @@
+//! The TCP driver: moves the core's frames over one stream socket per peer.
+//!
+//! Writes gather queued frames into one vectored `sendmsg` (header and payload together). Reads
+//! go through a per-connection staging buffer, except a large payload bound for a posted
+//! receive, which is read straight into it. A message that arrives before its receive and is too
+//! large to buffer is parked by the core: its payload stays in the kernel, which flow-controls
+//! the sender, until the receive is posted. While nobody waits, only control frames are taken
+//! off the sockets (peeking at each header), so data for receives not yet posted stays there.
+
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Instant;
+
+use crate::transport::core::{Core, LinkFail};
+use crate::transport::engine::{Driver, Mode};
+use crate::wire::{FrameKind, Header, HEADER_LEN};
+
+/// Bytes of the per-connection staging buffer small frames are read through.
+const STAGE: usize = 64 * 1024;
+/// A payload with at least this much left is read directly into its destination.
+pub(crate) const DIRECT_MIN: usize = 16 * 1024;
+/// Largest message buffered when it arrives before its receive is posted; a larger one parks.
+pub(crate) const EAGER_MAX: u64 = 64 * 1024;
+/// Most frames gathered into one `sendmsg`.
+const MAX_IOV: usize = 64;
+
+struct Conn {
+    stream: TcpStream,
+    fd: RawFd,
+    stage: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// Our write side is shut (our close frame went out).
+    shut: bool,
+}
+
+/// Every peer's TCP connection of one rank.
+pub(crate) struct TcpDriver {
+    conns: Vec<Option<Conn>>,
+    /// The peer of each descriptor `poll_set` appended, in order.
+    fd_peer: Vec<usize>,
+    /// Where shutdown drops what peers still send.
+    sink: Vec<u8>,
+}
+
+fn io_fail(e: &std::io::Error) -> LinkFail {
+    LinkFail::Lost(format!("connection error: {e}"))
+}
+
+impl TcpDriver {
+    /// A driver over connected streams (`None` at our own index); brings their links up.
+    pub(crate) fn new(
+        streams: Vec<Option<TcpStream>>,
+        core: &mut Core,
+        now: Instant,
+    ) -> std::io::Result<TcpDriver> {
+        let mut conns = Vec::with_capacity(streams.len());
+        for (peer, s) in streams.into_iter().enumerate() {
+            conns.push(match s {
+                None => None,
+                Some(stream) => {
+                    stream.set_nonblocking(true)?;
+                    stream.set_nodelay(true)?;
+                    core.link_up(peer, now);
+                    Some(Conn {
+                        fd: stream.as_raw_fd(),
+                        stream,
+                        stage: vec![0u8; STAGE].into_boxed_slice(),
+                        start: 0,
+                        end: 0,
+                        shut: false,
+                    })
+                }
+            });
+        }
+        Ok(TcpDriver { conns, fd_peer: Vec::new(), sink: Vec::new() })
+    }
+
+    fn progress_tx(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        let Some(c) = self.conns[peer].as_mut() else { return };
+        if !core.is_up(peer) {
+            return;
+        }
+        match c.flush(core, peer, now) {
+            Err(f) => core.link_failed(peer, f),
+            Ok(()) => {
+                if core.tx_finished(peer) && !c.shut {
+                    let _ = c.stream.shutdown(std::net::Shutdown::Write);
+                    c.shut = true;
+                }
+            }
+        }
+    }
+
+    fn progress_rx(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        let Some(c) = self.conns[peer].as_mut() else { return };
+        // Staged bytes first: a frame that was parked or just attached may be waiting there.
+        c.consume(core, peer, now);
+        loop {
+            if !core.is_up(peer) || core.rx_parked(peer) {
+                return;
+            }
+            match c.read_some(core, peer, now) {
+                Ok(0) => return,
+                Ok(_) => c.consume(core, peer, now),
+                Err(f) => {
+                    core.link_failed(peer, f);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Take control frames (keep-alive, close, abort) and closed connections off idle sockets:
+    /// peeks at the next header and reads only when it is a control frame, so data for
+    /// receives not yet posted stays in the kernel. This is how an abort or a death reaches a
+    /// rank that is computing between collectives.
+    fn poll_control(&mut self, core: &mut Core, now: Instant) {
+        for peer in 0..self.conns.len() {
+            let Some(c) = self.conns[peer].as_mut() else { continue };
+            if !core.is_up(peer) || !core.rx_idle(peer) || c.start != c.end {
+                continue;
+            }
+            let mut hb = [0u8; HEADER_LEN];
+            // SAFETY: peeking into a local buffer.
+            let r = unsafe {
+                libc::recv(
+                    c.fd,
+                    hb.as_mut_ptr().cast(),
+                    HEADER_LEN,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if r == 0 {
+                core.link_failed(peer, LinkFail::Closed);
+                continue;
+            }
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    core.link_failed(peer, io_fail(&e));
+                }
+                continue;
+            }
+            if r as usize == HEADER_LEN
+                && matches!(Header::decode(&hb), Ok(h) if h.kind != FrameKind::Data)
+            {
+                self.progress_rx(core, peer, now);
+            }
+        }
+    }
+}
+
+impl Driver for TcpDriver {
+    fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        self.progress_tx(core, peer, now);
+    }
+
+    fn read(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        self.progress_rx(core, peer, now);
+    }
+
+    fn progress(&mut self, core: &mut Core, mode: Mode, now: Instant) {
+        if mode == Mode::Idle {
+            self.poll_control(core, now);
+        }
+        for peer in 0..self.conns.len() {
+            if self.conns[peer].is_none() {
+                continue;
+            }
+            if core.wants_tx(peer) {
+                self.progress_tx(core, peer, now);
+            }
+            if mode == Mode::Wait && core.wants_rx(peer) {
+                self.progress_rx(core, peer, now);
+            }
+        }
+    }
+
+    fn next_timer(&mut self) -> Option<Instant> {
+        None
+    }
+
+    fn poll_set(&mut self, core: &Core, mode: Mode, fds: &mut Vec<libc::pollfd>) {
+        self.fd_peer.clear();
+        for (peer, c) in self.conns.iter().enumerate() {
+            let Some(c) = c else { continue };
+            let tx = if core.wants_tx(peer) { libc::POLLOUT } else { 0 };
+            let events = match mode {
+                // A parked frame stays in the kernel: watch only for the peer's end.
+                Mode::Wait if core.rx_parked(peer) => libc::POLLRDHUP | tx,
+                Mode::Wait => libc::POLLIN | tx,
+                // Idle sockets are peeked at on the background's schedule: data waiting for a
+                // receive not yet posted would keep `POLLIN` set.
+                Mode::Idle => tx,
+                Mode::Shutdown if tx != 0 => tx,
+                Mode::Shutdown => libc::POLLIN,
+            };
+            if events != 0 {
+                fds.push(libc::pollfd { fd: c.fd, events, revents: 0 });
+                self.fd_peer.push(peer);
+            }
+        }
+    }
+
+    fn ready(&mut self, core: &mut Core, mode: Mode, fds: &[libc::pollfd], now: Instant) {
+        let peers = std::mem::take(&mut self.fd_peer);
+        for (f, &peer) in fds.iter().zip(&peers) {
+            if f.revents & libc::POLLOUT != 0 {
+                self.progress_tx(core, peer, now);
+            }
+            if mode != Mode::Wait {
+                continue;
+            }
+            if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                // The peer is gone or going: take in what it sent, then see the end.
+                core.unpark_for_end(peer);
+            }
+            // Serve every connection poll flagged, including ones nobody waits on: their data
+            // goes to the unexpected queue (bounded) and a closed peer is noticed now.
+            if f.revents & !libc::POLLOUT != 0 {
+                self.progress_rx(core, peer, now);
+            }
+        }
+        self.fd_peer = peers;
+    }
+
+    fn link_down(&mut self, _core: &mut Core, peer: usize) {
+        if let Some(c) = self.conns[peer].take() {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Let queued frames (the close last) out, shut the write side, and read (discarding)
+    /// until the peer closes too. Reading to the end keeps the kernel from answering late
+    /// frames with a reset that could destroy data the peer has not read yet.
+    fn shutdown_step(&mut self, core: &mut Core, now: Instant) -> bool {
+        if self.sink.is_empty() {
+            self.sink = vec![0u8; STAGE];
+        }
+        for peer in 0..self.conns.len() {
+            let Some(c) = self.conns[peer].as_mut() else { continue };
+            if core.is_up(peer) && core.wants_tx(peer) {
+                if c.flush(core, peer, now).is_err() {
+                    self.conns[peer] = None;
+                    continue;
+                }
+                if core.wants_tx(peer) {
+                    continue;
+                }
+            }
+            if !c.shut {
+                let _ = c.stream.shutdown(std::net::Shutdown::Write);
+                c.shut = true;
+            }
+            // SAFETY: reading into our own scratch buffer.
+            let r = unsafe {
+                libc::recv(c.fd, self.sink.as_mut_ptr().cast(), self.sink.len(), libc::MSG_DONTWAIT)
+            };
+            let err = std::io::Error::last_os_error();
+            if r == 0 || (r < 0 && err.kind() != std::io::ErrorKind::WouldBlock) {
+                self.conns[peer] = None;
+            }
+        }
+        self.conns.iter().all(Option::is_none)
+    }
+
+    fn close(&mut self, _core: &mut Core, _now: Instant) {
+        self.conns.clear();
+    }
+}
+
+impl Conn {
+    /// Write queued frames until the socket is full or the queue empty.
+    fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<(), LinkFail> {
+        while core.wants_tx(peer) {
+            let mut iov: [libc::iovec; MAX_IOV] =
+                [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
+            let mut n = 0;
+            for s in core.sendq(peer).iter() {
+                if n + 2 > MAX_IOV {
+                    break;
+                }
+                if s.off < HEADER_LEN {
+                    iov[n] = libc::iovec {
+                        iov_base: s.hdr[s.off..].as_ptr() as *mut libc::c_void,
+                        iov_len: HEADER_LEN - s.off,
+                    };
+                    n += 1;
+                }
+                let pdone = s.off.saturating_sub(HEADER_LEN);
+                if s.len > pdone {
+                    iov[n] = libc::iovec {
+                        // SAFETY: `pdone < len`, inside the posted (or owned) payload.
+                        iov_base: unsafe { s.data_ptr().add(pdone) } as *mut libc::c_void,
+                        iov_len: s.len - pdone,
+                    };
+                    n += 1;
+                }
+            }
+            // SAFETY: msghdr is plain data; we fill the iovec fields below.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = n as _;
+            // SAFETY: the iovecs point into live headers and posted payloads.
+            let r =
+                unsafe { libc::sendmsg(self.fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.kind() {
+                    std::io::ErrorKind::WouldBlock => Ok(()),
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => Err(io_fail(&e)),
+                };
+            }
+            core.tx_done(peer, r as usize, now);
+        }
+        Ok(())
+    }
+
+    /// Offer the staged bytes to the core; keep what it leaves (a parked frame's payload).
+    fn consume(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        if self.start < self.end {
+            self.start += core.rx_bytes(peer, &self.stage[self.start..self.end], now);
+        }
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// One read: straight into the destination for a large payload, else into the staging
+    /// buffer. Returns the bytes read, 0 when nothing is available.
+    fn read_some(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<usize, LinkFail> {
+        let direct = if self.start == self.end { core.rx_direct(peer, DIRECT_MIN) } else { None };
+        let (ptr, room) = match direct {
+            Some(d) => d,
+            None => {
+                if self.end == self.stage.len() {
+                    return Ok(0);
+                }
+                // SAFETY: `end < stage.len()`.
+                (unsafe { self.stage.as_mut_ptr().add(self.end) }, self.stage.len() - self.end)
+            }
+        };
+        loop {
+            // SAFETY: `ptr..ptr+room` is writable (posted buffer remainder or staging space).
+            let r = unsafe { libc::recv(self.fd, ptr.cast(), room, libc::MSG_DONTWAIT) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.kind() {
+                    std::io::ErrorKind::WouldBlock => Ok(0),
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => Err(io_fail(&e)),
+                };
+            }
+            if r == 0 {
+                return Err(LinkFail::Closed);
+            }
+            let r = r as usize;
+            if direct.is_some() {
+                core.rx_direct_done(peer, r, now);
+            } else {
+                self.end += r;
+            }
+            return Ok(r);
+        }
+    }
+}
