@@ -28,3 +28,9 @@ pub fn handshake(data: &[u8]) {
 pub fn store_request(data: &[u8]) {
     let _ = crate::store::decode_request(data);
 }
+
+/// Feed a byte stream to one connection core (frames, matching, parking, the budget, timers on
+/// a fake clock); see the core's `fuzz_stream`.
+pub fn connection(data: &[u8]) {
+    crate::transport::core::fuzz_stream(data);
+}

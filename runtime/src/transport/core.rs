@@ -812,5 +812,81 @@ impl Core {
     }
 }
 
+/// Feed arbitrary bytes to one connection core as peer 1's stream, cut into pieces whose sizes
+/// the bytes choose, with receives posted, waits polled on a moving fake clock and a receive
+/// cancelled midway. It must never panic, and never hold more unexpected bytes than its budget.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn fuzz_stream(data: &[u8]) {
+    use crate::wire::{DType, Fingerprint, OpKind, Tag};
+    let Some((&mode, mut data)) = data.split_first() else { return };
+    let t0 = Instant::now();
+    let cfg = CoreConfig {
+        unexpected_limit: 4096,
+        park_above: 1024,
+        probe_after: Duration::from_secs(1),
+        dead_after: Duration::from_secs(5),
+        keepalive: Some(Duration::from_secs(1)),
+    };
+    let mut c = Core::new(0, 3, cfg, t0);
+    c.link_up(1, t0);
+    c.link_up(2, t0);
+    let desc = |seq: u64, count: u64| MsgDesc {
+        tag: Tag { group: u32::from(mode & 1) << 31, seq, step: 0 },
+        fp: Fingerprint {
+            op: OpKind::Allreduce,
+            dtype: DType::U8,
+            redop: 1,
+            root: u32::MAX,
+            count,
+        },
+    };
+    let mut bufs: Vec<Vec<u8>> = [0usize, 8, 2048].iter().map(|&n| vec![0u8; n]).collect();
+    let mut ids = Vec::new();
+    for (i, b) in bufs.iter_mut().enumerate() {
+        // SAFETY: the buffers live (unmoved on the heap) until the end of this function, after
+        // the core is dropped.
+        if let Ok((id, _)) =
+            unsafe { c.post_recv(1, desc(i as u64, b.len() as u64), b.as_mut_ptr(), b.len()) }
+        {
+            ids.push(id);
+        }
+    }
+    let mut now = t0;
+    let mut waiter = ids.first().map(|&id| Waiter::new(id, t0, t0 + Duration::from_secs(30)));
+    let mut step = 0usize;
+    while let Some((&cut, rest)) = data.split_first() {
+        let n = (usize::from(cut) % 64 + 1).min(rest.len());
+        let piece = &rest[..n];
+        data = &rest[n..];
+        let took = c.rx_bytes(1, piece, now);
+        assert!(took <= piece.len());
+        if took < piece.len() {
+            assert!(c.rx_parked(1), "bytes refused without a parked frame");
+        }
+        assert!(c.unexpected_bytes <= c.cfg.unexpected_limit, "over the unexpected budget");
+        step += 1;
+        now += Duration::from_millis(u64::from(cut) * 10);
+        if let Some(w) = waiter.as_mut() {
+            if let Step::Done(_) = c.poll_wait(w, now) {
+                waiter = None;
+            }
+        }
+        c.handle_timeout(now);
+        if step == 3 {
+            if let Some(&id) = ids.get(2) {
+                c.cancel(id);
+            }
+        }
+        while c.take_down().is_some() {}
+        let _ = c.take_fresh_poison();
+        if c.wants_tx(1) {
+            let n = c.sendq(1).iter().map(|s| s.total() - s.off).sum();
+            c.tx_done(1, n, now);
+        }
+    }
+    drop(c);
+    drop(bufs);
+}
+
 #[cfg(test)]
 mod tests;

@@ -37,8 +37,6 @@ struct Conn {
 /// Every peer's TCP connection of one rank.
 pub(crate) struct TcpDriver {
     conns: Vec<Option<Conn>>,
-    /// The peer of each descriptor `poll_set` appended, in order.
-    fd_peer: Vec<usize>,
     /// Where shutdown drops what peers still send.
     sink: Vec<u8>,
 }
@@ -73,7 +71,7 @@ impl TcpDriver {
                 }
             });
         }
-        Ok(TcpDriver { conns, fd_peer: Vec::new(), sink: Vec::new() })
+        Ok(TcpDriver { conns, sink: Vec::new() })
     }
 
     fn progress_tx(&mut self, core: &mut Core, peer: usize, now: Instant) {
@@ -182,7 +180,6 @@ impl Driver for TcpDriver {
     }
 
     fn poll_set(&mut self, core: &Core, mode: Mode, fds: &mut Vec<libc::pollfd>) {
-        self.fd_peer.clear();
         for (peer, c) in self.conns.iter().enumerate() {
             let Some(c) = c else { continue };
             let tx = if core.wants_tx(peer) { libc::POLLOUT } else { 0 };
@@ -198,14 +195,18 @@ impl Driver for TcpDriver {
             };
             if events != 0 {
                 fds.push(libc::pollfd { fd: c.fd, events, revents: 0 });
-                self.fd_peer.push(peer);
             }
         }
     }
 
     fn ready(&mut self, core: &mut Core, mode: Mode, fds: &[libc::pollfd], now: Instant) {
-        let peers = std::mem::take(&mut self.fd_peer);
-        for (f, &peer) in fds.iter().zip(&peers) {
+        for f in fds.iter().filter(|f| f.revents != 0) {
+            // By descriptor: another thread may have built its own set since this one.
+            let Some(peer) =
+                self.conns.iter().position(|c| c.as_ref().is_some_and(|c| c.fd == f.fd))
+            else {
+                continue;
+            };
             if f.revents & libc::POLLOUT != 0 {
                 self.progress_tx(core, peer, now);
             }
@@ -222,7 +223,6 @@ impl Driver for TcpDriver {
                 self.progress_rx(core, peer, now);
             }
         }
-        self.fd_peer = peers;
     }
 
     fn link_down(&mut self, _core: &mut Core, peer: usize) {
