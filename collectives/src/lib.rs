@@ -22,6 +22,7 @@
 //! ```
 
 pub mod algo;
+pub(crate) mod coll;
 mod comm;
 pub mod device;
 pub mod dtype;
@@ -34,11 +35,12 @@ pub mod select;
 pub mod tensor;
 pub mod verify;
 
+pub use coll::Coll;
 pub use comm::{Comm, Config, Stats, DEFAULT_SEGMENT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use nonblocking::Pending;
-pub use select::{Algo, Coll};
+pub use select::Algo;
 pub use tutti_runtime::{Group, Transport};
 
 /// The README's example compiles (doc-test only).

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use tutti_collectives::{Comm, ReduceOp};
+use tutti_collectives::{Algo, Comm, Config, ReduceOp};
 use tutti_runtime::testing::{groups, Kind};
 
 /// Run `f` on every rank of a 4-rank world; return each rank's error text and the slowest time.
@@ -12,16 +12,25 @@ fn run(
     kind: Kind,
     f: impl Fn(&Comm) -> tutti_collectives::Result<()> + Sync,
 ) -> (Vec<String>, Duration) {
+    run_cfg(kind, |_| Config::default(), f)
+}
+
+/// As [`run`], each rank with the settings `cfg` gives it.
+fn run_cfg(
+    kind: Kind,
+    cfg: impl Fn(usize) -> Config + Sync,
+    f: impl Fn(&Comm) -> tutti_collectives::Result<()> + Sync,
+) -> (Vec<String>, Duration) {
     let gs = groups(kind, 4).unwrap();
     let start = Instant::now();
     let out: Vec<(String, Duration)> = std::thread::scope(|s| {
-        let f = &f;
+        let (f, cfg) = (&f, &cfg);
         let hs: Vec<_> = gs
             .into_iter()
             .map(|g| {
                 g.set_timeout(Duration::from_secs(30));
                 s.spawn(move || {
-                    let c = Comm::new(g);
+                    let c = Comm::with_config(g.clone(), cfg(g.rank()));
                     let r = f(&c);
                     let t = start.elapsed();
                     (r.expect_err("a mismatched collective must fail on every rank").to_string(), t)
@@ -119,36 +128,56 @@ both!(skipped_call, |kind| {
     assert_all(&errs, t, &["op allreduce", "op allgather"]);
 });
 
-#[test]
-fn bad_arguments_are_refused_before_sending() {
-    let comms = Comm::mem_world(2);
-    let c = &comms[0];
-    let e = c.broadcast(&mut [0u8; 4], 2).unwrap_err().to_string();
-    assert!(e.contains("root 2 is outside"), "{e}");
-    let e = c.allgather(&[0u8; 4], &mut [0u8; 7]).unwrap_err().to_string();
-    assert!(e.contains("expected 4 x 2"), "{e}");
-    let e = c.reduce_scatter(&[0f32; 5], &mut [0f32; 2], ReduceOp::Sum).unwrap_err().to_string();
-    assert!(e.contains("input has 5"), "{e}");
-    let e = c.allreduce_from(&[0f32; 5], &mut [0f32; 4], ReduceOp::Sum).unwrap_err().to_string();
-    assert!(e.contains("input has 5"), "{e}");
-    let e = c.allgatherv(&[0u8; 1], &mut [0u8; 3], &[1, 1]).unwrap_err().to_string();
-    assert!(e.contains("counts sum to 2"), "{e}");
-    let e = c
-        .with_algo(tutti_collectives::Algo::Bruck)
-        .allreduce(&mut [0f32; 4], ReduceOp::Sum)
-        .unwrap_err();
-    assert!(e.to_string().contains("bruck"), "{e}");
-    // Nothing was sent: the group still works.
-    std::thread::scope(|s| {
-        for c in &comms {
-            s.spawn(move || {
-                let mut x = [c.rank() as f32; 3];
-                c.allreduce(&mut x, ReduceOp::Sum).unwrap();
-                assert_eq!(x, [1.0; 3]);
-            });
+type Call = fn(&Comm) -> tutti_collectives::Result<()>;
+
+both!(a_local_refusal_fails_every_rank_at_once, |kind| {
+    // Rank 1 refuses the call before sending anything (a bad argument, a forced algorithm that
+    // does not implement the collective) and tells its peers: they fail at once naming it and
+    // the cause, instead of waiting out their 30 s timeout in a call rank 1 never makes.
+    let cases: [(&str, Call); 3] = [
+        ("root 7 is outside", |c| {
+            let root = if c.rank() == 1 { 7 } else { 0 };
+            c.broadcast(&mut [0u8; 4], root).map(|_| ())
+        }),
+        ("expected 4 x 4", |c| {
+            let mut out = vec![0u8; if c.rank() == 1 { 15 } else { 16 }];
+            c.allgather(&[0u8; 4], &mut out).map(|_| ())
+        }),
+        ("bruck does not implement allreduce", |c| {
+            let c = if c.rank() == 1 { c.with_algo(Algo::Bruck) } else { c.clone() };
+            c.allreduce(&mut [0f32; 4], ReduceOp::Sum).map(|_| ())
+        }),
+    ];
+    for (needle, f) in cases {
+        // A rank that does not need rank 1 in this call may finish it; its next call fails.
+        let (errs, t) = run(kind, |c| f(c).and_then(|_| c.barrier().map(|_| ())));
+        assert!(t < Duration::from_secs(5), "{needle}: took {t:?}: {errs:?}");
+        for (r, e) in errs.iter().enumerate() {
+            assert!(e.contains(needle), "rank {r}: {e}");
+            if r != 1 {
+                assert!(e.contains("rank 1 refused"), "rank {r} does not name the culprit: {e}");
+            }
         }
+    }
+});
+
+both!(diverging_settings_are_a_named_mismatch, |kind| {
+    // `TUTTI_ALGO` differs on rank 2: it forces the ring where the others force the tree.
+    let (errs, t) = run(kind, |c| {
+        let a = if c.rank() == 2 { Algo::Ring } else { Algo::Tree };
+        c.with_algo(a).allreduce(&mut vec![1.0f32; 1000], ReduceOp::Sum).map(|_| ())
     });
-}
+    assert_all(&errs, t, &["settings", "mismatch"]);
+    // `TUTTI_SEGMENT_BYTES` differs on rank 0.
+    let seg = |r: usize| Config {
+        segment: if r == 0 { 64 << 10 } else { 512 << 10 },
+        ..Config::default()
+    };
+    let (errs, t) = run_cfg(kind, seg, |c| {
+        c.with_algo(Algo::Ring).allreduce(&mut vec![1.0f32; 1 << 20], ReduceOp::Sum).map(|_| ())
+    });
+    assert_all(&errs, t, &["settings", "mismatch"]);
+});
 
 both!(poisoned_group_fails_fast_and_a_rebuilt_group_works, |kind| {
     // 1. A mismatch poisons the group on every rank.

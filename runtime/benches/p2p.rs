@@ -33,6 +33,7 @@ fn desc(step: u32) -> MsgDesc {
             redop: 0,
             root: u32::MAX,
             count: 0,
+            settings: 0,
         },
     }
 }

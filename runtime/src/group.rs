@@ -261,6 +261,7 @@ impl Group {
                 redop: 0,
                 root: u32::MAX,
                 count: 0,
+                settings: 0,
             },
         }
     }

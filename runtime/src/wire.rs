@@ -10,7 +10,7 @@
 //! | 3      | 1    | op      | [`OpKind`] of the collective (fingerprint)               |
 //! | 4      | 1    | dtype   | [`DType`] (fingerprint)                                  |
 //! | 5      | 1    | redop   | reduction op code (fingerprint; 0 when none)             |
-//! | 6      | 2    | reserved| zero                                                     |
+//! | 6      | 2    | settings| digest of the call's shared settings (fingerprint; 0 none) |
 //! | 8      | 4    | group   | group id (0 = world; bit 31 marks point-to-point traffic) |
 //! | 12     | 4    | src     | sender's global rank                                     |
 //! | 16     | 8    | seq     | collective sequence number within the group             |
@@ -216,6 +216,10 @@ pub struct Fingerprint {
     pub root: u32,
     /// Element count of the whole collective.
     pub count: u64,
+    /// Digest of the settings every rank must share for the call (the algorithm that runs, the
+    /// pipeline segment size); 0 when there are none. Two ranks whose digests differ run
+    /// different schedules: `TUTTI_ALGO` or `TUTTI_SEGMENT_BYTES` differ between them.
+    pub settings: u16,
 }
 
 impl Fingerprint {
@@ -227,6 +231,7 @@ impl Fingerprint {
             redop: 0,
             root: u32::MAX,
             count: len as u64,
+            settings: 0,
         }
     }
 }
@@ -244,9 +249,14 @@ impl fmt::Display for MsgDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let root =
             if self.fp.root == u32::MAX { "-".to_string() } else { self.fp.root.to_string() };
+        let settings = if self.fp.settings == 0 {
+            String::new()
+        } else {
+            format!(", settings {:#06x}", self.fp.settings)
+        };
         write!(
             f,
-            "{{op {}, dtype {}, redop {}, count {}, root {}, group {}, seq {}, step {}}}",
+            "{{op {}, dtype {}, redop {}, count {}, root {}{settings}, group {}, seq {}, step {}}}",
             self.fp.op,
             self.fp.dtype,
             self.fp.redop,
@@ -288,9 +298,6 @@ pub enum HeaderError {
     /// Unknown dtype code.
     #[error("unknown dtype code {0}")]
     DType(u8),
-    /// Reserved bytes not zero.
-    #[error("reserved bytes are not zero")]
-    Reserved,
 }
 
 impl Header {
@@ -309,6 +316,7 @@ impl Header {
                 redop: 0,
                 root: u32::MAX,
                 count: len as u64,
+                settings: 0,
             },
         };
         Header { kind, desc, src: src as u32, len: len as u64 }
@@ -322,6 +330,7 @@ impl Header {
         b[3] = self.desc.fp.op as u8;
         b[4] = self.desc.fp.dtype as u8;
         b[5] = self.desc.fp.redop;
+        b[6..8].copy_from_slice(&self.desc.fp.settings.to_le_bytes());
         b[8..12].copy_from_slice(&self.desc.tag.group.to_le_bytes());
         b[12..16].copy_from_slice(&self.src.to_le_bytes());
         b[16..24].copy_from_slice(&self.desc.tag.seq.to_le_bytes());
@@ -358,14 +367,18 @@ impl Header {
         };
         let op = OpKind::from_u8(b[3]).ok_or(HeaderError::Op(b[3]))?;
         let dtype = DType::from_u8(b[4]).ok_or(HeaderError::DType(b[4]))?;
-        if u16_at(6) != 0 {
-            return Err(HeaderError::Reserved);
-        }
         Ok(Header {
             kind,
             desc: MsgDesc {
                 tag: Tag { group: u32_at(8), seq: u64_at(16), step: u32_at(24) },
-                fp: Fingerprint { op, dtype, redop: b[5], root: u32_at(28), count: u64_at(32) },
+                fp: Fingerprint {
+                    op,
+                    dtype,
+                    redop: b[5],
+                    root: u32_at(28),
+                    count: u64_at(32),
+                    settings: u16_at(6),
+                },
             },
             src: u32_at(12),
             len: u64_at(40),
@@ -389,6 +402,7 @@ mod tests {
                     redop: 2,
                     root: u32::MAX,
                     count: 10007,
+                    settings: 0,
                 },
             },
             5,
@@ -411,6 +425,12 @@ mod tests {
         assert_eq!(&b[8..12], &7u32.to_le_bytes());
         assert_eq!(&b[12..16], &5u32.to_le_bytes());
         assert_eq!(&b[40..48], &20014u64.to_le_bytes());
+        let mut h = sample();
+        h.desc.fp.settings = 0x1234;
+        let b = h.encode();
+        assert_eq!(&b[6..8], &[0x34, 0x12]);
+        assert_eq!(Header::decode(&b), Ok(h));
+        assert!(h.desc.to_string().contains("root -, settings 0x1234, group 7"), "{}", h.desc);
     }
 
     #[test]
@@ -514,8 +534,8 @@ mod tests {
         b[3] = 200;
         assert_eq!(Header::decode(&b), Err(HeaderError::Op(200)));
         let mut b = sample().encode();
-        b[6] = 1;
-        assert_eq!(Header::decode(&b), Err(HeaderError::Reserved));
+        b[4] = 77;
+        assert_eq!(Header::decode(&b), Err(HeaderError::DType(77)));
     }
 
     proptest! {

@@ -352,9 +352,11 @@ impl Staged {
         count: usize,
         op: ReduceOp,
     ) -> Result<StagedStats> {
-        self.check_len("allreduce", "buffer", buf, count * size_of::<T>())?;
-        let shape = Shape { n_in: 1, n_out: 1, count, in_place: true };
-        self.run::<T>("allreduce", buf, buf, shape, |c, inp, _out| c.allreduce(inp, op))
+        self.comm.call("allreduce", || {
+            self.check_len("allreduce", "buffer", buf, count * size_of::<T>())?;
+            let shape = Shape { n_in: 1, n_out: 1, count, in_place: true };
+            self.run::<T>("allreduce", buf, buf, shape, |c, inp, _out| c.allreduce(inp, op))
+        })
     }
 
     /// Allreduce of `count` elements of `input` into `output` (`input` unchanged).
@@ -371,11 +373,13 @@ impl Staged {
         count: usize,
         op: ReduceOp,
     ) -> Result<StagedStats> {
-        self.check_len("allreduce", "input", input, count * size_of::<T>())?;
-        self.check_len("allreduce", "output", output, count * size_of::<T>())?;
-        let shape = Shape { n_in: 1, n_out: 1, count, in_place: false };
-        self.run::<T>("allreduce", input, output, shape, |c, inp, out| {
-            c.allreduce_from(inp, out, op)
+        self.comm.call("allreduce", || {
+            self.check_len("allreduce", "input", input, count * size_of::<T>())?;
+            self.check_len("allreduce", "output", output, count * size_of::<T>())?;
+            let shape = Shape { n_in: 1, n_out: 1, count, in_place: false };
+            self.run::<T>("allreduce", input, output, shape, |c, inp, out| {
+                c.allreduce_from(inp, out, op)
+            })
         })
     }
 
@@ -392,11 +396,13 @@ impl Staged {
         output: &dyn DeviceBuffer,
         count: usize,
     ) -> Result<StagedStats> {
-        let n = self.comm.size();
-        self.check_len("allgather", "input", input, count * size_of::<T>())?;
-        self.check_len("allgather", "output", output, n * count * size_of::<T>())?;
-        let shape = Shape { n_in: 1, n_out: n, count, in_place: false };
-        self.run::<T>("allgather", input, output, shape, |c, inp, out| c.allgather(inp, out))
+        self.comm.call("allgather", || {
+            let n = self.comm.size();
+            self.check_len("allgather", "input", input, count * size_of::<T>())?;
+            self.check_len("allgather", "output", output, n * count * size_of::<T>())?;
+            let shape = Shape { n_in: 1, n_out: n, count, in_place: false };
+            self.run::<T>("allgather", input, output, shape, |c, inp, out| c.allgather(inp, out))
+        })
     }
 
     /// Reduce-scatter: `input` holds `size() * count` elements, rank `r` receives block `r`
@@ -414,12 +420,14 @@ impl Staged {
         count: usize,
         op: ReduceOp,
     ) -> Result<StagedStats> {
-        let n = self.comm.size();
-        self.check_len("reduce_scatter", "input", input, n * count * size_of::<T>())?;
-        self.check_len("reduce_scatter", "output", output, count * size_of::<T>())?;
-        let shape = Shape { n_in: n, n_out: 1, count, in_place: false };
-        self.run::<T>("reduce_scatter", input, output, shape, |c, inp, out| {
-            c.reduce_scatter(inp, out, op)
+        self.comm.call("reduce_scatter", || {
+            let n = self.comm.size();
+            self.check_len("reduce_scatter", "input", input, n * count * size_of::<T>())?;
+            self.check_len("reduce_scatter", "output", output, count * size_of::<T>())?;
+            let shape = Shape { n_in: n, n_out: 1, count, in_place: false };
+            self.run::<T>("reduce_scatter", input, output, shape, |c, inp, out| {
+                c.reduce_scatter(inp, out, op)
+            })
         })
     }
 
@@ -437,11 +445,13 @@ impl Staged {
         output: &dyn DeviceBuffer,
         count: usize,
     ) -> Result<StagedStats> {
-        let n = self.comm.size();
-        self.check_len("all_to_all", "input", input, n * count * size_of::<T>())?;
-        self.check_len("all_to_all", "output", output, n * count * size_of::<T>())?;
-        let shape = Shape { n_in: n, n_out: n, count, in_place: false };
-        self.run::<T>("all_to_all", input, output, shape, |c, inp, out| c.all_to_all(inp, out))
+        self.comm.call("alltoall", || {
+            let n = self.comm.size();
+            self.check_len("alltoall", "input", input, n * count * size_of::<T>())?;
+            self.check_len("alltoall", "output", output, n * count * size_of::<T>())?;
+            let shape = Shape { n_in: n, n_out: n, count, in_place: false };
+            self.run::<T>("alltoall", input, output, shape, |c, inp, out| c.all_to_all(inp, out))
+        })
     }
 
     fn take_slot(&self, in_bytes: usize, out_bytes: Option<usize>) -> Result<Slot> {
@@ -591,12 +601,10 @@ impl Staged {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .extend(actions.into_inner().unwrap_or_else(|p| p.into_inner()));
+        // A failure (a device copy, the host collective) leaves through `Comm::call`, which
+        // poisons the group and tells the peers who failed and why.
         if let Err(Error::Device { detail, .. }) = res {
-            // This rank cannot take part in the rest of the collective: abort the group so the
-            // others learn who failed and why at once instead of timing out.
-            let e = Error::Device { rank: self.comm.rank(), op: name, detail };
-            self.comm.group().abort(&e.to_string());
-            return Err(e);
+            return Err(Error::Device { rank: self.comm.rank(), op: name, detail });
         }
         res?;
         Ok(StagedStats {

@@ -838,6 +838,7 @@ pub(crate) fn fuzz_stream(data: &[u8]) {
             redop: 1,
             root: u32::MAX,
             count,
+            settings: 0,
         },
     };
     let mut bufs: Vec<Vec<u8>> = [0usize, 8, 2048].iter().map(|&n| vec![0u8; n]).collect();

@@ -25,8 +25,6 @@ use crate::wire::MsgDesc;
 
 /// Longest a blocked thread sleeps before looking again (abort and deadlines are also checked).
 const POLL_SLICE: Duration = Duration::from_millis(100);
-/// How long the background thread naps while some thread is waiting (and driving).
-const NAP: Duration = Duration::from_millis(5);
 
 /// What the engine is doing when it asks the driver to move bytes or sleep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +42,9 @@ pub(crate) enum Mode {
 /// How one transport moves bytes: sockets, system calls and the protocol below the frames.
 /// Never blocks; the engine sleeps on the descriptors it names.
 pub(crate) trait Driver: Send + 'static {
+    /// How long the background thread naps while a thread waits (and drives). QUIC needs its
+    /// timers served soon after a wait ends; TCP's background has nothing urgent.
+    const WAITING_NAP: Duration;
     /// Write what the core queued for `peer` (eagerly, right after a post).
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant);
     /// `peer`'s frame in progress got a destination (a receive was posted for a parked
@@ -284,16 +285,17 @@ impl<D: Driver> Engine<D> {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         while !self.stop.load(Ordering::SeqCst) {
             if self.waiters.load(Ordering::SeqCst) > 0 {
-                std::thread::sleep(NAP);
+                std::thread::sleep(D::WAITING_NAP);
                 continue;
             }
             let until = {
                 let mut guard = self.lock();
                 let s = &mut *guard;
                 let now = Instant::now();
-                s.driver.progress(&mut s.core, Mode::Idle, now);
+                // Keep-alives first: the pass writes them with everything else queued.
                 s.core.handle_timeout(now);
-                s.flush_all(now);
+                s.driver.progress(&mut s.core, Mode::Idle, now);
+                s.settle();
                 Self::poll_set(s, Mode::Idle, &mut fds);
                 let mut until = now + POLL_SLICE;
                 if let Some(t) = s.core.poll_timeout() {

@@ -590,6 +590,7 @@ mod tests {
                 redop: 1,
                 root: u32::MAX,
                 count,
+                settings: 0,
             },
         }
     }

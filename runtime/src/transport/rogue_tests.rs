@@ -23,6 +23,7 @@ fn desc(seq: u64) -> MsgDesc {
             redop: 0,
             root: u32::MAX,
             count: 16,
+            settings: 0,
         },
     }
 }
@@ -107,7 +108,6 @@ fn cases() -> Vec<(&'static str, Vec<Frame>, &'static str)> {
         ("unknown kind", vec![(with_byte(2, 9), vec![])], "unknown frame kind 9"),
         ("unknown op", vec![(with_byte(3, 200), vec![])], "unknown op code 200"),
         ("unknown dtype", vec![(with_byte(4, 99), vec![])], "unknown dtype code 99"),
-        ("reserved bits", vec![(with_byte(6, 1), vec![])], "reserved"),
         ("forged source", vec![(header(|h| h.src = 1), vec![0; 16])], "claims source rank 1"),
         (
             "keep-alive with payload",

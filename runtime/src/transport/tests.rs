@@ -21,6 +21,7 @@ fn desc(seq: u64, step: u32, count: u64) -> MsgDesc {
             redop: 0,
             root: u32::MAX,
             count,
+            settings: 0,
         },
     }
 }

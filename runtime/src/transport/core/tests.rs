@@ -32,6 +32,7 @@ fn desc(seq: u64, count: u64) -> MsgDesc {
             redop: 1,
             root: u32::MAX,
             count,
+            settings: 0,
         },
     }
 }

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use quinn_proto::{
@@ -689,6 +689,9 @@ pub(crate) fn establish(engine: &Engine<QuicDriver>, deadline: Instant) -> Resul
 }
 
 impl Driver for QuicDriver {
+    // 1 ms naps cost p99 latency on 2 cores (42 µs vs 19–29 µs at 8 B).
+    const WAITING_NAP: Duration = Duration::from_millis(5);
+
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
         if let Some(ch) = self.by_rank[peer] {
             self.service(core, ch, now);

@@ -4,10 +4,12 @@
 //!
 //! One QUIC connection per pair of ranks (the higher rank connects), and on it one long-lived
 //! unidirectional stream per direction carrying the same frames as TCP (48-byte wire header plus
-//! payload), so messages of one (peer, tag) stay in order. There is no async runtime: like the
-//! TCP engine, the thread that waits drives the socket and the connections (`engine.rs`), and a
-//! background thread does so only while nobody waits. QUIC's own keep-alives and idle timeout
-//! replace TCP's: a silent peer is declared dead after `dead_after`, with the same typed errors.
+//! payload), so messages of one (peer, tag) stay in order. There is no async runtime: the shared
+//! engine and connection core (`../engine.rs`, `../core.rs`) run over this transport's driver
+//! (`driver.rs`) as over TCP's; the thread that waits drives, and a background thread does so
+//! only while nobody waits. QUIC's own keep-alives replace the core's; a silent peer is declared
+//! dead after `dead_after` by the core's rule (and quinn's idle timeout), with the same typed
+//! errors.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
@@ -320,6 +322,7 @@ mod tests {
                 redop: 0,
                 root: u32::MAX,
                 count: 0,
+                settings: 0,
             },
         }
     }

@@ -9,7 +9,7 @@
 
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::transport::core::{Core, LinkFail};
 use crate::transport::engine::{Driver, Mode};
@@ -150,6 +150,8 @@ impl TcpDriver {
 }
 
 impl Driver for TcpDriver {
+    const WAITING_NAP: Duration = Duration::from_millis(100);
+
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
         self.progress_tx(core, peer, now);
     }

@@ -1,0 +1,166 @@
+//! The collectives, one file each: the [`Comm`](crate::Comm) methods that validate a call and
+//! run it, the algorithms that implement the collective, and `plan`, which turns an algorithm
+//! into the schedule one rank runs. `plan` matches every [`Algo`]: one that does not apply is an
+//! error, never a silent fallback to another.
+
+use std::fmt;
+
+use tutti_runtime::OpKind;
+
+use crate::algo::PlanCtx;
+use crate::error::Error;
+use crate::select::Algo;
+
+pub(crate) mod allgather;
+pub(crate) mod allreduce;
+pub(crate) mod alltoall;
+pub(crate) mod barrier;
+pub(crate) mod broadcast;
+pub(crate) mod gather;
+pub(crate) mod reduce;
+pub(crate) mod reduce_scatter;
+pub(crate) mod scatter;
+
+/// The collectives: one enum, one spelling (`name`) in errors, logs, `TUTTI_ALGO`, collbench
+/// and on the wire ([`Coll::op_kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Coll {
+    /// Allreduce.
+    Allreduce,
+    /// Broadcast.
+    Broadcast,
+    /// Reduce.
+    Reduce,
+    /// Allgather(v).
+    Allgather,
+    /// Reduce-scatter(v).
+    ReduceScatter,
+    /// All-to-all(v).
+    AllToAll,
+    /// Gather.
+    Gather,
+    /// Scatter.
+    Scatter,
+    /// Barrier.
+    Barrier,
+}
+
+impl Coll {
+    /// All collectives.
+    pub const ALL: [Coll; 9] = [
+        Coll::Allreduce,
+        Coll::Broadcast,
+        Coll::Reduce,
+        Coll::Allgather,
+        Coll::ReduceScatter,
+        Coll::AllToAll,
+        Coll::Gather,
+        Coll::Scatter,
+        Coll::Barrier,
+    ];
+
+    /// The collective's kind on the wire (in every message's fingerprint).
+    pub fn op_kind(self) -> OpKind {
+        match self {
+            Coll::Allreduce => OpKind::Allreduce,
+            Coll::Broadcast => OpKind::Broadcast,
+            Coll::Reduce => OpKind::Reduce,
+            Coll::Allgather => OpKind::Allgather,
+            Coll::ReduceScatter => OpKind::ReduceScatter,
+            Coll::AllToAll => OpKind::AllToAll,
+            Coll::Gather => OpKind::Gather,
+            Coll::Scatter => OpKind::Scatter,
+            Coll::Barrier => OpKind::Barrier,
+        }
+    }
+
+    /// Name in errors, logs, `TUTTI_ALGO` and collbench: the wire kind's name.
+    pub fn name(self) -> &'static str {
+        self.op_kind().name()
+    }
+
+    /// Parse a name.
+    pub fn parse(s: &str) -> Option<Coll> {
+        Coll::ALL.into_iter().find(|c| c.name() == s)
+    }
+
+    /// The algorithms that implement this collective.
+    pub fn algos(self) -> &'static [Algo] {
+        match self {
+            Coll::Allreduce => allreduce::ALGOS,
+            Coll::Broadcast => broadcast::ALGOS,
+            Coll::Reduce => reduce::ALGOS,
+            Coll::Allgather => allgather::ALGOS,
+            Coll::ReduceScatter => reduce_scatter::ALGOS,
+            Coll::AllToAll => alltoall::ALGOS,
+            Coll::Gather => gather::ALGOS,
+            Coll::Scatter => scatter::ALGOS,
+            Coll::Barrier => barrier::ALGOS,
+        }
+    }
+
+    /// Whether `algo` can run this collective on `n` ranks (`uniform`: every rank contributes
+    /// the same count).
+    ///
+    /// # Errors
+    /// Why not: the algorithm does not implement the collective, needs a power-of-two world, or
+    /// equal counts.
+    pub fn supports(self, algo: Algo, n: usize, uniform: bool) -> Result<(), String> {
+        if !self.algos().contains(&algo) {
+            return Err(format!("{algo} does not implement {self}"));
+        }
+        let why = match (self, algo) {
+            (Coll::Allgather, Algo::RecursiveDoubling)
+            | (Coll::ReduceScatter, Algo::RecursiveHalving)
+                if !n.is_power_of_two() =>
+            {
+                "needs a power-of-two world"
+            }
+            (Coll::Allgather, Algo::Bruck) if !uniform => "needs equal counts on every rank",
+            _ => return Ok(()),
+        };
+        Err(format!("{algo} {why} ({n} ranks)"))
+    }
+}
+
+/// The error of `plan` for an algorithm that does not implement the collective.
+pub(crate) fn refuse(ctx: &PlanCtx, coll: Coll, algo: Algo) -> Error {
+    Error::Unsupported {
+        rank: ctx.rank,
+        op: coll.name(),
+        algo: algo.name(),
+        detail: format!("{algo} does not implement {coll}"),
+    }
+}
+
+impl fmt::Display for Coll {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_spelling_on_the_wire_and_off() {
+        for c in Coll::ALL {
+            assert_eq!(c.name(), c.op_kind().name());
+            assert_eq!(Coll::parse(c.name()), Some(c));
+        }
+        assert_eq!(Coll::AllToAll.name(), "alltoall");
+    }
+
+    #[test]
+    fn every_listed_algorithm_is_supported_somewhere_and_others_never() {
+        for c in Coll::ALL {
+            for a in Algo::ALL {
+                let listed = c.algos().contains(&a);
+                let somewhere = [1, 2, 3, 4, 8].iter().any(|&n| c.supports(a, n, true).is_ok());
+                assert_eq!(listed, somewhere, "{c} {a}");
+            }
+        }
+    }
+}
