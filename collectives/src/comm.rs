@@ -98,6 +98,9 @@ impl std::fmt::Debug for Comm {
     }
 }
 
+/// The `plan` of a rooted collective over per-rank blocks (gather, scatter).
+pub(crate) type RootedPlan = fn(&PlanCtx, Algo, &[(usize, usize)], usize) -> Result<Plan>;
+
 /// One collective call, as its method validated it.
 pub(crate) struct Req<'a> {
     pub(crate) coll: Coll,
@@ -291,7 +294,7 @@ impl Comm {
         coll: Coll,
         buf: &mut [T],
         root: usize,
-        plan: fn(&PlanCtx, Algo, &[(usize, usize)], usize) -> Result<Plan>,
+        plan: RootedPlan,
     ) -> Result<Stats> {
         self.call(coll.name(), || {
             self.check_root(coll.name(), root)?;

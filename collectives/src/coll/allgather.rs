@@ -17,7 +17,7 @@ impl Comm {
     /// Every rank calls it with inputs of the same length.
     ///
     /// # Errors
-    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] for a wrong output length.
+    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a wrong output length.
     pub fn allgather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<Stats> {
         self.call(Coll::Allgather.name(), || {
             let n = self.size();

@@ -40,8 +40,8 @@ impl Comm {
     /// Every rank of the group calls it with the same `op` and a buffer of the same length.
     ///
     /// # Errors
-    /// [`Error::Runtime`] for transport failures, timeouts and mismatched calls (the group is
-    /// poisoned); [`Error::Unsupported`] for a forced algorithm that does not apply.
+    /// [`Error::Runtime`](crate::Error::Runtime) for transport failures, timeouts and mismatched calls (the group is
+    /// poisoned); [`Error::Unsupported`](crate::Error::Unsupported) for a forced algorithm that does not apply.
     pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<Stats> {
         self.call(Coll::Allreduce.name(), || self.allreduce_impl(None, buf, op))
     }
@@ -52,7 +52,7 @@ impl Comm {
     /// As [`Comm::allreduce`]; `input` and `output` have the same length on every rank.
     ///
     /// # Errors
-    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] when the lengths differ.
+    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) when the lengths differ.
     pub fn allreduce_from<T: Element>(
         &self,
         input: &[T],

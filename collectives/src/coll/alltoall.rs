@@ -17,7 +17,7 @@ impl Comm {
     /// Every rank calls it with buffers of the same length, divisible by the group size.
     ///
     /// # Errors
-    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] for wrong lengths.
+    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for wrong lengths.
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<Stats> {
         self.call(Coll::AllToAll.name(), || {
             let n = self.size();

@@ -16,7 +16,7 @@ impl Comm {
     /// Every rank calls it with the same `root` and a buffer of the same length.
     ///
     /// # Errors
-    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] for a root outside the group.
+    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a root outside the group.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<Stats> {
         self.call(Coll::Broadcast.name(), || self.broadcast_impl(None, buf, root))
     }

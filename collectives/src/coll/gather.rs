@@ -17,7 +17,7 @@ impl Comm {
     /// Every rank calls it with the same `root` and inputs of the same length.
     ///
     /// # Errors
-    /// As [`Comm::broadcast`]; [`Error::InvalidArgument`] for a wrong output length at the root.
+    /// As [`Comm::broadcast`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a wrong output length at the root.
     pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<Stats> {
         self.call(Coll::Gather.name(), || {
             self.check_root(Coll::Gather.name(), root)?;

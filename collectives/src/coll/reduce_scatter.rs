@@ -17,7 +17,7 @@ impl Comm {
     /// Every rank calls it with the same `op` and the same lengths.
     ///
     /// # Errors
-    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`] for wrong lengths.
+    /// As [`Comm::allreduce`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for wrong lengths.
     pub fn reduce_scatter<T: Element>(
         &self,
         input: &[T],

@@ -844,11 +844,11 @@ pub(crate) fn fuzz_stream(data: &[u8]) {
     let mut bufs: Vec<Vec<u8>> = [0usize, 8, 2048].iter().map(|&n| vec![0u8; n]).collect();
     let mut ids = Vec::new();
     for (i, b) in bufs.iter_mut().enumerate() {
+        let d = desc(i as u64, b.len() as u64);
         // SAFETY: the buffers live (unmoved on the heap) until the end of this function, after
         // the core is dropped.
-        if let Ok((id, _)) =
-            unsafe { c.post_recv(1, desc(i as u64, b.len() as u64), b.as_mut_ptr(), b.len()) }
-        {
+        let posted = unsafe { c.post_recv(1, d, b.as_mut_ptr(), b.len()) };
+        if let Ok((id, _)) = posted {
             ids.push(id);
         }
     }
