@@ -4,6 +4,7 @@
 //! few rounds in flight at once; every rank talks to one peer per round, so no link is
 //! oversubscribed and no world size can deadlock. Post-all posts every send and receive at once
 //! and lets the transport sort them out (best for small blocks). Both send `(n-1)/n·S` bytes.
+//! In place, the buffer is first copied to scratch (`coll/alltoall.rs`).
 
 use super::PlanCtx;
 use crate::plan::{Buf, Plan, Region};

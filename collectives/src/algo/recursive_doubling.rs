@@ -4,6 +4,8 @@
 //! rank in `log2(p)` steps: the small-message algorithm. Worlds that are not a power of two fold
 //! first: of the first `2·rem` ranks (`rem = n - p`), each even rank hands its data to the odd rank
 //! above it and sits out, and receives the result at the end (two extra steps).
+//! Operands are combined as `mine op theirs` on both sides; IEEE addition and multiplication
+//! are commutative, so both ranks of a pair hold identical bits.
 //! Allgather: each round exchanges the window gathered so far (power-of-two worlds).
 
 use super::PlanCtx;

@@ -6,7 +6,12 @@
 //! `r` reduced over all ranks. Allgather: in step `s` rank `r` forwards block `r-s` and receives
 //! block `r-s-1`. Each block moves in segments; a segment is forwarded as soon as it is reduced
 //! (or received), and [`LOOKAHEAD`] receives stay posted, so transfer and reduction overlap.
-//! Blocks may differ in size (the `v` variants).
+//! Blocks may differ in size (the `v` variants); evenly split blocks give the first
+//! `count mod n` blocks one element more. Out of place, the first reduction reads the input
+//! buffer directly (`dst = input op received`), so no copy of the input is made, and an
+//! out-of-place reduce-scatter accumulates in two scratch buffers used alternately and writes
+//! only the own block into the output. Every element is reduced in one fixed order (along the
+//! ring) and then copied, so every rank ends with the same bits, floating point included.
 
 use super::{PlanCtx, LOOKAHEAD};
 use crate::plan::{segments, Buf, Plan, Region};

@@ -3,7 +3,10 @@
 //! Ranks are renumbered relative to the root (`v = (r - root) mod n`). Rank `v`'s parent is `v`
 //! minus its lowest set bit; its children are `v + 2^j` for every `2^j` below that bit. Messages
 //! move in segments, so a long message streams down (or up) the tree: `⌈log2 n⌉` steps of
-//! latency plus one segment per extra segment. Root sends `⌈log2 n⌉·S` bytes.
+//! latency plus one segment per extra segment. Root sends `⌈log2 n⌉·S` bytes. Broadcast sends
+//! each segment to the children as soon as it arrives from the parent; reduce receives each
+//! segment from the children (two segments' receives posted ahead, smallest subtree first),
+//! reduces, and forwards it up.
 
 use super::{PlanCtx, LOOKAHEAD};
 use crate::plan::{segments, Buf, Plan, Region};
