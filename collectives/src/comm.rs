@@ -288,6 +288,48 @@ impl Comm {
         Ok(Stats { algo, bytes_sent, elapsed, seq })
     }
 
+    /// Gather or scatter out of place: `block` elements per rank; the root's output (gather) or
+    /// input (scatter) holds every rank's block, in rank order.
+    pub(crate) fn rooted<T: Element>(
+        &self,
+        coll: Coll,
+        input: &[T],
+        output: &mut [T],
+        block: usize,
+        root: usize,
+        plan: RootedPlan,
+    ) -> Result<Stats> {
+        self.call(coll.name(), || {
+            self.check_root(coll.name(), root)?;
+            let n = self.size();
+            let (what, whole) = if coll == Coll::Gather {
+                ("output", output.len())
+            } else {
+                ("input", input.len())
+            };
+            if self.rank() == root && whole != block * n {
+                return Err(self.invalid(
+                    coll.name(),
+                    format!("root {what} has {whole} elements, expected {block} x {n}"),
+                ));
+            }
+            let es = size_of::<T>();
+            let blocks = split(block * n, n, es);
+            let req = Req {
+                coll,
+                dtype: T::DTYPE,
+                redop: None,
+                root: Some(root),
+                count: block,
+                bytes: block * n * es,
+                uniform: true,
+                data: as_bytes_mut(output),
+                input: Some(as_bytes(input)),
+            };
+            self.run(req, |ctx, algo| plan(ctx, algo, &blocks, root))
+        })
+    }
+
     /// Gather or scatter in place: rank `r`'s block is `buf[r*c..(r+1)*c]`.
     pub(crate) fn rooted_inplace<T: Element>(
         &self,

@@ -1,10 +1,10 @@
 //! Gather: the root receives every rank's block, in rank order.
 
 use crate::algo::{self, PlanCtx};
-use crate::comm::{Comm, Req, Stats};
-use crate::dtype::{as_bytes, as_bytes_mut, Element};
+use crate::comm::{Comm, Stats};
+use crate::dtype::Element;
 use crate::error::Result;
-use crate::plan::{split, Plan};
+use crate::plan::Plan;
 use crate::select::Algo;
 
 use super::Coll;
@@ -19,34 +19,7 @@ impl Comm {
     /// # Errors
     /// As [`Comm::broadcast`]; [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a wrong output length at the root.
     pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<Stats> {
-        self.call(Coll::Gather.name(), || {
-            self.check_root(Coll::Gather.name(), root)?;
-            let n = self.size();
-            if self.rank() == root && output.len() != input.len() * n {
-                return Err(self.invalid(
-                    "gather",
-                    format!(
-                        "root output has {} elements, expected {} x {n}",
-                        output.len(),
-                        input.len()
-                    ),
-                ));
-            }
-            let es = size_of::<T>();
-            let blocks = split(input.len() * n, n, es);
-            let req = Req {
-                coll: Coll::Gather,
-                dtype: T::DTYPE,
-                redop: None,
-                root: Some(root),
-                count: input.len(),
-                bytes: input.len() * n * es,
-                uniform: true,
-                data: as_bytes_mut(output),
-                input: Some(as_bytes(input)),
-            };
-            self.run(req, |ctx, algo| plan(ctx, algo, &blocks, root))
-        })
+        self.rooted(Coll::Gather, input, output, input.len(), root, plan)
     }
 
     /// Gather in place: rank `r`'s contribution is `buf[r*c..(r+1)*c]` (`c = len / size`); the

@@ -1,10 +1,10 @@
 //! Scatter: rank `r` receives block `r` of the root's buffer.
 
 use crate::algo::{self, PlanCtx};
-use crate::comm::{Comm, Req, Stats};
-use crate::dtype::{as_bytes, as_bytes_mut, Element};
+use crate::comm::{Comm, Stats};
+use crate::dtype::Element;
 use crate::error::Result;
-use crate::plan::{split, Plan};
+use crate::plan::Plan;
 use crate::select::Algo;
 
 use super::Coll;
@@ -19,34 +19,7 @@ impl Comm {
     /// # Errors
     /// As [`Comm::gather`].
     pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<Stats> {
-        self.call(Coll::Scatter.name(), || {
-            self.check_root(Coll::Scatter.name(), root)?;
-            let n = self.size();
-            if self.rank() == root && input.len() != output.len() * n {
-                return Err(self.invalid(
-                    "scatter",
-                    format!(
-                        "root input has {} elements, expected {} x {n}",
-                        input.len(),
-                        output.len()
-                    ),
-                ));
-            }
-            let es = size_of::<T>();
-            let blocks = split(output.len() * n, n, es);
-            let req = Req {
-                coll: Coll::Scatter,
-                dtype: T::DTYPE,
-                redop: None,
-                root: Some(root),
-                count: output.len(),
-                bytes: output.len() * n * es,
-                uniform: true,
-                data: as_bytes_mut(output),
-                input: Some(as_bytes(input)),
-            };
-            self.run(req, |ctx, algo| plan(ctx, algo, &blocks, root))
-        })
+        self.rooted(Coll::Scatter, input, output, output.len(), root, plan)
     }
 
     /// Scatter in place: the root's `buf` holds every block; rank `r`'s block lands at

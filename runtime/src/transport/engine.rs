@@ -14,7 +14,8 @@
 //! their driver (`tcp/driver.rs`, `quic/driver.rs`).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -368,6 +369,37 @@ impl<D: Driver> Engine<D> {
         s.core.send_raw(peer, hdr, payload);
         s.driver.flush(&mut s.core, peer, Instant::now());
         s.settle();
+    }
+}
+
+/// An engine at work: the engine and its background thread. Dropping it stops the thread, then
+/// shuts the connections down cleanly (close frames out, the peers' ends awaited, at most 2 s).
+pub(crate) struct Running<D: Driver> {
+    engine: Arc<Engine<D>>,
+    background: Option<JoinHandle<()>>,
+}
+
+impl<D: Driver> Running<D> {
+    /// Start the background thread (named `name`) of `engine`.
+    pub(crate) fn start(engine: Engine<D>, name: String) -> std::io::Result<Running<D>> {
+        let engine = Arc::new(engine);
+        let e = engine.clone();
+        let background = std::thread::Builder::new().name(name).spawn(move || e.background())?;
+        Ok(Running { engine, background: Some(background) })
+    }
+
+    pub(crate) fn engine(&self) -> &Engine<D> {
+        &self.engine
+    }
+}
+
+impl<D: Driver> Drop for Running<D> {
+    fn drop(&mut self) {
+        self.engine.stop();
+        if let Some(t) = self.background.take() {
+            let _ = t.join();
+        }
+        self.engine.shutdown(Duration::from_secs(2));
     }
 }
 

@@ -14,7 +14,6 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::info;
@@ -28,7 +27,7 @@ mod driver;
 mod tls;
 
 use crate::transport::core::{Core, CoreConfig};
-use crate::transport::engine::{Engine, Wired};
+use crate::transport::engine::{Engine, Running, Wired};
 use driver::QuicDriver;
 
 /// Store key under which rank `r` publishes `addr|fingerprint`.
@@ -39,9 +38,9 @@ pub fn quic_key(r: usize) -> String {
 /// The QUIC transport of one rank.
 pub struct QuicTransport {
     rank: usize,
-    engine: Arc<Engine<QuicDriver>>,
+    /// The engine; dropping it shuts the connections down cleanly.
+    wire: Running<QuicDriver>,
     local: SocketAddr,
-    background: Option<JoinHandle<()>>,
     /// This rank's certificate fingerprint (as published); read by tests.
     #[allow(dead_code)]
     fp: [u8; 32],
@@ -254,7 +253,6 @@ impl QuicTransport {
         let engine = QuicDriver::new(rank, world, sock, !loopback, ep, allowed)
             .and_then(|d| Engine::new(core, d, cfg.spin))
             .map_err(|e| Error::io(rank, "configuring the UDP socket", &e))?;
-        let engine = Arc::new(engine);
         for (j, p) in peers.iter().enumerate().take(rank) {
             let Some((addr, fp)) = p else { continue };
             let client_tls = tls::client_config(&me, *fp).map_err(|e| rv(format!("TLS: {e}")))?;
@@ -270,15 +268,10 @@ impl QuicTransport {
                 cfg.connect_timeout
             ))
         })?;
-        let background = {
-            let engine = engine.clone();
-            std::thread::Builder::new()
-                .name(format!("tutti-quic-{rank}"))
-                .spawn(move || engine.background())
-                .map_err(|e| Error::io(rank, "spawning the QUIC driver thread", &e))?
-        };
+        let wire = Running::start(engine, format!("tutti-quic-{rank}"))
+            .map_err(|e| Error::io(rank, "spawning the QUIC driver thread", &e))?;
         info!(rank, world, %local, loopback, elapsed = ?start.elapsed(), "quic transport connected");
-        Ok(QuicTransport { rank, engine, local, background: Some(background), fp: me.fp })
+        Ok(QuicTransport { rank, wire, local, fp: me.fp })
     }
 
     /// The UDP address this rank listens on.
@@ -292,17 +285,7 @@ impl Wired for QuicTransport {
     const NAME: &'static str = "quic";
 
     fn engine(&self) -> &Engine<QuicDriver> {
-        &self.engine
-    }
-}
-
-impl Drop for QuicTransport {
-    fn drop(&mut self) {
-        self.engine.stop();
-        if let Some(t) = self.background.take() {
-            let _ = t.join();
-        }
-        self.engine.shutdown(Duration::from_secs(2));
+        self.wire.engine()
     }
 }
 

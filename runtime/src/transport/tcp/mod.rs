@@ -25,7 +25,7 @@ mod driver;
 pub(crate) mod handshake;
 
 use crate::transport::core::{Core, CoreConfig};
-use crate::transport::engine::{Engine, Wired};
+use crate::transport::engine::{Engine, Running, Wired};
 use driver::TcpDriver;
 
 /// Settings of the TCP transport.
@@ -94,12 +94,12 @@ pub struct JobIdentity {
 /// The TCP transport of one rank.
 pub struct TcpTransport {
     rank: usize,
-    engine: Arc<Engine<TcpDriver>>,
+    /// The engine; dropping it shuts the connections down cleanly.
+    wire: Running<TcpDriver>,
     local: SocketAddr,
     /// Stops the acceptor.
     stop: Arc<AtomicBool>,
     acceptor: Option<JoinHandle<()>>,
-    background: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -225,23 +225,10 @@ impl TcpTransport {
         let engine = TcpDriver::new(streams, &mut core, now)
             .and_then(|d| Engine::new(core, d, cfg.spin))
             .map_err(|e| Error::io(rank, "configuring connections", &e))?;
-        let engine = Arc::new(engine);
-        let background = {
-            let engine = engine.clone();
-            std::thread::Builder::new()
-                .name(format!("tutti-tcp-{rank}"))
-                .spawn(move || engine.background())
-                .map_err(|e| Error::io(rank, "spawning the background driver", &e))?
-        };
+        let wire = Running::start(engine, format!("tutti-tcp-{rank}"))
+            .map_err(|e| Error::io(rank, "spawning the background driver", &e))?;
         info!(rank, world, %local, elapsed = ?start.elapsed(), "tcp transport connected");
-        Ok(TcpTransport {
-            rank,
-            engine,
-            local,
-            stop,
-            acceptor: Some(acceptor),
-            background: Some(background),
-        })
+        Ok(TcpTransport { rank, wire, local, stop, acceptor: Some(acceptor) })
     }
 
     /// The address this rank listens on.
@@ -371,17 +358,13 @@ impl Wired for TcpTransport {
     const NAME: &'static str = "tcp";
 
     fn engine(&self) -> &Engine<TcpDriver> {
-        &self.engine
+        self.wire.engine()
     }
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        self.engine.stop();
-        if let Some(t) = self.background.take() {
-            let _ = t.join();
-        }
-        self.engine.shutdown(Duration::from_secs(2));
+        // The connections shut down when `wire` drops, after this.
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.acceptor.take() {
             let _ = t.join();
