@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tutti_runtime::testing::tcp_world;
-use tutti_runtime::transport::tcp::TcpConfig;
+use tutti_runtime::transport::LinkConfig;
 use tutti_runtime::{DType, Fingerprint, MsgDesc, OpKind, Tag, Transport, TransportExt};
 
 const T: Duration = Duration::from_secs(60);
@@ -126,12 +126,12 @@ fn raw_stream(len: usize, reps: usize) -> f64 {
 }
 
 fn tutti_pair() -> Vec<Arc<dyn Transport>> {
-    let (ts, _server) = tcp_world(2, &TcpConfig::default()).unwrap();
+    let (ts, _server) = tcp_world(2, &LinkConfig::default()).unwrap();
     ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
 }
 
 fn quic_pair() -> Vec<Arc<dyn Transport>> {
-    let ts = tutti_runtime::testing::quic_world(2, &TcpConfig::default()).unwrap();
+    let ts = tutti_runtime::testing::quic_world(2, &LinkConfig::default()).unwrap();
     ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
 }
 

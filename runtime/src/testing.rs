@@ -9,7 +9,8 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::store::{Store, StoreServer, TcpStore};
 use crate::transport::mem::MemTransport;
-use crate::transport::tcp::{JobIdentity, TcpConfig, TcpTransport};
+use crate::transport::tcp::{JobIdentity, TcpTransport};
+use crate::transport::LinkConfig;
 use crate::transport::Transport;
 
 /// Which transport a test job uses.
@@ -33,8 +34,8 @@ pub enum Kind {
 /// The first rank's failure, in rank order.
 pub fn job<T: Send>(
     n: usize,
-    cfg: &TcpConfig,
-    connect: impl Fn(&JobIdentity, &dyn Store, &TcpConfig) -> Result<T> + Sync,
+    cfg: &LinkConfig,
+    connect: impl Fn(&JobIdentity, &dyn Store, &LinkConfig) -> Result<T> + Sync,
 ) -> Result<(Vec<T>, StoreServer)> {
     let key = JobKey::from_token("tutti-test");
     let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), n, Some(key.clone()))?;
@@ -68,7 +69,7 @@ pub fn job<T: Send>(
 ///
 /// # Errors
 /// Any rendezvous failure.
-pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
+pub fn tcp_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
     job(n, cfg, TcpTransport::connect)
 }
 
@@ -77,7 +78,10 @@ pub fn tcp_world(n: usize, cfg: &TcpConfig) -> Result<(Vec<TcpTransport>, StoreS
 /// # Errors
 /// Any rendezvous failure.
 #[cfg(feature = "quic")]
-pub fn quic_world(n: usize, cfg: &TcpConfig) -> Result<Vec<crate::transport::quic::QuicTransport>> {
+pub fn quic_world(
+    n: usize,
+    cfg: &LinkConfig,
+) -> Result<Vec<crate::transport::quic::QuicTransport>> {
     let quic = crate::transport::QuicConfig::default();
     Ok(job(n, cfg, |id, store, cfg| {
         crate::transport::quic::QuicTransport::connect(id, store, cfg, &quic)
@@ -96,14 +100,14 @@ pub fn world(kind: Kind, n: usize) -> Result<Vec<Arc<dyn Transport>>> {
         }
         Kind::Tcp => {
             let cfg =
-                TcpConfig { connect_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+                LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
             let (ts, _server) = tcp_world(n, &cfg)?;
             ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
         #[cfg(feature = "quic")]
         Kind::Quic => {
             let cfg =
-                TcpConfig { connect_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+                LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
             quic_world(n, &cfg)?.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
     })

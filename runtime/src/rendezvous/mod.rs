@@ -21,7 +21,8 @@ use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::store::{FileStore, Store, StoreServer, TcpStore};
-use crate::transport::tcp::{JobIdentity, TcpConfig, TcpTransport};
+use crate::transport::tcp::{JobIdentity, TcpTransport};
+use crate::transport::LinkConfig;
 use crate::transport::QuicConfig;
 
 pub mod env;
@@ -53,7 +54,7 @@ pub struct Options {
     pub transport: TransportKind,
     /// TCP transport settings (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
     /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`).
-    pub tcp: TcpConfig,
+    pub link: LinkConfig,
     /// QUIC-only settings (`TUTTI_QUIC_MTU`, `TUTTI_QUIC_GSO`).
     pub quic: QuicConfig,
 }
@@ -65,7 +66,7 @@ impl Default for Options {
             ifname: None,
             timeout: crate::group::DEFAULT_TIMEOUT,
             transport: TransportKind::Tcp,
-            tcp: TcpConfig::default(),
+            link: LinkConfig::default(),
             quic: QuicConfig::default(),
         }
     }
@@ -115,7 +116,7 @@ impl Options {
             o.timeout = secs("TUTTI_TIMEOUT", &v)?;
         }
         if let Some(v) = get("TUTTI_CONNECT_TIMEOUT") {
-            o.tcp.connect_timeout = secs("TUTTI_CONNECT_TIMEOUT", &v)?;
+            o.link.connect_timeout = secs("TUTTI_CONNECT_TIMEOUT", &v)?;
         }
         if let Some(v) = get("TUTTI_TRANSPORT") {
             o.transport = match v.trim() {
@@ -129,10 +130,10 @@ impl Options {
             };
         }
         if let Some(v) = get("TUTTI_KEEPALIVE") {
-            o.tcp.keepalive_interval = secs("TUTTI_KEEPALIVE", &v)?;
+            o.link.keepalive_interval = secs("TUTTI_KEEPALIVE", &v)?;
         }
         if let Some(v) = get("TUTTI_DEAD_AFTER") {
-            o.tcp.dead_after = secs("TUTTI_DEAD_AFTER", &v)?;
+            o.link.dead_after = secs("TUTTI_DEAD_AFTER", &v)?;
         }
         if let Some(v) = get("TUTTI_QUIC_MTU") {
             o.quic.loopback_mtu = v
@@ -159,7 +160,7 @@ impl Options {
             let us: u64 = v.trim().parse().map_err(|_| {
                 Error::Config(format!("TUTTI_SPIN_US={v:?} is not a whole number of µs"))
             })?;
-            o.tcp.spin = Duration::from_micros(us);
+            o.link.spin = Duration::from_micros(us);
         }
         Ok(o)
     }
@@ -189,7 +190,7 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
 /// As [`init_from_env`].
 pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
     let (rank, world) = (env.rank, env.world);
-    let deadline = opts.tcp.connect_timeout;
+    let deadline = opts.link.connect_timeout;
     let key = opts.token.as_deref().map(JobKey::from_token);
     let mut keep: Vec<Arc<dyn std::any::Any + Send + Sync>> = Vec::new();
     let (store, master_ip): (Arc<dyn Store>, Option<IpAddr>) = match &env.store {
@@ -240,7 +241,7 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         };
         (token, job)
     };
-    let mut tcp = opts.tcp.clone();
+    let mut tcp = opts.link.clone();
     tcp.bind_ip = ifaddr::select(opts.ifname.as_ref(), master_ip)?;
     let id = JobIdentity { rank, world, job, key: JobKey::from_token(&token) };
     let t: Arc<dyn crate::transport::Transport> = match opts.transport {

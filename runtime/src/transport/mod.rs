@@ -11,13 +11,67 @@
 //! [`exchange`](TransportExt::exchange), which posts many operations and waits for all of them
 //! while it holds the borrows.
 
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::wire::MsgDesc;
 
+/// Settings of a connection-based transport, shared by TCP and QUIC (QUIC's own are in
+/// [`QuicConfig`]). Read from the environment by `rendezvous::Options::from_env`, where a
+/// malformed value is an error naming the variable.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// Address to listen on and advertise. Default: chosen by rendezvous (the interface that
+    /// routes to `MASTER_ADDR`, or `TUTTI_SOCKET_IFNAME`). Hazard: a wildcard address would
+    /// listen on every interface; rendezvous never picks one.
+    pub bind_ip: IpAddr,
+    /// Port to listen on; 0 (the default) lets the OS pick.
+    pub port: u16,
+    /// How long start-up waits for every peer to publish its address and connect. Default 300 s
+    /// (like torchrun's rendezvous). Hazard: too short fails jobs whose ranks start slowly.
+    pub connect_timeout: Duration,
+    /// How long one handshake may take. Default 10 s. Hazard: too long lets a silent client hold
+    /// a handshake thread that long (it never blocks the group).
+    pub handshake_timeout: Duration,
+    /// How long a waiter spins (yielding) before blocking in the kernel. Default 50 µs. Hazard:
+    /// long spins waste CPU that oversubscribed ranks need; zero costs latency on slow-waking VMs.
+    pub spin: Duration,
+    /// Bytes of messages that may arrive before their receive is posted, per rank. Default 1 GiB.
+    /// Hazard: larger lets a runaway peer use that much memory here.
+    pub unexpected_limit: u64,
+    /// Idle time after which a keep-alive is sent on a connection. Default 1 s. Keep-alives are
+    /// sent by a background thread, so long computation between collectives keeps them going
+    /// (over QUIC, quinn's keep-alives at this interval).
+    pub keepalive_interval: Duration,
+    /// A peer that an operation waits on and that sent nothing at all (not even a keep-alive)
+    /// for this long is declared dead, and every rank is told. Default 5 s (5 missed
+    /// keep-alives). Hazard: shorter values can misjudge a peer whose host is badly overloaded.
+    pub dead_after: Duration,
+    /// How long an operation waits before asking its peer (one small probe frame) whether they
+    /// are in the same collective; a disagreement fails both at once. Default 1 s. Hazard: very
+    /// short values add a frame to every slow wait; it never changes results.
+    pub probe_after: Duration,
+}
+
+impl Default for LinkConfig {
+    fn default() -> LinkConfig {
+        LinkConfig {
+            bind_ip: IpAddr::from([127, 0, 0, 1]),
+            port: 0,
+            connect_timeout: Duration::from_secs(300),
+            handshake_timeout: Duration::from_secs(10),
+            spin: Duration::from_micros(50),
+            unexpected_limit: 1 << 30,
+            keepalive_interval: Duration::from_secs(1),
+            dead_after: Duration::from_secs(5),
+            probe_after: Duration::from_secs(1),
+        }
+    }
+}
+
 /// Settings only the QUIC transport has; the ones it shares with TCP (timeouts, keep-alive,
-/// dead-peer limit, spin, budgets) are in [`tcp::TcpConfig`]. Read from the environment by
+/// dead-peer limit, spin, budgets) are in [`LinkConfig`]. Read from the environment by
 /// `rendezvous::Options::from_env`, where a malformed value is an error naming the variable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuicConfig {

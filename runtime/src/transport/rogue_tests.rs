@@ -8,7 +8,7 @@ use crate::transport::engine::Wired;
 use std::time::{Duration, Instant};
 
 use crate::testing;
-use crate::transport::tcp::TcpConfig;
+use crate::transport::LinkConfig;
 use crate::transport::{Transport, TransportExt};
 use crate::wire::{DType, Fingerprint, FrameKind, Header, MsgDesc, OpKind, Tag, HEADER_LEN};
 
@@ -28,11 +28,11 @@ fn desc(seq: u64) -> MsgDesc {
     }
 }
 
-fn cfg() -> TcpConfig {
-    TcpConfig {
+fn cfg() -> LinkConfig {
+    LinkConfig {
         connect_timeout: Duration::from_secs(60),
         unexpected_limit: 1 << 20,
-        ..TcpConfig::default()
+        ..LinkConfig::default()
     }
 }
 

@@ -295,7 +295,8 @@ mod refused {
     use super::*;
     use crate::auth::JobKey;
     use crate::transport::tcp::handshake::{self, Hello};
-    use crate::transport::tcp::{TcpConfig, TcpTransport};
+    use crate::transport::tcp::TcpTransport;
+    use crate::transport::LinkConfig;
 
     fn junk(addr: SocketAddr, bytes: &[u8]) -> bool {
         // Returns true when the server closed the connection on us promptly.
@@ -320,7 +321,7 @@ mod refused {
     #[test]
     fn junk_connections_are_refused_and_the_group_still_works() {
         let cfg =
-            TcpConfig { handshake_timeout: Duration::from_millis(500), ..TcpConfig::default() };
+            LinkConfig { handshake_timeout: Duration::from_millis(500), ..LinkConfig::default() };
         let (ts, _server) = crate::testing::tcp_world(2, &cfg).unwrap();
         let addr0 = ts[0].local_addr();
         let job = 0x7475_7474_6900_0000 ^ _server.addr().port() as u64;
@@ -362,7 +363,7 @@ mod refused {
 
     #[test]
     fn listens_only_on_the_interface_asked_for() {
-        let (ts, _server) = crate::testing::tcp_world(2, &TcpConfig::default()).unwrap();
+        let (ts, _server) = crate::testing::tcp_world(2, &LinkConfig::default()).unwrap();
         for t in &ts {
             assert!(t.local_addr().ip().is_loopback(), "{}", t.local_addr());
         }
@@ -378,7 +379,7 @@ mod refused {
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
                 .unwrap();
         let cfg =
-            TcpConfig { connect_timeout: Duration::from_millis(1500), ..TcpConfig::default() };
+            LinkConfig { connect_timeout: Duration::from_millis(1500), ..LinkConfig::default() };
         let start = Instant::now();
         let errs: Vec<String> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)

@@ -20,7 +20,8 @@ use tracing::info;
 
 use crate::error::{Error, Result};
 use crate::store::Store;
-use crate::transport::tcp::{JobIdentity, TcpConfig};
+use crate::transport::tcp::JobIdentity;
+use crate::transport::LinkConfig;
 use crate::transport::QuicConfig;
 
 mod driver;
@@ -105,7 +106,7 @@ fn in_flight_limit(rcvbuf: usize, world: usize, loopback: bool) -> u64 {
 }
 
 fn transport_config(
-    cfg: &TcpConfig,
+    cfg: &LinkConfig,
     quic: &QuicConfig,
     loopback: bool,
     in_flight: u64,
@@ -166,7 +167,7 @@ impl QuicTransport {
     pub fn connect(
         id: &JobIdentity,
         store: &dyn Store,
-        cfg: &TcpConfig,
+        cfg: &LinkConfig,
         quic: &QuicConfig,
     ) -> Result<QuicTransport> {
         Self::connect_as(id, store, cfg, quic, None)
@@ -178,7 +179,7 @@ impl QuicTransport {
     pub(crate) fn connect_as(
         id: &JobIdentity,
         store: &dyn Store,
-        cfg: &TcpConfig,
+        cfg: &LinkConfig,
         quic: &QuicConfig,
         loopback: Option<bool>,
     ) -> Result<QuicTransport> {
@@ -324,7 +325,7 @@ mod tests {
         // The path taken off loopback (1,200–1,472-byte datagrams, GSO batches, `recvmmsg`,
         // MTU discovery), forced on 127.0.0.1: messages from 0 bytes to 8 MiB both ways at once,
         // content checked byte for byte.
-        let (ts, _server) = crate::testing::job(2, &TcpConfig::default(), |id, store, cfg| {
+        let (ts, _server) = crate::testing::job(2, &LinkConfig::default(), |id, store, cfg| {
             QuicTransport::connect_as(id, store, cfg, &QuicConfig::default(), Some(false))
         })
         .unwrap();
@@ -358,7 +359,7 @@ mod tests {
 
     #[test]
     fn random_udp_datagrams_do_not_disturb_the_group() {
-        let ts = quic_world(2, &TcpConfig::default()).unwrap();
+        let ts = quic_world(2, &LinkConfig::default()).unwrap();
         let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
         let mut x: u64 = 0x1234_5678;
         for i in 0..2000 {
@@ -435,7 +436,7 @@ mod tests {
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 2, Some(key.clone()))
                 .unwrap();
         let addr = server.addr();
-        let cfg = TcpConfig { connect_timeout: Duration::from_secs(4), ..TcpConfig::default() };
+        let cfg = LinkConfig { connect_timeout: Duration::from_secs(4), ..LinkConfig::default() };
         std::thread::scope(|s| {
             let rank0 = s.spawn(|| {
                 let store = TcpStore::connect(addr, 0, 2, Some(&key), Duration::from_secs(30))?;
@@ -464,7 +465,7 @@ mod tests {
 
     #[test]
     fn a_connection_after_start_up_is_refused() {
-        let ts = quic_world(2, &TcpConfig::default()).unwrap();
+        let ts = quic_world(2, &LinkConfig::default()).unwrap();
         let refused = stranger_refused(ts[0].local_addr(), ts[0].fp, Duration::from_secs(3));
         assert!(refused.is_some(), "a QUIC connection after start-up was not refused");
         exchange_ok(&ts, 2);

@@ -7,7 +7,7 @@
 //! first collective, and no collective ever pays a connect. The data path is the shared engine and
 //! connection core (`../engine.rs`, `../core.rs`) over this transport's driver (`driver.rs`).
 
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -26,57 +26,8 @@ pub(crate) mod handshake;
 
 use crate::transport::core::{Core, CoreConfig};
 use crate::transport::engine::{Engine, Running, Wired};
+use crate::transport::LinkConfig;
 use driver::TcpDriver;
-
-/// Settings of the TCP transport.
-#[derive(Debug, Clone)]
-pub struct TcpConfig {
-    /// Address to listen on and advertise. Default: chosen by rendezvous (the interface that
-    /// routes to `MASTER_ADDR`, or `TUTTI_SOCKET_IFNAME`). Hazard: a wildcard address would
-    /// listen on every interface; rendezvous never picks one.
-    pub bind_ip: IpAddr,
-    /// Port to listen on; 0 (the default) lets the OS pick.
-    pub port: u16,
-    /// How long start-up waits for every peer to publish its address and connect. Default 300 s
-    /// (like torchrun's rendezvous). Hazard: too short fails jobs whose ranks start slowly.
-    pub connect_timeout: Duration,
-    /// How long one handshake may take. Default 10 s. Hazard: too long lets a silent client hold
-    /// a handshake thread that long (it never blocks the group).
-    pub handshake_timeout: Duration,
-    /// How long a waiter spins (yielding) before blocking in the kernel. Default 50 µs. Hazard:
-    /// long spins waste CPU that oversubscribed ranks need; zero costs latency on slow-waking VMs.
-    pub spin: Duration,
-    /// Bytes of messages that may arrive before their receive is posted, per rank. Default 1 GiB.
-    /// Hazard: larger lets a runaway peer use that much memory here.
-    pub unexpected_limit: u64,
-    /// Idle time after which a keep-alive is sent on a connection. Default 1 s. Keep-alives are
-    /// sent by a background thread, so long computation between collectives keeps them going.
-    pub keepalive_interval: Duration,
-    /// A peer that an operation waits on and that sent nothing at all (not even a keep-alive)
-    /// for this long is declared dead, and every rank is told. Default 5 s (5 missed
-    /// keep-alives). Hazard: shorter values can misjudge a peer whose host is badly overloaded.
-    pub dead_after: Duration,
-    /// How long an operation waits before asking its peer (one small probe frame) whether they
-    /// are in the same collective; a disagreement fails both at once. Default 1 s. Hazard: very
-    /// short values add a frame to every slow wait; it never changes results.
-    pub probe_after: Duration,
-}
-
-impl Default for TcpConfig {
-    fn default() -> TcpConfig {
-        TcpConfig {
-            bind_ip: IpAddr::from([127, 0, 0, 1]),
-            port: 0,
-            connect_timeout: Duration::from_secs(300),
-            handshake_timeout: Duration::from_secs(10),
-            spin: Duration::from_micros(50),
-            unexpected_limit: 1 << 30,
-            keepalive_interval: Duration::from_secs(1),
-            dead_after: Duration::from_secs(5),
-            probe_after: Duration::from_secs(1),
-        }
-    }
-}
 
 /// Who this rank is within its job, for connection set-up.
 #[derive(Debug, Clone)]
@@ -123,7 +74,7 @@ impl TcpTransport {
     /// [`Error::Io`] when the listener cannot be bound; [`Error::Rendezvous`] naming the ranks
     /// that did not publish an address or connect within `connect_timeout`, or that refused us
     /// (different job, world size, token, or a duplicate rank).
-    pub fn connect(id: &JobIdentity, store: &dyn Store, cfg: &TcpConfig) -> Result<TcpTransport> {
+    pub fn connect(id: &JobIdentity, store: &dyn Store, cfg: &LinkConfig) -> Result<TcpTransport> {
         let (rank, world) = (id.rank, id.world);
         let start = Instant::now();
         let deadline = start + cfg.connect_timeout;
@@ -242,7 +193,7 @@ fn connect_one(
     j: usize,
     addr: SocketAddr,
     deadline: Instant,
-    cfg: &TcpConfig,
+    cfg: &LinkConfig,
 ) -> Result<TcpStream> {
     let rank = id.rank;
     let mut backoff = Duration::from_millis(2);
