@@ -4,6 +4,7 @@
 
 use tutti_collectives::algo::{self, PlanCtx};
 use tutti_collectives::plan::{blocks_from_counts, simulate, Buf, Plan, SimResult};
+use tutti_collectives::Coll;
 
 const BIG_SEG: usize = 1 << 40;
 
@@ -12,8 +13,12 @@ fn shape(rank: usize, n: usize, seg: usize) -> PlanCtx {
 }
 
 fn sim(n: usize, f: impl Fn(&PlanCtx) -> Plan, seg: usize) -> SimResult {
+    sim_named(n, f, seg, "")
+}
+
+fn sim_named(n: usize, f: impl Fn(&PlanCtx) -> Plan, seg: usize, what: &str) -> SimResult {
     let plans: Vec<Plan> = (0..n).map(|r| f(&shape(r, n, seg))).collect();
-    simulate(&plans).unwrap_or_else(|e| panic!("n={n}: {e}"))
+    simulate(&plans).unwrap_or_else(|e| panic!("n={n} {what}: {e}"))
 }
 
 fn log2_ceil(n: usize) -> u64 {
@@ -181,29 +186,35 @@ fn every_plan_matches_at_every_world() {
     for n in (1usize..=16).chain([24, 32]) {
         for count in [0usize, 1, n.saturating_sub(1), n + 1, 1000] {
             for seg in [8usize, 512 << 10] {
-                let cnts: Vec<usize> = (0..n).map(|q| (q * 3 + count) % (count + 2)).collect();
-                let blocks = blocks_from_counts(&cnts, 4);
-                let ublocks = blocks_from_counts(&vec![count; n], 4);
-                sim(n, |sh| algo::ring::allreduce(sh, count), seg);
-                sim(n, |sh| algo::recursive_doubling::allreduce(sh, count), seg);
-                sim(n, |sh| algo::halving_doubling::allreduce(sh, count), seg);
-                sim(n, |sh| algo::tree::allreduce(sh, count), seg);
-                sim(n, |sh| algo::ring::allgather(sh, &blocks), seg);
-                sim(
-                    n,
-                    |sh| algo::ring::reduce_scatter(&PlanCtx { in_place: false, ..*sh }, &blocks),
-                    seg,
-                );
-                sim(n, |sh| algo::ring::reduce_scatter(sh, &blocks), seg);
-                sim(n, |sh| algo::bruck::allgather(sh, count * 4), seg);
-                if n.is_power_of_two() {
-                    sim(n, |sh| algo::recursive_doubling::allgather(sh, &ublocks), seg);
-                    sim(n, |sh| algo::halving_doubling::reduce_scatter(sh, &blocks), seg);
-                }
-                for root in [0, n / 2, n - 1] {
-                    sim(n, |sh| algo::tree::broadcast(sh, count * 4, root), seg);
-                    sim(n, |sh| algo::chain::broadcast(sh, count * 4, root), seg);
-                    sim(n, |sh| algo::tree::reduce(sh, count * 4, root), seg);
+                let uneven: Vec<usize> = (0..n).map(|q| (q * 3 + count) % (count + 2)).collect();
+                // The library's own lists: every collective, every algorithm it has, uneven
+                // and equal counts, in place and not, every kind of root.
+                for counts in [uneven, vec![count; n]] {
+                    let uniform = counts.windows(2).all(|w| w[0] == w[1]);
+                    for coll in Coll::ALL {
+                        for &a in coll.algos() {
+                            if coll.supports(a, n, uniform).is_err() {
+                                continue;
+                            }
+                            let rooted = matches!(
+                                coll,
+                                Coll::Broadcast | Coll::Reduce | Coll::Gather | Coll::Scatter
+                            );
+                            let variants: &[(usize, bool)] = if rooted {
+                                &[(0, true), (n / 2, false), (n - 1, true)]
+                            } else {
+                                &[(0, true), (0, false)]
+                            };
+                            for &(root, in_place) in variants {
+                                let f = |sh: &PlanCtx| {
+                                    let sh = PlanCtx { in_place, ..*sh };
+                                    coll.plan(a, &sh, &counts, root).unwrap()
+                                };
+                                let what = format!("{coll} {a} {counts:?} root {root}");
+                                sim_named(n, f, seg, &what);
+                            }
+                        }
+                    }
                 }
             }
         }

@@ -9,6 +9,7 @@ use tutti_runtime::OpKind;
 
 use crate::algo::PlanCtx;
 use crate::error::Error;
+use crate::plan::{blocks_from_counts, Plan};
 use crate::select::Algo;
 
 pub(crate) mod allgather;
@@ -121,6 +122,57 @@ impl Coll {
             _ => return Ok(()),
         };
         Err(format!("{algo} {why} ({n} ranks)"))
+    }
+
+    /// The schedule `algo` runs on `ctx.rank` for a call in which rank `r` contributes
+    /// `counts[r]` elements (allreduce, broadcast and reduce work on one buffer of `counts[0]`
+    /// elements on every rank; in an all-to-all rank `r` sends `counts[r]` elements to every
+    /// peer), rooted at `root`: what
+    /// [`Comm`](crate::Comm) runs, for tests and tools that examine schedules.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when `algo` cannot run this call (see [`Coll::supports`]);
+    /// [`Error::InvalidArgument`] when `counts` does not have one entry per rank.
+    pub fn plan(
+        self,
+        algo: Algo,
+        ctx: &PlanCtx,
+        counts: &[usize],
+        root: usize,
+    ) -> Result<Plan, Error> {
+        if counts.len() != ctx.n || root >= ctx.n.max(1) {
+            return Err(Error::InvalidArgument {
+                rank: ctx.rank,
+                op: self.name(),
+                detail: format!("{} counts and root {root} for {} ranks", counts.len(), ctx.n),
+            });
+        }
+        let uniform = counts.windows(2).all(|w| w[0] == w[1]);
+        if let Err(detail) = self.supports(algo, ctx.n, uniform) {
+            return Err(Error::Unsupported {
+                rank: ctx.rank,
+                op: self.name(),
+                algo: algo.name(),
+                detail,
+            });
+        }
+        let whole = counts.first().copied().unwrap_or(0);
+        let blocks = blocks_from_counts(counts, ctx.esize);
+        match self {
+            Coll::Allreduce => allreduce::plan(ctx, algo, whole),
+            Coll::Broadcast => broadcast::plan(ctx, algo, whole * ctx.esize, root),
+            Coll::Reduce => reduce::plan(ctx, algo, whole * ctx.esize, root),
+            Coll::Allgather => allgather::plan(ctx, algo, &blocks),
+            Coll::ReduceScatter => reduce_scatter::plan(ctx, algo, &blocks),
+            Coll::AllToAll => {
+                let mine = counts.get(ctx.rank).copied().unwrap_or(0);
+                let send = blocks_from_counts(&vec![mine; ctx.n], ctx.esize);
+                alltoall::plan(ctx, algo, &send, &blocks, mine * ctx.n * ctx.esize)
+            }
+            Coll::Gather => gather::plan(ctx, algo, &blocks, root),
+            Coll::Scatter => scatter::plan(ctx, algo, &blocks, root),
+            Coll::Barrier => barrier::plan(ctx, algo),
+        }
     }
 }
 
