@@ -65,12 +65,91 @@ struct Received {
 impl Io {
     fn new(sock: UdpSocket, offload: bool) -> std::io::Result<Io> {
         sock.set_nonblocking(true)?;
+        // ICMP errors (a peer's port closed: its process died on a live host) are queued on the
+        // socket's error queue, with the address our datagram was for; see `Io::errors`.
+        let v6 = sock.local_addr()?.is_ipv6();
+        let (level, name) = if v6 {
+            (libc::IPPROTO_IPV6, libc::IPV6_RECVERR)
+        } else {
+            (libc::IPPROTO_IP, libc::IP_RECVERR)
+        };
+        let on: libc::c_int = 1;
+        // SAFETY: setsockopt on our own socket with a c_int option value of the right size.
+        let r = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                level,
+                name,
+                (&on as *const libc::c_int).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         let offload = if offload {
             Some(quinn_udp::UdpSocketState::new(quinn_udp::UdpSockRef::from(&sock))?)
         } else {
             None
         };
         Ok(Io { sock, offload })
+    }
+
+    /// Take every error waiting on the socket's error queue; returns the destinations that
+    /// answered "port unreachable" (nothing listens there any more).
+    fn errors(&self, rank: usize) -> Vec<SocketAddr> {
+        let mut gone = Vec::new();
+        loop {
+            // SAFETY: plain-data structures filled by `recvmsg`; every pointer below refers to
+            // a local that outlives the call.
+            let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+            let mut control = [0u64; 64];
+            let mut byte = [0u8; 1];
+            let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: byte.len() };
+            // SAFETY: as above.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_name = (&mut name as *mut libc::sockaddr_storage).cast();
+            msg.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = size_of_val(&control) as _;
+            // SAFETY: `msg` describes valid local buffers.
+            let r = unsafe {
+                libc::recvmsg(
+                    self.sock.as_raw_fd(),
+                    &mut msg,
+                    libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT,
+                )
+            };
+            if r < 0 {
+                return gone;
+            }
+            let mut unreachable = false;
+            // SAFETY: walking the control messages `recvmsg` wrote into `control`.
+            let mut c = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+            while !c.is_null() {
+                // SAFETY: `c` points to a control message header inside `control`.
+                let h = unsafe { &*c };
+                let ours = (h.cmsg_level == libc::IPPROTO_IP && h.cmsg_type == libc::IP_RECVERR)
+                    || (h.cmsg_level == libc::IPPROTO_IPV6 && h.cmsg_type == libc::IPV6_RECVERR);
+                if ours {
+                    // SAFETY: an IP(V6)_RECVERR message carries a `sock_extended_err`; read
+                    // unaligned, as control data need not be aligned for it.
+                    let e: libc::sock_extended_err =
+                        unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(c).cast()) };
+                    unreachable |= e.ee_errno == libc::ECONNREFUSED as u32;
+                }
+                // SAFETY: as above.
+                c = unsafe { libc::CMSG_NXTHDR(&msg, c) };
+            }
+            // SAFETY: `recvmsg` wrote `msg_namelen` bytes of the address into `name`.
+            let addr = unsafe { socket2::SockAddr::new(name, msg.msg_namelen) };
+            match addr.as_socket() {
+                Some(a) if unreachable => gone.push(a),
+                other => debug!(rank, ?other, "UDP socket error (not a closed port)"),
+            }
+        }
     }
 
     /// Datagrams per send for a connection whose datagrams are at most `mtu` bytes. A batch
@@ -326,8 +405,13 @@ impl QuicDriver {
                 Ok(n) => reads += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // ICMP errors surface here (a peer's port closed); quinn's own timers decide.
+                    // ICMP errors surface here: a peer's port closed means its process is gone
+                    // (killed or exited) while its host lives. Fail its link now, as TCP does on
+                    // a reset, instead of waiting for the dead-peer limit.
                     debug!(rank = self.rank, "UDP receive: {e}");
+                    for addr in self.io.errors(self.rank) {
+                        self.port_closed(core, addr);
+                    }
                     reads += 1;
                     continue;
                 }
@@ -621,6 +705,24 @@ impl QuicDriver {
         match ended {
             Some(why) if !core.peer_closed(rank) => Err(LinkFail::Lost(why)),
             _ => Ok(()),
+        }
+    }
+
+    /// Nothing listens any more at `addr`: fail the link of the peer there.
+    fn port_closed(&mut self, core: &mut Core, addr: SocketAddr) {
+        let peer = self
+            .peers
+            .values()
+            .find(|p| p.linked && !p.dead && p.conn.remote_address() == addr)
+            .and_then(|p| p.rank);
+        if let Some(r) = peer {
+            core.link_failed(
+                r,
+                LinkFail::Lost(format!(
+                    "its UDP port {addr} is closed (ICMP port unreachable): the process is gone \
+                     (killed or exited) while its host is up"
+                )),
+            );
         }
     }
 

@@ -56,6 +56,9 @@ impl std::fmt::Debug for QuicTransport {
     }
 }
 
+/// Longest interval between keep-alives (see `transport_config`).
+const KILL_PROBE: Duration = Duration::from_millis(200);
+
 /// Most bytes a rank sends unacknowledged on loopback.
 const LOOPBACK_SEND_WINDOW: u64 = 1 << 20;
 
@@ -124,7 +127,10 @@ fn transport_config(
     // data in flight stays in cache: 64 MiB allreduce +25–40 % against the kernel-sized window
     // (docs/transport.md).
     t.send_window(if loopback { in_flight.min(LOOPBACK_SEND_WINDOW) } else { in_flight });
-    t.keep_alive_interval(Some(cfg.keepalive_interval));
+    // A keep-alive at least every 200 ms: besides keeping the connection alive, it is what makes
+    // a killed peer's host answer "port unreachable" (the driver reads the ICMP error and fails
+    // the link), so a dead process is named within about that long, not at the dead-peer limit.
+    t.keep_alive_interval(Some(cfg.keepalive_interval.min(KILL_PROBE)));
     // Collectives are latency-bound request/response chains: acknowledge at once (the default
     // lets a receiver wait up to 25 ms, which stalls a sender whose window is full) and start
     // with a window that covers a pipeline segment instead of ten packets.
