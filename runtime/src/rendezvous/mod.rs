@@ -52,8 +52,8 @@ pub struct Options {
     pub timeout: Duration,
     /// Transport (`TUTTI_TRANSPORT`: `tcp` or `quic`). Default `tcp`.
     pub transport: TransportKind,
-    /// TCP transport settings (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
-    /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`).
+    /// Settings of both transports (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
+    /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`).
     pub link: LinkConfig,
     /// QUIC-only settings (`TUTTI_QUIC_MTU`, `TUTTI_QUIC_GSO`).
     pub quic: QuicConfig,
@@ -93,7 +93,8 @@ fn secs(name: &str, v: &str) -> Result<Duration> {
 impl Options {
     /// Read `TUTTI_TOKEN`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
     /// `TUTTI_TRANSPORT`, `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER`, `TUTTI_QUIC_MTU`,
-    /// `TUTTI_QUIC_GSO` and `TUTTI_SPIN_US`; an empty variable counts as unset.
+    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US` and `TUTTI_WINDOW_BYTES`; an empty variable counts as
+    /// unset.
     ///
     /// # Errors
     /// [`Error::Config`] naming a malformed variable.
@@ -155,6 +156,11 @@ impl Options {
                 "0" => false,
                 _ => return Err(Error::Config(format!("TUTTI_QUIC_GSO={v:?}: expected 1 or 0"))),
             };
+        }
+        if let Some(v) = get("TUTTI_WINDOW_BYTES") {
+            o.link.window = v.trim().parse::<u64>().ok().filter(|w| *w > 0).ok_or_else(|| {
+                Error::Config(format!("TUTTI_WINDOW_BYTES={v:?} is not a positive byte count"))
+            })?;
         }
         if let Some(v) = get("TUTTI_SPIN_US") {
             let us: u64 = v.trim().parse().map_err(|_| {
@@ -308,6 +314,8 @@ mod tests {
             ("TUTTI_TIMEOUT", "1e20"),
             ("TUTTI_CONNECT_TIMEOUT", "NaN"),
             ("TUTTI_SPIN_US", "1.5"),
+            ("TUTTI_WINDOW_BYTES", "0"),
+            ("TUTTI_WINDOW_BYTES", "16M"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{k}={v}: {e}");
@@ -315,5 +323,6 @@ mod tests {
         let o = with(&[("TUTTI_TIMEOUT", "2.5"), ("TUTTI_TRANSPORT", "quic")]).unwrap();
         assert_eq!(o.timeout, Duration::from_millis(2500));
         assert_eq!(o.transport, TransportKind::Quic);
+        assert_eq!(with(&[("TUTTI_WINDOW_BYTES", "4096")]).unwrap().link.window, 4096);
     }
 }

@@ -33,6 +33,11 @@ pub(crate) struct CoreConfig {
     /// its payload stays in the driver's lower layer (TCP: the kernel, which flow-controls the
     /// sender) until the receive is posted. `u64::MAX`: never park.
     pub(crate) park_above: u64,
+    /// Flow control: most payload bytes one peer may have waiting here before their receives
+    /// are posted. A message that arrives with no receive and no room left is parked — the
+    /// driver stops reading that peer, so the sender waits in the lower layer's flow control
+    /// (TCP's window, QUIC's stream credit) until the receive is posted.
+    pub(crate) window: u64,
     /// A wait this long asks the peer whether it is in the same collective.
     pub(crate) probe_after: Duration,
     /// A peer silent this long while a wait needs it is dead.
@@ -345,6 +350,12 @@ impl Core {
         }
     }
 
+    /// Payload bytes of messages waiting for their receives, from every peer.
+    #[cfg(test)]
+    pub(crate) fn unexpected_held(&self) -> u64 {
+        self.queues.iter().map(PeerQueues::buffered).sum()
+    }
+
     /// Queue a frame of exactly these header bytes and payload, as a misbehaving but
     /// authenticated peer would send it: the tests of the receiving side's protocol checks.
     #[cfg(test)]
@@ -525,7 +536,9 @@ impl Core {
                 RxDest::Abort(Vec::with_capacity(len as usize))
             }
             FrameKind::Data => {
-                let (park, limit) = (self.cfg.park_above, self.cfg.unexpected_limit);
+                // Park what the driver would not buffer, and what exceeds the peer's window.
+                let room = self.cfg.window.saturating_sub(self.queues[peer].buffered());
+                let (park, limit) = (self.cfg.park_above.min(room), self.cfg.unexpected_limit);
                 let (landing, used) =
                     self.matching(peer).arrive_header(&hdr.desc, len, park, limit);
                 self.used(peer, used);
@@ -823,6 +836,7 @@ pub(crate) fn fuzz_stream(data: &[u8]) {
     let cfg = CoreConfig {
         unexpected_limit: 4096,
         park_above: 1024,
+        window: 2048,
         probe_after: Duration::from_secs(1),
         dead_after: Duration::from_secs(5),
         keepalive: Some(Duration::from_secs(1)),

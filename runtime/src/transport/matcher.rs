@@ -264,6 +264,8 @@ pub(crate) enum Dest {
 pub(crate) struct PeerQueues {
     posted: VecDeque<RecvPost>,
     unexpected: VecDeque<(MsgDesc, Vec<u8>)>,
+    /// Payload bytes waiting in `unexpected`.
+    buffered: u64,
 }
 
 impl PeerQueues {
@@ -274,6 +276,7 @@ impl PeerQueues {
         let tag = post.desc.tag;
         if let Some(i) = self.unexpected.iter().position(|(d, _)| d.tag == tag) {
             if let Some((desc, data)) = self.unexpected.remove(i) {
+                self.buffered -= data.len() as u64;
                 return Posted::Matched(post, desc, data);
             }
         }
@@ -319,6 +322,7 @@ impl PeerQueues {
 
     /// Queue a fully arrived unexpected message.
     pub(crate) fn push_unexpected(&mut self, desc: MsgDesc, data: Vec<u8>) {
+        self.buffered += data.len() as u64;
         self.unexpected.push_back((desc, data));
     }
 
@@ -330,6 +334,11 @@ impl PeerQueues {
         } else {
             false
         }
+    }
+
+    /// Payload bytes of messages that arrived before their receive and wait here.
+    pub(crate) fn buffered(&self) -> u64 {
+        self.buffered
     }
 
     /// Is receive `id` still waiting in this queue?

@@ -37,8 +37,15 @@ pub struct LinkConfig {
     /// How long a waiter spins (yielding) before blocking in the kernel. Default 50 µs. Hazard:
     /// long spins waste CPU that oversubscribed ranks need; zero costs latency on slow-waking VMs.
     pub spin: Duration,
-    /// Bytes of messages that may arrive before their receive is posted, per rank. Default 1 GiB.
-    /// Hazard: larger lets a runaway peer use that much memory here.
+    /// Flow control: payload bytes one peer may have waiting on this rank before their receives
+    /// are posted (`TUTTI_WINDOW_BYTES`). Default 16 MiB. A sender past it waits, with its usual
+    /// deadline and dead-peer checks, until the receiver posts. Hazard: smaller makes a sender
+    /// that runs ahead of slow receivers wait sooner; larger holds more memory per peer.
+    pub window: u64,
+    /// Bytes of messages that may be buffered before their receive is posted, per rank, when a
+    /// wait must move a parked message aside to reach a later one from the same peer. Default
+    /// 1 GiB; beyond it the rank fails with `UnexpectedOverflow`. Hazard: larger lets such a
+    /// program hold that much memory here.
     pub unexpected_limit: u64,
     /// Idle time after which a keep-alive is sent on a connection. Default 1 s. Keep-alives are
     /// sent by a background thread, so long computation between collectives keeps them going
@@ -62,6 +69,7 @@ impl Default for LinkConfig {
             connect_timeout: Duration::from_secs(300),
             handshake_timeout: Duration::from_secs(10),
             spin: Duration::from_micros(50),
+            window: 16 << 20,
             unexpected_limit: 1 << 30,
             keepalive_interval: Duration::from_secs(1),
             dead_after: Duration::from_secs(5),
@@ -293,6 +301,8 @@ pub trait TransportExt: Transport {
 
 impl<T: Transport + ?Sized> TransportExt for T {}
 
+#[cfg(test)]
+mod flow_tests;
 #[cfg(test)]
 mod rogue_tests;
 #[cfg(test)]

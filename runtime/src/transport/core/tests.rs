@@ -10,6 +10,7 @@ fn cfg() -> CoreConfig {
     CoreConfig {
         unexpected_limit: 1 << 20,
         park_above: 64 << 10,
+        window: 1 << 20,
         probe_after: SEC,
         dead_after: 5 * SEC,
         keepalive: Some(SEC),
@@ -337,4 +338,40 @@ fn arbitrary_streams_never_panic() {
         }
         fuzz_stream(&data);
     }
+}
+
+#[test]
+fn a_full_window_parks_even_small_messages_until_their_receive() {
+    let t0 = Instant::now();
+    let mut c = core(t0);
+    let chunk = vec![3u8; 64 << 10];
+    let d = |step: u32| {
+        let mut d = desc(1, chunk.len() as u64);
+        d.tag.step = step;
+        d
+    };
+    // 16 messages of 64 KiB fill the 1 MiB window; each is buffered whole.
+    for step in 0..16 {
+        let f = frame(d(step), &chunk);
+        assert_eq!(c.rx_bytes(1, &f, t0), f.len(), "message {step} within the window");
+    }
+    assert_eq!(c.unexpected_held(), 1 << 20);
+    // The 17th parks: its header is read, its payload left to the driver (and the sender).
+    let f = frame(d(16), &chunk);
+    assert_eq!(c.rx_bytes(1, &f, t0), HEADER_LEN);
+    assert!(c.rx_parked(1));
+    // Taking a buffered message frees room but the parked one waits for its own receive...
+    let mut buf = vec![0u8; chunk.len()];
+    let id = post_recv(&mut c, d(0), &mut buf);
+    assert_eq!(c.take_finished(id).map(|r| r.ok()), Some(Some(chunk.len())));
+    assert!(c.rx_parked(1));
+    // ... which attaches it: the payload goes straight into the posted buffer.
+    let mut buf = vec![0u8; chunk.len()];
+    // SAFETY: `buf` outlives the operation.
+    let (id, attached) =
+        unsafe { c.post_recv(1, d(16), buf.as_mut_ptr(), buf.len()) }.expect("posted");
+    assert!(attached && !c.rx_parked(1));
+    assert_eq!(c.rx_bytes(1, &f[HEADER_LEN..], t0), chunk.len());
+    assert_eq!(c.take_finished(id).map(|r| r.ok()), Some(Some(chunk.len())));
+    assert_eq!(buf, chunk);
 }

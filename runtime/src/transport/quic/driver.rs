@@ -4,10 +4,11 @@
 //! datagrams from the socket, feeds them to the endpoint and the connections, hands the bytes of
 //! each peer's stream to the core, writes the core's queued frames into our stream, and
 //! transmits the packets quinn-proto builds. Each rank pair shares one connection with one
-//! unidirectional stream per direction; quinn's flow control and buffers sit below the core,
-//! so nothing is parked here: a message without its receive is buffered by the core (within
-//! its budget). Liveness: every datagram from a peer counts as hearing from it, and quinn's
-//! keep-alives make sure some flow.
+//! unidirectional stream per direction; quinn's flow control and buffers sit below the core.
+//! When the core parks a frame (no receive posted and the peer's window full), the driver keeps
+//! the rest of the chunk and stops reading that stream, so quinn's stream credit stops the
+//! sender until the receive is posted. Liveness: every datagram from a peer counts as hearing
+//! from it, and quinn's keep-alives make sure some flow.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
@@ -339,6 +340,10 @@ struct Peer {
     dead: bool,
     /// Datagrams arrived since the connection was last served.
     input: bool,
+    /// Stream bytes the core did not take because a frame is parked (flow control): offered
+    /// again, before anything more is read from quinn, once the frame has a destination.
+    /// Meanwhile quinn's stream credit stops the sender.
+    held: Option<Bytes>,
 }
 
 /// Every peer's QUIC connection of one rank.
@@ -360,7 +365,6 @@ pub(crate) struct QuicDriver {
     txbuf: Vec<u8>,
     /// Datagrams the socket had no room for.
     pending_tx: Option<Pending>,
-    chunks: Vec<Bytes>,
 }
 
 impl QuicDriver {
@@ -384,7 +388,6 @@ impl QuicDriver {
             received: Vec::new(),
             txbuf: Vec::with_capacity(MAX_DATAGRAM),
             pending_tx: None,
-            chunks: Vec::new(),
         })
     }
 
@@ -434,7 +437,9 @@ impl QuicDriver {
                 p.conn.handle_timeout(now);
             }
             let tx = p.rank.is_some_and(|r| core.wants_tx(r));
-            if due || std::mem::take(&mut p.input) || tx {
+            // Bytes held back for a frame that is no longer parked (see `Peer::held`).
+            let unheld = p.held.is_some() && p.rank.is_some_and(|r| !core.rx_parked(r));
+            if due || std::mem::take(&mut p.input) || tx || unheld {
                 self.service(core, ch, now);
             }
         }
@@ -660,7 +665,7 @@ impl QuicDriver {
         }
     }
 
-    /// Hand what the peer's stream holds to the core.
+    /// Hand what the peer's stream holds to the core, until it parks a frame.
     fn read(
         &mut self,
         core: &mut Core,
@@ -670,38 +675,45 @@ impl QuicDriver {
     ) -> Result<(), LinkFail> {
         let Some(p) = self.peers.get_mut(&ch) else { return Ok(()) };
         let Some(rx) = p.rx else { return Ok(()) };
-        let mut chunks = std::mem::take(&mut self.chunks);
+        // What a parked frame left first; nothing more while it stays parked.
+        if let Some(b) = p.held.take() {
+            let took = core.rx_bytes(rank, &b, now);
+            if took < b.len() {
+                p.held = Some(b.slice(took..));
+                return Ok(());
+            }
+        }
         let mut ended = None;
-        {
-            let mut stream = p.conn.recv_stream(rx);
-            match stream.read(true) {
-                Ok(mut c) => {
-                    loop {
-                        match c.next(usize::MAX) {
-                            Ok(Some(chunk)) => chunks.push(chunk.bytes),
-                            Ok(None) => {
-                                ended = Some("the peer finished its stream".to_string());
-                                break;
-                            }
-                            Err(ReadError::Blocked) => break,
-                            Err(ReadError::Reset(code)) => {
-                                ended = Some(format!("the peer reset its stream (code {code})"));
+        let mut stream = p.conn.recv_stream(rx);
+        match stream.read(true) {
+            Ok(mut c) => {
+                loop {
+                    match c.next(usize::MAX) {
+                        Ok(Some(chunk)) => {
+                            let b = chunk.bytes;
+                            let took = core.rx_bytes(rank, &b, now);
+                            if took < b.len() {
+                                p.held = Some(b.slice(took..));
                                 break;
                             }
                         }
+                        Ok(None) => {
+                            ended = Some("the peer finished its stream".to_string());
+                            break;
+                        }
+                        Err(ReadError::Blocked) => break,
+                        Err(ReadError::Reset(code)) => {
+                            ended = Some(format!("the peer reset its stream (code {code})"));
+                            break;
+                        }
                     }
-                    // Flow-control credit goes out with the next transmit.
-                    let _ = c.finalize();
                 }
-                Err(ReadableError::ClosedStream) => {}
-                Err(e) => ended = Some(format!("reading the peer's stream: {e}")),
-            };
+                // Flow-control credit for what was taken goes out with the next transmit.
+                let _ = c.finalize();
+            }
+            Err(ReadableError::ClosedStream) => {}
+            Err(e) => ended = Some(format!("reading the peer's stream: {e}")),
         }
-        for b in chunks.drain(..) {
-            // Nothing parks over QUIC: the core takes every byte.
-            core.rx_bytes(rank, &b, now);
-        }
-        self.chunks = chunks;
         match ended {
             Some(why) if !core.peer_closed(rank) => Err(LinkFail::Lost(why)),
             _ => Ok(()),
@@ -800,8 +812,9 @@ impl Driver for QuicDriver {
         }
     }
 
-    fn read(&mut self, _core: &mut Core, _peer: usize, _now: Instant) {
-        // Nothing parks over QUIC (see the module documentation).
+    fn read(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        // A parked frame got its receive: feed what was held back, and read on.
+        self.flush(core, peer, now);
     }
 
     fn progress(&mut self, core: &mut Core, _mode: Mode, _now: Instant) {
@@ -877,6 +890,7 @@ impl Peer {
             acked: false,
             dead: false,
             input: false,
+            held: None,
         }
     }
 

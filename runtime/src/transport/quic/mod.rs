@@ -56,6 +56,9 @@ impl std::fmt::Debug for QuicTransport {
     }
 }
 
+/// Bytes quinn buffers per peer before the sender waits for stream credit.
+const QUINN_WINDOW: u32 = 16 << 20;
+
 /// Longest interval between keep-alives (see `transport_config`).
 const KILL_PROBE: Duration = Duration::from_millis(200);
 
@@ -116,10 +119,11 @@ fn transport_config(
 ) -> quinn_proto::TransportConfig {
     use quinn_proto::{AckFrequencyConfig, IdleTimeout, VarInt};
     let mut t = quinn_proto::TransportConfig::default();
-    // Windows sized for a datacenter bandwidth-delay product (10 GB/s x 2 ms = 20 MB) and so
-    // that a 64 MiB message never waits for window updates more than a few times.
-    t.stream_receive_window(VarInt::from_u32(64 << 20));
-    t.receive_window(VarInt::from_u32(128 << 20));
+    // What quinn holds for a peer that is not being read (its frame parked, see the driver):
+    // part of the memory bound, so no larger than a datacenter bandwidth-delay product needs
+    // (10 GB/s x 1.6 ms = 16 MiB).
+    t.stream_receive_window(VarInt::from_u32(QUINN_WINDOW));
+    t.receive_window(VarInt::from_u32(QUINN_WINDOW));
     // What this rank sends unacknowledged; sized from our own receive buffer, as the peers run
     // with the same settings (more than their kernel holds is dropped, and a drop halves the
     // congestion window).
@@ -248,7 +252,8 @@ impl QuicTransport {
             world,
             CoreConfig {
                 unexpected_limit: cfg.unexpected_limit,
-                // quinn's receive buffer, not the kernel's, holds what is not read: nothing parks.
+                window: cfg.window,
+                // Any size may be buffered eagerly; the peer's window still parks (flow control).
                 park_above: u64::MAX,
                 probe_after: cfg.probe_after,
                 dead_after: cfg.dead_after,

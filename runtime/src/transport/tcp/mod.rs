@@ -166,6 +166,7 @@ impl TcpTransport {
             world,
             CoreConfig {
                 unexpected_limit: cfg.unexpected_limit,
+                window: cfg.window,
                 park_above: driver::EAGER_MAX,
                 probe_after: cfg.probe_after,
                 dead_after: cfg.dead_after,
