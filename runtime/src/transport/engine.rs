@@ -24,6 +24,8 @@ use crate::transport::{OpId, Transport};
 use crate::util::WakePipe;
 use crate::wire::MsgDesc;
 
+/// How long a failed transport's shutdown lets its abort frames and the peers' ends arrive.
+const FAILED_LINGER: Duration = Duration::from_millis(100);
 /// Longest a blocked thread sleeps before looking again (abort and deadlines are also checked).
 const POLL_SLICE: Duration = Duration::from_millis(100);
 
@@ -327,7 +329,15 @@ impl<D: Driver> Engine<D> {
 
     /// Clean shutdown: a close frame on every link, then let the driver see them out and wait
     /// for the peers' own ends (so nothing in flight is cut off) until `timeout`; then close.
+    /// After a failure the abort frames are what matters, and the peers are failing too: the
+    /// wait is cut to [`FAILED_LINGER`], so a rank never waits seconds for a stopped or dying peer
+    /// before it exits.
     pub(crate) fn shutdown(&self, timeout: Duration) {
+        let timeout = if self.lock().core.poisoned().is_some() {
+            timeout.min(FAILED_LINGER)
+        } else {
+            timeout
+        };
         let deadline = Instant::now() + timeout;
         self.lock().core.close_all();
         let mut fds: Vec<libc::pollfd> = Vec::new();

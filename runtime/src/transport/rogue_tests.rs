@@ -198,10 +198,11 @@ fn unexpected_data_budget_quic() {
 }
 
 /// A receive that failed mid-frame is never written again: rank 1 posts a 32 MiB receive from
-/// rank 0, which sends it; once the first bytes have landed, rank 2's malformed frame poisons
-/// rank 1. Rank 1's wait fails;
-/// it then overwrites its buffer and drops its transport (whose shutdown drains the sockets):
-/// the buffer must keep rank 1's own bytes, as a caller that freed it would need.
+/// rank 0, which sends the header and the first MiB; once the first bytes have landed, rank 2's
+/// malformed frame poisons rank 1. Rank 1's wait fails; it then overwrites its buffer, rank 0
+/// sends the rest (what the abort lets through), and rank 1 drives and drops its transport
+/// (whose shutdown drains the sockets): the buffer must keep rank 1's own bytes, as a caller
+/// that freed it would need. (`core/tests.rs` checks the same for the whole rest of a frame.)
 fn no_write_after_failure<T: Transport + Sync>(
     ts: Vec<T>,
     raw: impl Fn(&T, usize, [u8; HEADER_LEN], Vec<u8>) + Sync,
@@ -213,14 +214,22 @@ fn no_write_after_failure<T: Transport + Sync>(
         d
     };
     let ready = std::sync::Barrier::new(2);
+    let failed = std::sync::Barrier::new(2);
     std::thread::scope(|s| {
         let mut ts = ts.into_iter();
         let (t0, t1, t2) = (ts.next().unwrap(), ts.next().unwrap(), ts.next().unwrap());
-        let ready = &ready;
+        let (ready, failed) = (&ready, &failed);
         let raw = &raw;
         s.spawn(move || {
-            let data = vec![0x11u8; len];
-            let _ = t0.send(1, big(1), &data, Duration::from_secs(20));
+            // The frame's header and first MiB only, so the receive cannot complete before rank
+            // 2's frame poisons rank 1 (on a loaded machine, a whole 32 MiB could); the rest
+            // follows once rank 1's wait has failed. Its first 48 bytes travel in the place of
+            // a header: `raw` writes bytes verbatim.
+            let head = Header::data(big(1), 0, len).encode();
+            raw(&t0, 1, head, vec![0x11u8; 1 << 20]);
+            failed.wait();
+            raw(&t0, 1, [0x11; HEADER_LEN], vec![0x11u8; len - (1 << 20) - HEADER_LEN]);
+            std::thread::sleep(Duration::from_millis(500));
         });
         s.spawn(move || {
             ready.wait();
@@ -248,6 +257,7 @@ fn no_write_after_failure<T: Transport + Sync>(
         let e = t1.wait(id, Instant::now() + Duration::from_secs(20));
         assert!(e.is_err(), "the receive should fail when rank 2 breaks the protocol");
         buf.fill(0x5a);
+        failed.wait();
         // Anything that drives the connections now (another wait, a test, the shutdown) must
         // drop what rank 0 still sends instead of writing it into the failed receive.
         let _ = t1.wait(later, Instant::now() + Duration::from_millis(300));

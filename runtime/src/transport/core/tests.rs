@@ -375,3 +375,24 @@ fn a_full_window_parks_even_small_messages_until_their_receive() {
     assert_eq!(c.take_finished(id).map(|r| r.ok()), Some(Some(chunk.len())));
     assert_eq!(buf, chunk);
 }
+
+#[test]
+fn the_rest_of_a_failed_receives_frame_is_dropped_not_written() {
+    let t0 = Instant::now();
+    let mut c = Core::new(0, 3, cfg(), t0);
+    c.link_up(1, t0);
+    c.link_up(2, t0);
+    let payload = vec![0x11u8; 100 << 10];
+    let bytes = frame(desc(1, payload.len() as u64), &payload);
+    let mut buf = vec![0u8; payload.len()];
+    let id = post_recv(&mut c, desc(1, payload.len() as u64), &mut buf);
+    let half = HEADER_LEN + payload.len() / 2;
+    assert_eq!(c.rx_bytes(1, &bytes[..half], t0), half);
+    // Rank 2 breaks the protocol: everything fails, this receive included.
+    c.rx_bytes(2, &[0xab; HEADER_LEN], t0);
+    assert!(matches!(c.take_finished(id), Some(Err(_))));
+    buf.fill(0x5a);
+    // The caller may have freed the buffer: the rest of the frame is read and dropped.
+    assert_eq!(c.rx_bytes(1, &bytes[half..], t0), bytes.len() - half);
+    assert!(buf.iter().all(|b| *b == 0x5a), "bytes written into a failed receive's buffer");
+}

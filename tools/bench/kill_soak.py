@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Randomized kill soak: how fast, and how well, survivors name a rank that dies.
+
+Each round starts WORLD collbench ranks with torchrun-style variables (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), picks a transport, a collective, a size, a victim and a moment at
+random, then sends SIGKILL (or, one round in five, SIGSTOP) to the victim. It measures the time
+until every survivor has exited on its own, and checks that each survivor's error names the
+victim. A round where a survivor is still running after --hang seconds counts as a hang (the
+survivors are then killed). Prints one line per round and a summary table (median and worst
+per transport and signal). Not part of CI: a benchmark of failure handling.
+
+    cargo build --release -p tutti-tools
+    python3 tools/bench/kill_soak.py --rounds 100
+"""
+
+import argparse
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+COLLS = ["allreduce", "allgather", "alltoall", "broadcast", "reduce_scatter"]
+SIZES = ["4K", "1M", "16M"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def names(err, victim, me):
+    """Whether a survivor's error text names the victim (its own `rank ME:` prefixes aside)."""
+    text = re.sub(rf"\brank {me}:", "", err)
+    return re.search(rf"\branks? {victim}\b", text) is not None
+
+
+def round_(rng, binary, world, hang):
+    transport = rng.choice(["tcp", "quic"])
+    coll, size = rng.choice(COLLS), rng.choice(SIZES)
+    victim = rng.randrange(world)
+    sig = signal.SIGSTOP if rng.random() < 0.2 else signal.SIGKILL
+    delay = rng.uniform(0.3, 1.5)
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TUTTI_TRANSPORT=transport)
+        procs.append(subprocess.Popen(
+            [binary, coll, "-b", size, "-e", size, "-n", "1000000", "-w", "1", "-c", "0"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    time.sleep(delay)
+    if procs[victim].poll() is not None:
+        for p in procs:
+            p.kill()
+        return None  # the victim was gone before the signal (start-up failure)
+    procs[victim].send_signal(sig)
+    t0 = time.monotonic()
+    survivors = [r for r in range(world) if r != victim]
+    hung = False
+    while any(procs[r].poll() is None for r in survivors):
+        if time.monotonic() - t0 > hang:
+            hung = True
+            break
+        time.sleep(0.005)
+    elapsed = time.monotonic() - t0
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    if sig == signal.SIGSTOP:
+        procs[victim].send_signal(signal.SIGCONT)
+    errs = {r: procs[r].communicate()[1] for r in range(world)}
+    named = all(names(errs[r], victim, r) for r in survivors)
+    sig_name = "SIGSTOP" if sig == signal.SIGSTOP else "SIGKILL"
+    line = f"{transport:4} {sig_name} {coll:14} {size:>3} victim {victim}: {elapsed:6.3f} s"
+    line += " HANG" if hung else ""
+    line += "" if named else " MISNAMED"
+    print(line, flush=True)
+    if not named:
+        for r in survivors:
+            last = errs[r].strip().splitlines()[-1:] or ["(no output)"]
+            print(f"    rank {r}: {last[0][:300]}", flush=True)
+    return transport, sig_name, elapsed, hung, named
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--hang", type=float, default=60.0, help="seconds before a round is a hang")
+    ap.add_argument("--bin", default="target/release/collbench")
+    a = ap.parse_args()
+    if not os.path.exists(a.bin):
+        sys.exit(f"{a.bin} not found: cargo build --release -p tutti-tools")
+    rng = random.Random(a.seed)
+    results = [r for r in (round_(rng, a.bin, a.world, a.hang) for _ in range(a.rounds)) if r]
+    print("\n| transport | signal | rounds | median | worst | error names the victim | hangs |")
+    print("|---|---|---|---|---|---|---|")
+    for t in ["tcp", "quic"]:
+        for s in ["SIGKILL", "SIGSTOP"]:
+            rs = [r for r in results if r[0] == t and r[1] == s]
+            if not rs:
+                continue
+            times = [r[2] for r in rs]
+            print(f"| {t.upper()} | {s} | {len(rs)} | {statistics.median(times):.2f} s | "
+                  f"{max(times):.2f} s | {sum(r[4] for r in rs)} / {len(rs)} | "
+                  f"{sum(r[3] for r in rs)} |")
+
+
+if __name__ == "__main__":
+    main()
