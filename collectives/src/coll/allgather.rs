@@ -3,7 +3,7 @@
 use crate::algo::{self, PlanCtx};
 use crate::comm::{Comm, Req, Stats};
 use crate::dtype::{as_bytes, as_bytes_mut, Element};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::plan::{blocks_from_counts, Plan};
 use crate::select::Algo;
 
@@ -121,14 +121,7 @@ pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveDoubling, Algo::B
 /// The schedule `algo` runs for an allgather of `blocks` (byte offset and length per rank).
 pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, blocks: &[(usize, usize)]) -> Result<Plan> {
     let uniform = blocks.windows(2).all(|w| w[0].1 == w[1].1);
-    if let Err(detail) = Coll::Allgather.supports(algo, ctx.n, uniform) {
-        return Err(Error::Unsupported {
-            rank: ctx.rank,
-            op: Coll::Allgather.name(),
-            algo: algo.name(),
-            detail,
-        });
-    }
+    super::check(ctx, Coll::Allgather, algo, uniform)?;
     Ok(match algo {
         Algo::Ring => algo::ring::allgather(ctx, blocks),
         Algo::RecursiveDoubling => algo::recursive_doubling::allgather(ctx, blocks),

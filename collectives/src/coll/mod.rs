@@ -148,14 +148,7 @@ impl Coll {
             });
         }
         let uniform = counts.windows(2).all(|w| w[0] == w[1]);
-        if let Err(detail) = self.supports(algo, ctx.n, uniform) {
-            return Err(Error::Unsupported {
-                rank: ctx.rank,
-                op: self.name(),
-                algo: algo.name(),
-                detail,
-            });
-        }
+        check(ctx, self, algo, uniform)?;
         let whole = counts.first().copied().unwrap_or(0);
         let blocks = blocks_from_counts(counts, ctx.esize);
         match self {
@@ -174,6 +167,16 @@ impl Coll {
             Coll::Barrier => barrier::plan(ctx, algo),
         }
     }
+}
+
+/// [`Coll::supports`] as the error a call returns (rank `ctx.rank`).
+pub(crate) fn check(ctx: &PlanCtx, coll: Coll, algo: Algo, uniform: bool) -> Result<(), Error> {
+    coll.supports(algo, ctx.n, uniform).map_err(|detail| Error::Unsupported {
+        rank: ctx.rank,
+        op: coll.name(),
+        algo: algo.name(),
+        detail,
+    })
 }
 
 /// The error of `plan` for an algorithm that does not implement the collective.

@@ -3,7 +3,7 @@
 use crate::algo::{self, PlanCtx};
 use crate::comm::{Comm, Req, Stats};
 use crate::dtype::{as_bytes, as_bytes_mut, Element, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::plan::{blocks_from_counts, Plan};
 use crate::select::Algo;
 
@@ -136,14 +136,7 @@ pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveHalving];
 
 /// The schedule `algo` runs for a reduce-scatter of `blocks` (byte offset and length per rank).
 pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, blocks: &[(usize, usize)]) -> Result<Plan> {
-    if let Err(detail) = Coll::ReduceScatter.supports(algo, ctx.n, true) {
-        return Err(Error::Unsupported {
-            rank: ctx.rank,
-            op: Coll::ReduceScatter.name(),
-            algo: algo.name(),
-            detail,
-        });
-    }
+    super::check(ctx, Coll::ReduceScatter, algo, true)?;
     Ok(match algo {
         Algo::Ring => algo::ring::reduce_scatter(ctx, blocks),
         Algo::RecursiveHalving => algo::halving_doubling::reduce_scatter(ctx, blocks),
