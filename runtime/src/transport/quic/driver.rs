@@ -564,6 +564,18 @@ impl QuicDriver {
             core.link_up(r, now);
         }
         let rank = p.rank.filter(|_| p.linked);
+        // Stream data first: what the peer sent before its connection ended (an abort frame
+        // naming the first culprit, say) is handled before the end itself. Read errors while the
+        // connection is going are the end's, reported below with its reason.
+        if let Some(r) = rank {
+            if core.is_up(r) && !p.dead {
+                let read = self.read(core, ch, r, now);
+                if let (Err(f), None) = (read, &lost) {
+                    core.link_failed(r, f);
+                }
+            }
+        }
+        let Some(p) = self.peers.get_mut(&ch) else { return };
         if let Some(reason) = lost {
             p.dead = true;
             if let Some(r) = rank {
@@ -594,12 +606,6 @@ impl QuicDriver {
             core.link_failed(r, f);
         }
         if let Some(r) = rank {
-            if core.is_up(r) && !p.dead {
-                if let Err(f) = self.read(core, ch, r, now) {
-                    core.link_failed(r, f);
-                }
-            }
-            let Some(p) = self.peers.get_mut(&ch) else { return };
             if core.is_up(r) && !p.dead {
                 if let Err(f) = p.flush(core, r, now) {
                     core.link_failed(r, f);
