@@ -147,8 +147,6 @@ impl Coll {
                 detail: format!("{} counts and root {root} for {} ranks", counts.len(), ctx.n),
             });
         }
-        let uniform = counts.windows(2).all(|w| w[0] == w[1]);
-        check(ctx, self, algo, uniform)?;
         let whole = counts.first().copied().unwrap_or(0);
         let blocks = blocks_from_counts(counts, ctx.esize);
         match self {

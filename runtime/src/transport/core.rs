@@ -625,9 +625,9 @@ impl Core {
         true
     }
 
-    /// Someone needs a later message from `peer`: move the parked frame to the unexpected queue
-    /// (bounded by the budget) so the stream can advance.
-    fn unpark(&mut self, peer: usize) {
+    /// Someone needs a later message from `peer`, or the peer is going away: move the parked
+    /// frame to the unexpected queue (bounded by the budget) so the stream can advance.
+    pub(crate) fn unpark(&mut self, peer: usize) {
         let (desc, len) = match &self.links[peer].cur {
             Some(RxFrame { dest: RxDest::Parked(d), len, .. }) => (*d, *len),
             _ => return,
@@ -643,12 +643,6 @@ impl Core {
         if let Some(f) = self.links[peer].cur.as_mut() {
             f.dest = RxDest::Unexpected { desc, data: Vec::with_capacity(len) };
         }
-    }
-
-    /// Make way for a peer that is going away: a parked frame is buffered (within the budget)
-    /// so what the peer sent before leaving is read in.
-    pub(crate) fn unpark_for_end(&mut self, peer: usize) {
-        self.unpark(peer);
     }
 
     // ---- time ----------------------------------------------------------------------------

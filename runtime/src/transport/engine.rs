@@ -148,11 +148,10 @@ impl<D: Driver> Engine<D> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sleep until a descriptor in `fds` (after the wake pipe, which this adds first) is ready,
-    /// the pipe is written, or `until` (at most one poll slice); µs precision, as protocol
-    /// timers need. Returns whether a descriptor other than the pipe is ready.
+    /// Sleep until a descriptor of `fds` (as [`Engine::poll_set`] built it: the wake pipe first)
+    /// is ready, or `until` (at most one poll slice); µs precision, as protocol timers need.
+    /// Returns whether a descriptor other than the pipe is ready.
     pub(crate) fn sleep(&self, fds: &mut [libc::pollfd], until: Instant) -> bool {
-        fds[0] = libc::pollfd { fd: self.pipe.fd(), events: libc::POLLIN, revents: 0 };
         let d = until.saturating_duration_since(Instant::now()).min(POLL_SLICE);
         let ts = libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ };
         // SAFETY: `fds` is a valid pollfd array of its length; a valid timespec; no mask change.
@@ -163,10 +162,10 @@ impl<D: Driver> Engine<D> {
         fds[1..].iter().any(|f| f.revents != 0)
     }
 
-    /// Build the descriptor list for `mode` under the lock: the pipe's slot first.
-    fn poll_set(s: &mut State<D>, mode: Mode, fds: &mut Vec<libc::pollfd>) {
+    /// Build the descriptor list for `mode` under the lock: the wake pipe, then the driver's.
+    pub(crate) fn poll_set(&self, s: &mut State<D>, mode: Mode, fds: &mut Vec<libc::pollfd>) {
         fds.clear();
-        fds.push(libc::pollfd { fd: -1, events: 0, revents: 0 });
+        fds.push(libc::pollfd { fd: self.pipe.fd(), events: libc::POLLIN, revents: 0 });
         s.driver.poll_set(&s.core, mode, fds);
     }
 
@@ -249,7 +248,7 @@ impl<D: Driver> Engine<D> {
                     std::thread::yield_now();
                     continue;
                 }
-                Self::poll_set(s, Mode::Wait, &mut fds);
+                self.poll_set(s, Mode::Wait, &mut fds);
                 s.driver.next_timer().map_or(until, |t| t.min(until))
             };
             if self.sleep(&mut fds, until) {
@@ -299,7 +298,7 @@ impl<D: Driver> Engine<D> {
                 s.core.handle_timeout(now);
                 s.driver.progress(&mut s.core, Mode::Idle, now);
                 s.settle();
-                Self::poll_set(s, Mode::Idle, &mut fds);
+                self.poll_set(s, Mode::Idle, &mut fds);
                 let mut until = now + POLL_SLICE;
                 if let Some(t) = s.core.poll_timeout() {
                     until = until.min(t);
@@ -333,13 +332,16 @@ impl<D: Driver> Engine<D> {
     /// wait is cut to [`FAILED_LINGER`], so a rank never waits seconds for a stopped or dying peer
     /// before it exits.
     pub(crate) fn shutdown(&self, timeout: Duration) {
-        let timeout = if self.lock().core.poisoned().is_some() {
-            timeout.min(FAILED_LINGER)
-        } else {
-            timeout
+        let timeout = {
+            let mut g = self.lock();
+            g.core.close_all();
+            if g.core.poisoned().is_some() {
+                timeout.min(FAILED_LINGER)
+            } else {
+                timeout
+            }
         };
         let deadline = Instant::now() + timeout;
-        self.lock().core.close_all();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         loop {
             let until = {
@@ -355,7 +357,7 @@ impl<D: Driver> Engine<D> {
                     tracing::debug!(rank = self.rank, "shutdown: peers still open at the deadline");
                     break;
                 }
-                Self::poll_set(s, Mode::Shutdown, &mut fds);
+                self.poll_set(s, Mode::Shutdown, &mut fds);
                 s.driver.next_timer().map_or(deadline, |t| t.min(deadline))
             };
             self.sleep(&mut fds, until);

@@ -796,9 +796,7 @@ pub(crate) fn establish(engine: &Engine<QuicDriver>, deadline: Instant) -> Resul
                 s.driver.accepting = None;
                 return Ok(());
             }
-            fds.clear();
-            fds.push(libc::pollfd { fd: -1, events: 0, revents: 0 });
-            s.driver.poll_set(&s.core, Mode::Wait, &mut fds);
+            engine.poll_set(s, Mode::Wait, &mut fds);
             (missing, s.driver.next_timer().map_or(deadline, |t| t.min(deadline)))
         };
         if Instant::now() >= deadline {

@@ -217,7 +217,7 @@ impl Driver for TcpDriver {
             }
             if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
                 // The peer is gone or going: take in what it sent, then see the end.
-                core.unpark_for_end(peer);
+                core.unpark(peer);
             }
             // Serve every connection poll flagged, including ones nobody waits on: their data
             // goes to the unexpected queue (bounded) and a closed peer is noticed now.
