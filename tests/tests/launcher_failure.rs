@@ -132,3 +132,51 @@ fn output_is_prefixed_and_teed_to_per_rank_logs() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A rank whose process ends while its sockets live on (a forked child holds them): no reset,
+/// no unreachable port, keep-alives answered by the kernel. Only tutti-run's notice can tell the
+/// survivors, and it does: they fail at once naming the rank, over TCP and QUIC, exit by
+/// themselves, and the launcher exits with the dead rank's status.
+#[test]
+fn survivors_name_a_rank_that_died_leaving_its_sockets_open() {
+    for transport in ["tcp", "quic"] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+        cmd.args([
+            "--nproc",
+            "3",
+            "--grace",
+            "5",
+            "--",
+            env!("CARGO_BIN_EXE_tt-rank"),
+            "orphan",
+            "1",
+        ])
+        .env("TUTTI_TRANSPORT", transport)
+        .env("TUTTI_DEAD_AFTER", "60")
+        .env("TUTTI_TIMEOUT", "60");
+        let start = Instant::now();
+        let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+        let took = start.elapsed();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        for orphan in stdout.lines().filter_map(|l| l.strip_prefix("ORPHAN ")) {
+            if let Ok(pid) = orphan.trim().parse::<i32>() {
+                // SAFETY: signalling the test's own grandchild.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        assert!(!killed, "{transport}: tutti-run hung\n{stdout}\n{stderr}");
+        assert_eq!(out.status.code(), Some(3), "{transport}: {stdout}\n{stderr}");
+        assert!(stderr.contains("rank 1 exited with status 3"), "{transport}: {stderr}");
+        let errs: Vec<&str> = stdout.lines().filter(|l| l.contains("] ERR ")).collect();
+        assert_eq!(errs.len(), 2, "{transport}: both survivors report\n{stdout}\n{stderr}");
+        for e in &errs {
+            assert!(
+                e.contains("peer rank 1") && e.contains("rank 1 exited with status 3"),
+                "{transport}: {e}"
+            );
+        }
+        // Dead-after and the operation timeout are both 60 s: well under them means the notice.
+        assert!(took < Duration::from_secs(30), "{transport}: took {took:?}\n{stdout}");
+    }
+}

@@ -1,14 +1,21 @@
 //! Starting and supervising the local ranks of a job (`tutti-run`, `collbench --np`).
 //!
 //! Every child gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
-//! `MASTER_PORT`, `TUTTI_STORE` and `TUTTI_TOKEN`. On node 0 the launcher itself serves the
-//! rendezvous store on the master port (bound before any child starts, so there is no race for
-//! the port). Children die with the launcher (`PR_SET_PDEATHSIG`); when one child fails, the
-//! others get SIGTERM, then SIGKILL after a grace period, and the launcher exits non-zero with
-//! one line naming the rank.
+//! `MASTER_PORT`, `TUTTI_STORE`, `TUTTI_TOKEN` and `TUTTI_LAUNCHER_FD`. On node 0 the launcher
+//! itself serves the rendezvous store on the master port (bound before any child starts, so there
+//! is no race for the port). Children die with the launcher (`PR_SET_PDEATHSIG`).
+//!
+//! When one child fails, the launcher first tells the others which rank it was and how it ended,
+//! on each child's notice pipe (`TUTTI_LAUNCHER_FD`, read by `tutti_runtime`'s rendezvous), so
+//! every survivor fails at once naming it — whatever the transport, and whether or not the dead
+//! process's sockets tell its peers. It gives them [`NOTICE_WAIT`] (at most the grace period) to
+//! report that and exit; the rest get SIGTERM, then SIGKILL after the grace period, and the
+//! launcher exits non-zero with one line naming the rank.
 
+use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -17,7 +24,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tutti_runtime::auth::{self, JobKey};
+use tutti_runtime::rendezvous::launcher::{notice, LAUNCHER_FD};
 use tutti_runtime::store::StoreServer;
+
+/// How long the surviving children get, after being told which rank died, to report it and exit
+/// by themselves before they are sent SIGTERM (capped by the grace period).
+pub const NOTICE_WAIT: Duration = Duration::from_secs(2);
 
 /// Set by the SIGINT/SIGTERM handler.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -104,7 +116,7 @@ fn forward(
     rank: usize,
     stream: impl std::io::Read + Send + 'static,
     err: bool,
-    log: Option<Arc<Mutex<std::fs::File>>>,
+    log: Option<Arc<Mutex<File>>>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let reader = BufReader::new(stream);
@@ -133,19 +145,64 @@ fn signal_all(children: &mut [(usize, Child)], sig: i32) {
     }
 }
 
+/// Wait up to `limit` for every child to end; true when they all did.
+fn all_ended_within(children: &mut [(usize, Child)], limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if children.iter_mut().all(|(_, c)| matches!(c.try_wait(), Ok(Some(_)))) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Stop every child still running: SIGTERM, then SIGKILL after `grace`; reap them all.
 fn stop_all(children: &mut [(usize, Child)], grace: Duration) {
     signal_all(children, libc::SIGTERM);
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline {
-        if children.iter_mut().all(|(_, c)| matches!(c.try_wait(), Ok(Some(_)))) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if all_ended_within(children, grace) {
+        return;
     }
     signal_all(children, libc::SIGKILL);
     for (_, c) in children.iter_mut() {
         let _ = c.wait();
+    }
+}
+
+/// A pipe whose read end a child inherits as its notice pipe and whose write end the launcher
+/// keeps (non-blocking: a child that stopped reading never stalls the launcher).
+fn notice_pipe() -> std::io::Result<(OwnedFd, File)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the two-element array; both ends start close-on-exec.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created and are owned by nobody else.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+    // pipe2 made both ends non-blocking; the child's reader blocks, so clear the read end's.
+    // SAFETY: F_SETFL with flags 0 on a descriptor we own.
+    unsafe { libc::fcntl(r.as_raw_fd(), libc::F_SETFL, 0) };
+    Ok((r, w))
+}
+
+/// Tell every child still running that `rank` ended as `what`.
+fn tell_survivors(
+    children: &mut [(usize, Child)],
+    notices: &mut [Option<File>],
+    rank: usize,
+    what: &str,
+) {
+    let line = notice(rank, what);
+    for ((r, c), pipe) in children.iter_mut().zip(notices.iter_mut()) {
+        if *r == rank || !matches!(c.try_wait(), Ok(None)) {
+            continue;
+        }
+        if let Some(p) = pipe.as_mut() {
+            // One line is far below the pipe's atomic-write size: it goes whole or not at all.
+            let _ = p.write_all(line.as_bytes());
+        }
     }
 }
 
@@ -207,6 +264,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
         format!("tcp://{master_ip}:{port}")
     };
     let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut notices: Vec<Option<File>> = Vec::new();
     let mut pumps = Vec::new();
     for local in 0..job.nproc {
         let rank = job.node_rank * job.nproc + local;
@@ -226,14 +284,27 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
         if job.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
-        // SAFETY: prctl is async-signal-safe; it runs in the child before exec.
+        // Without a pipe the child simply gets no notices (its transport still sees the loss).
+        let pipe = notice_pipe().ok();
+        let read_fd = pipe.as_ref().map(|(r, _)| r.as_raw_fd());
+        if let Some(fd) = read_fd {
+            cmd.env(LAUNCHER_FD, fd.to_string());
+        }
+        // SAFETY: prctl and fcntl are async-signal-safe; they run in the child before exec.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if let Some(fd) = read_fd {
+                    // This child, alone, keeps its notice pipe's read end across exec.
+                    libc::fcntl(fd, libc::F_SETFD, 0);
+                }
                 Ok(())
             });
         }
-        let mut child = match cmd.spawn() {
+        let spawned = cmd.spawn();
+        // Our copy of the read end goes now: the child holds the only one.
+        let notice_w = pipe.map(|(_, w)| w);
+        let mut child = match spawned {
             Ok(c) => c,
             Err(err) => {
                 stop_all(&mut children, job.grace);
@@ -246,7 +317,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
         };
         if job.prefix {
             let log = match &job.log_dir {
-                Some(d) => std::fs::File::create(d.join(format!("rank-{rank}.log")))
+                Some(d) => File::create(d.join(format!("rank-{rank}.log")))
                     .ok()
                     .map(|f| Arc::new(Mutex::new(f))),
                 None => None,
@@ -259,6 +330,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
             }
         }
         children.push((rank, child));
+        notices.push(notice_w);
     }
     let mut code = 0;
     let mut running = children.len();
@@ -281,7 +353,10 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
             }
         }
         if let Some((rank, st)) = failed {
-            eprintln!("tutti-run: rank {rank} {}; stopping the other ranks", describe(st));
+            let what = describe(st);
+            eprintln!("tutti-run: rank {rank} {what}; telling and stopping the other ranks");
+            tell_survivors(&mut children, &mut notices, rank, &what);
+            all_ended_within(&mut children, NOTICE_WAIT.min(job.grace));
             stop_all(&mut children, job.grace);
             code = exit_code(st);
             break;

@@ -55,6 +55,9 @@ pub struct EnvInfo {
     pub launcher: Launcher,
     /// Rendezvous store.
     pub store: StoreSpec,
+    /// The launcher's notice pipe (`TUTTI_LAUNCHER_FD`, set by `tutti-run`): where it reports
+    /// ranks whose processes ended.
+    pub launcher_fd: Option<i32>,
 }
 
 fn parse_usize(name: &str, v: &str) -> Result<usize> {
@@ -132,7 +135,18 @@ impl EnvInfo {
                 StoreSpec::Tcp { host: host.trim().to_string(), port }
             }
         };
-        Ok(EnvInfo { rank, world, local_rank, launcher, store })
+        let launcher_fd = match get(super::launcher::LAUNCHER_FD) {
+            Some(v) => {
+                Some(v.trim().parse::<i32>().ok().filter(|fd| *fd >= 0).ok_or_else(|| {
+                    Error::Config(format!(
+                        "{}={v:?} is not a file descriptor number",
+                        super::launcher::LAUNCHER_FD
+                    ))
+                })?)
+            }
+            None => None,
+        };
+        Ok(EnvInfo { rank, world, local_rank, launcher, store, launcher_fd })
     }
 }
 
@@ -182,6 +196,18 @@ mod tests {
         .unwrap();
         assert_eq!((e.rank, e.world, e.local_rank, e.launcher), (3, 8, 1, Launcher::Torchrun));
         assert_eq!(e.store, StoreSpec::Tcp { host: "10.0.0.1".into(), port: 29500 });
+        assert_eq!(e.launcher_fd, None);
+        let base = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        let with_fd = |v: &'static str| {
+            let mut vars = base.to_vec();
+            vars.push(("TUTTI_LAUNCHER_FD", v));
+            env(&vars)
+        };
+        assert_eq!(with_fd(" 7 ").unwrap().launcher_fd, Some(7));
+        for bad in ["-1", "x", ""] {
+            let e = with_fd(bad).unwrap_err().to_string();
+            assert!(e.contains("TUTTI_LAUNCHER_FD"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -27,6 +27,7 @@ use crate::transport::QuicConfig;
 
 pub mod env;
 pub mod ifaddr;
+pub mod launcher;
 
 pub use env::{EnvInfo, Launcher, StoreSpec};
 
@@ -270,6 +271,9 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         #[cfg(not(feature = "quic"))]
         TransportKind::Quic => return Err(Error::NotCompiledWith("quic")),
     };
+    if let Some(fd) = env.launcher_fd {
+        launcher::watch(fd, &t);
+    }
     let g = Group::with_keep(t, keep);
     g.set_timeout(opts.timeout);
     Ok(g)

@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::transport::core::{Core, Step, Waiter};
+use crate::transport::core::{Core, LinkFail, Step, Waiter};
 use crate::transport::{OpId, Transport};
 use crate::util::WakePipe;
 use crate::wire::MsgDesc;
@@ -277,6 +277,17 @@ impl<D: Driver> Engine<D> {
         self.pipe.wake();
     }
 
+    pub(crate) fn peer_died(&self, peer: usize, detail: &str) {
+        if peer >= self.world || peer == self.rank {
+            return;
+        }
+        let mut g = self.lock();
+        g.core.link_failed(peer, LinkFail::Lost(detail.to_string()));
+        g.flush_all(Instant::now());
+        drop(g);
+        self.pipe.wake();
+    }
+
     pub(crate) fn poisoned(&self) -> Option<Error> {
         self.lock().core.poisoned().cloned()
     }
@@ -474,6 +485,10 @@ impl<T: Wired> Transport for T {
 
     fn abort(&self, reason: &str) {
         self.engine().abort(reason)
+    }
+
+    fn peer_died(&self, peer: usize, detail: &str) {
+        self.engine().peer_died(peer, detail)
     }
 
     fn poisoned(&self) -> Option<Error> {

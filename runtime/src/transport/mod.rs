@@ -192,6 +192,17 @@ pub trait Transport: Send + Sync {
     /// any thread, never blocks for long.
     fn abort(&self, reason: &str);
 
+    /// Someone who watches the processes (the launcher) reports that `peer`'s process has
+    /// ended: fail as a lost connection to it would, with `detail` as the cause — operations
+    /// with `peer` fail naming it, the transport is poisoned and the other peers are told.
+    /// Transports that see such losses themselves need not override the default, an
+    /// [`abort`](Transport::abort) naming the peer. Out-of-range ranks and our own are ignored.
+    fn peer_died(&self, peer: usize, detail: &str) {
+        if peer < self.world_size() && peer != self.rank() {
+            self.abort(&format!("peer rank {peer} ended: {detail}"));
+        }
+    }
+
     /// The error that poisoned this transport, if any.
     fn poisoned(&self) -> Option<Error>;
 }

@@ -199,6 +199,36 @@ fn main() {
         "collectives" => collectives(&comm),
         "connect" => Ok(()),
         "loop" => loop_until_error(&comm),
+        "orphan" => {
+            // `orphan WHO`: rank WHO forks a child that keeps its sockets open (for up to 30 s,
+            // printing `ORPHAN <pid>`), then exits with status 3. Its peers, waiting on it in an
+            // allreduce, see no reset and no unreachable port: only the launcher's notice can
+            // tell them quickly. They print `ERR <wall-clock µs> <error>`.
+            let who: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
+            if comm.rank() == who {
+                // Let the others enter the allreduce first.
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: the child only sleeps and exits (async-signal-safe calls).
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    // SAFETY: in the forked child, only async-signal-safe calls.
+                    unsafe {
+                        // Let go of the job's output, so nobody waits for this process's end.
+                        libc::close(1);
+                        libc::close(2);
+                        libc::sleep(30);
+                        libc::_exit(0);
+                    }
+                }
+                println!("ORPHAN {pid}");
+                println!("DIED {}", now_us());
+                std::process::exit(3);
+            }
+            let mut x = vec![1.0f32; 1000];
+            comm.allreduce(&mut x, ReduceOp::Sum)
+                .map(|_| ())
+                .map_err(|e| format!("{} {e}", now_us()))
+        }
         "compute" => {
             // Rank 0 computes (sleeps) before joining an allreduce the others already wait in.
             let secs: u64 = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(12);
@@ -219,7 +249,7 @@ fn main() {
     match r {
         Ok(()) => println!("OK {}", comm.rank()),
         Err(e) => {
-            if scenario == "loop" {
+            if scenario == "loop" || scenario == "orphan" {
                 println!("ERR {e}");
             } else {
                 println!("ERR rank {}: {e}", comm.rank());

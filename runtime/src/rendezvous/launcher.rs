@@ -1,0 +1,210 @@
+//! Notices from the launcher: which rank's process has ended.
+//!
+//! `tutti-run` hands each child the read end of a pipe of its own, named by
+//! `TUTTI_LAUNCHER_FD`, and writes one line there for every rank whose process ends with a
+//! failure: `dead RANK DESCRIPTION` (for example `dead 2 was killed by signal 9 (SIGKILL)`).
+//! A rank that has rendezvoused reads that pipe on a thread of its own and fails each of the
+//! process's transports as a lost connection to that rank would
+//! ([`Transport::peer_died`]): operations with it fail naming it, the others fail through the
+//! poison, and the peers are told. Every survivor on the node thus names the dead rank at once,
+//! whatever the transport and even when the dead process's sockets outlive it (a forked child
+//! holding them, a UDP socket nothing answers for); survivors on other nodes learn it from the
+//! abort frames that follow.
+//!
+//! The pipe is trusted as the launcher is (it is inherited from the parent process). The
+//! reader holds at most one line of [`MAX_NOTICE`] bytes; a longer one is skipped, a malformed
+//! one is logged and ignored. When the launcher goes away the pipe ends and the thread with it.
+
+use std::os::fd::RawFd;
+use std::sync::{Arc, Mutex, Weak};
+
+use tracing::{debug, warn};
+
+use crate::transport::Transport;
+
+/// The variable naming the notice pipe's file descriptor.
+pub const LAUNCHER_FD: &str = "TUTTI_LAUNCHER_FD";
+
+/// The longest notice line, newline included.
+pub const MAX_NOTICE: usize = 1024;
+
+/// The line the launcher writes when `rank`'s process ended as `what` says ("was killed by
+/// signal 9 (SIGKILL)", "exited with status 3"). Cut to [`MAX_NOTICE`] bytes on a character
+/// boundary; newlines in `what` become spaces.
+pub fn notice(rank: usize, what: &str) -> String {
+    let mut line = format!("dead {rank} {}", what.replace(['\n', '\r'], " "));
+    let mut cut = line.len().min(MAX_NOTICE - 1);
+    while !line.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    line.truncate(cut);
+    line.push('\n');
+    line
+}
+
+/// The rank and description in one notice line (without its newline); `None` when malformed.
+pub(crate) fn parse(line: &[u8]) -> Option<(usize, String)> {
+    let text = std::str::from_utf8(line).ok()?;
+    let rest = text.strip_prefix("dead ")?;
+    let (rank, what) = rest.split_once(' ').unwrap_or((rest, "ended"));
+    Some((rank.parse().ok()?, what.trim().to_string()))
+}
+
+/// The one reader of this process's notice pipe and the transports it fails.
+struct Watcher {
+    fd: RawFd,
+    transports: Vec<Weak<dyn Transport>>,
+}
+
+static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
+
+/// Fail `transport` when the launcher behind `fd` reports a dead rank. The first call starts the
+/// reader thread (and marks `fd` close-on-exec, so the process's own children do not take the
+/// notices); later calls with the same descriptor only add the transport.
+pub(crate) fn watch(fd: RawFd, transport: &Arc<dyn Transport>) {
+    let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = w.as_mut() {
+        if w.fd == fd {
+            w.transports.retain(|t| t.strong_count() > 0);
+            w.transports.push(Arc::downgrade(transport));
+            return;
+        }
+    }
+    // SAFETY: F_GETFD/F_SETFD on a descriptor number only reads and sets its flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags < 0 {
+        warn!(fd, "{LAUNCHER_FD}={fd} is not an open descriptor; launcher notices are off");
+        return;
+    }
+    // SAFETY: as above.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) };
+    *w = Some(Watcher { fd, transports: vec![Arc::downgrade(transport)] });
+    let spawned = std::thread::Builder::new().name("tutti-launcher".into()).spawn(move || read(fd));
+    if let Err(e) = spawned {
+        warn!("cannot start the launcher-notice thread: {e}");
+        *w = None;
+    }
+}
+
+/// The reader thread: blocks on the pipe (the launcher outlives us: our parent-death signal
+/// ends us with it), applies each notice, and stops at the pipe's end.
+fn read(fd: RawFd) {
+    let mut line: Vec<u8> = Vec::with_capacity(MAX_NOTICE);
+    let mut skipping = false;
+    let mut buf = [0u8; 512];
+    loop {
+        // SAFETY: reading into a stack buffer of the given length.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if n <= 0 {
+            debug!(fd, "the launcher's notice pipe ended");
+            let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
+            if w.as_ref().is_some_and(|w| w.fd == fd) {
+                *w = None;
+            }
+            return;
+        }
+        for &b in &buf[..n as usize] {
+            if b != b'\n' {
+                if line.len() < MAX_NOTICE {
+                    line.push(b);
+                } else {
+                    skipping = true;
+                }
+                continue;
+            }
+            if !skipping {
+                apply(&line);
+            }
+            line.clear();
+            skipping = false;
+        }
+    }
+}
+
+fn apply(line: &[u8]) {
+    let Some((rank, what)) = parse(line) else {
+        warn!("ignoring a malformed launcher notice {:?}", String::from_utf8_lossy(line));
+        return;
+    };
+    let live: Vec<Arc<dyn Transport>> = {
+        let w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
+        w.as_ref()
+            .map_or_else(Vec::new, |w| w.transports.iter().filter_map(Weak::upgrade).collect())
+    };
+    let detail = format!("tutti-run reports that rank {rank} {what}");
+    for t in live {
+        t.peer_died(rank, &detail);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notices_round_trip_and_stay_one_bounded_line() {
+        let l = notice(2, "was killed by signal 9 (SIGKILL)");
+        assert_eq!(l, "dead 2 was killed by signal 9 (SIGKILL)\n");
+        assert_eq!(
+            parse(l.trim_end().as_bytes()),
+            Some((2, "was killed by signal 9 (SIGKILL)".into()))
+        );
+        let long = notice(7, &"é\nx".repeat(1000));
+        assert!(long.len() <= MAX_NOTICE && long.ends_with('\n'));
+        assert_eq!(long.matches('\n').count(), 1);
+        assert_eq!(parse(long.trim_end().as_bytes()).map(|p| p.0), Some(7));
+        assert_eq!(parse(b"dead 3"), Some((3, "ended".into())));
+        for bad in [&b"dead"[..], b"dead x y", b"alive 1 ok", b"dead -1 z", b"\xff\xfe"] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_notice_fails_every_transport_naming_the_dead_rank() {
+        use std::time::Duration;
+
+        use crate::testing::{self, Kind};
+        use crate::transport::TransportExt;
+        use crate::wire::{Fingerprint, MsgDesc, Tag};
+        // Three ranks: rank 0 (the one the launcher tells) waits for rank 1, which never sends
+        // and never dies; rank 2 waits for rank 0. The notice ends rank 0's wait naming rank 1,
+        // and rank 0's abort frame ends rank 2's, naming rank 1 too.
+        let mut fds = [0; 2];
+        // SAFETY: pipe(2) fills the two-element array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let desc = MsgDesc { tag: Tag { group: 0, seq: 0, step: 0 }, fp: Fingerprint::p2p(4) };
+        let mut kinds = vec![Kind::Mem, Kind::Tcp];
+        #[cfg(feature = "quic")]
+        kinds.push(Kind::Quic);
+        for kind in kinds {
+            let ts = testing::world(kind, 3).unwrap();
+            watch(fds[0], &ts[0]);
+            let errs: Vec<String> = std::thread::scope(|s| {
+                let waits = [(0usize, 1usize), (2, 0)].map(|(me, from)| {
+                    let t = &ts[me];
+                    s.spawn(move || {
+                        let mut buf = [0u8; 4];
+                        t.recv(from, desc, &mut buf, Duration::from_secs(20)).unwrap_err()
+                    })
+                });
+                std::thread::sleep(Duration::from_millis(200));
+                let line = notice(1, "exited with status 3");
+                // SAFETY: writing a byte string to the pipe made above.
+                let n = unsafe { libc::write(fds[1], line.as_ptr().cast(), line.len()) };
+                assert_eq!(n, line.len() as isize);
+                waits.map(|w| w.join().unwrap().to_string()).into_iter().collect()
+            });
+            for e in &errs {
+                assert!(
+                    e.contains("rank 1") && e.contains("exited with status 3"),
+                    "{kind:?}: {e}"
+                );
+            }
+        }
+        // SAFETY: closing our write end ends the reader thread.
+        unsafe { libc::close(fds[1]) };
+    }
+}
