@@ -9,8 +9,13 @@ victim. A round where a survivor is still running after --hang seconds counts as
 survivors are then killed). Prints one line per round and a summary table (median and worst
 per transport and signal). Not part of CI: a benchmark of failure handling.
 
+With --launcher PATH (tutti-run), each round starts the ranks under that launcher instead, so
+its notice to the survivors counts too; the victim is found among the launcher's children by
+its RANK, and the survivors' errors are read from the launcher's prefixed output.
+
     cargo build --release -p tutti-tools
     python3 tools/bench/kill_soak.py --rounds 100
+    python3 tools/bench/kill_soak.py --rounds 100 --launcher target/release/tutti-run
 """
 
 import argparse
@@ -40,41 +45,114 @@ def names(err, victim, me):
     return re.search(rf"\branks? {victim}\b", text) is not None
 
 
-def round_(rng, binary, world, hang):
+class Direct:
+    """WORLD ranks started by this script with torchrun-style variables."""
+
+    def __init__(self, cmd, world, transport):
+        port = free_port()
+        self.procs = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       TUTTI_TRANSPORT=transport)
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, text=True))
+
+    def pid(self, r):
+        return self.procs[r].pid if self.procs[r].poll() is None else None
+
+    def running(self, r):
+        return self.procs[r].poll() is None
+
+    def finish(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        return {r: p.communicate()[1] for r, p in enumerate(self.procs)}
+
+
+def gone(pid):
+    """True once `pid` has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+class Launched:
+    """WORLD ranks started by tutti-run; they are found among its children by RANK."""
+
+    def __init__(self, cmd, world, transport, launcher):
+        env = dict(os.environ, TUTTI_TRANSPORT=transport)
+        self.launcher = subprocess.Popen([launcher, "--nproc", str(world), "--grace", "5", "--"]
+                                         + cmd, env=env, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, text=True)
+        self.pids = {}
+        deadline = time.monotonic() + 10
+        while len(self.pids) < world and time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.launcher.pid}/task/{self.launcher.pid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                kids = []
+            for k in kids:
+                try:
+                    with open(f"/proc/{k}/environ", "rb") as f:
+                        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+                    self.pids[int(env[b"RANK"])] = k
+                except (OSError, KeyError, ValueError):
+                    pass
+            time.sleep(0.01)
+
+    def pid(self, r):
+        return self.pids.get(r)
+
+    def running(self, r):
+        return r in self.pids and not gone(self.pids[r])
+
+    def finish(self):
+        if self.launcher.poll() is None:
+            self.launcher.send_signal(signal.SIGINT)
+            try:
+                self.launcher.wait(10)
+            except subprocess.TimeoutExpired:
+                self.launcher.kill()
+        errs = {}
+        for line in self.launcher.communicate()[1].splitlines():
+            m = re.match(r"\[(\d+)\] (.*)", line)
+            if m:
+                errs[int(m.group(1))] = errs.get(int(m.group(1)), "") + m.group(2) + "\n"
+        return errs
+
+
+def round_(rng, binary, world, hang, launcher):
     transport = rng.choice(["tcp", "quic"])
     coll, size = rng.choice(COLLS), rng.choice(SIZES)
     victim = rng.randrange(world)
     sig = signal.SIGSTOP if rng.random() < 0.2 else signal.SIGKILL
     delay = rng.uniform(0.3, 1.5)
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TUTTI_TRANSPORT=transport)
-        procs.append(subprocess.Popen(
-            [binary, coll, "-b", size, "-e", size, "-n", "1000000", "-w", "1", "-c", "0"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    cmd = [binary, coll, "-b", size, "-e", size, "-n", "1000000", "-w", "1", "-c", "0"]
+    job = Launched(cmd, world, transport, launcher) if launcher else Direct(cmd, world, transport)
     time.sleep(delay)
-    if procs[victim].poll() is not None:
-        for p in procs:
-            p.kill()
+    pid = job.pid(victim)
+    if pid is None or not job.running(victim):
+        job.finish()
         return None  # the victim was gone before the signal (start-up failure)
-    procs[victim].send_signal(sig)
+    os.kill(pid, sig)
     t0 = time.monotonic()
     survivors = [r for r in range(world) if r != victim]
     hung = False
-    while any(procs[r].poll() is None for r in survivors):
+    while any(job.running(r) for r in survivors):
         if time.monotonic() - t0 > hang:
             hung = True
             break
         time.sleep(0.005)
     elapsed = time.monotonic() - t0
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
     if sig == signal.SIGSTOP:
-        procs[victim].send_signal(signal.SIGCONT)
-    errs = {r: procs[r].communicate()[1] for r in range(world)}
+        os.kill(pid, signal.SIGCONT)
+    errs = job.finish()
+    errs = {r: errs.get(r, "") for r in range(world)}
     named = all(names(errs[r], victim, r) for r in survivors)
     sig_name = "SIGSTOP" if sig == signal.SIGSTOP else "SIGKILL"
     line = f"{transport:4} {sig_name} {coll:14} {size:>3} victim {victim}: {elapsed:6.3f} s"
@@ -95,11 +173,12 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--hang", type=float, default=60.0, help="seconds before a round is a hang")
     ap.add_argument("--bin", default="target/release/collbench")
+    ap.add_argument("--launcher", help="start each round's ranks under this tutti-run")
     a = ap.parse_args()
     if not os.path.exists(a.bin):
         sys.exit(f"{a.bin} not found: cargo build --release -p tutti-tools")
     rng = random.Random(a.seed)
-    results = [r for r in (round_(rng, a.bin, a.world, a.hang) for _ in range(a.rounds)) if r]
+    results = [r for r in (round_(rng, a.bin, a.world, a.hang, a.launcher) for _ in range(a.rounds)) if r]
     print("\n| transport | signal | rounds | median | worst | error names the victim | hangs |")
     print("|---|---|---|---|---|---|---|")
     for t in ["tcp", "quic"]:

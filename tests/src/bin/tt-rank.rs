@@ -229,6 +229,45 @@ fn main() {
                 .map(|_| ())
                 .map_err(|e| format!("{} {e}", now_us()))
         }
+        "sendloop" => {
+            // `sendloop ROUNDS BATCH BYTES`: a pipeline stage's send loop run ahead of its
+            // consumer. Rank 0 posts BATCH sends of BYTES at once, ROUNDS times, to rank 1, which
+            // takes them one by one with 1 ms of "compute" before each. Each rank prints its
+            // peak resident memory: `HWM <rank> <KiB>`.
+            let num = |i: usize, d: usize| args.get(i).and_then(|v| v.parse().ok()).unwrap_or(d);
+            let (rounds, batch, bytes) = (num(1, 20), num(2, 64), num(3, 1 << 20));
+            let r = if comm.rank() == 0 {
+                let data: Vec<Vec<u8>> = (0..batch).map(|k| pattern(bytes, 0, 1, k)).collect();
+                (0..rounds).try_for_each(|_| {
+                    let sends: Vec<(usize, u32, &[u8])> =
+                        data.iter().enumerate().map(|(k, d)| (1, k as u32, &d[..])).collect();
+                    comm.batch_p2p(&sends, &mut []).map(|_| ()).map_err(|e| e.to_string())
+                })
+            } else if comm.rank() == 1 {
+                let mut buf = vec![0u8; bytes];
+                (0..rounds * batch).try_for_each(|i| {
+                    std::thread::sleep(Duration::from_millis(1));
+                    let k = i % batch;
+                    comm.recv(&mut buf, 0, k as u32).map_err(|e| e.to_string())?;
+                    if buf != pattern(bytes, 0, 1, k) {
+                        return Err(format!("message {i} arrived wrong"));
+                    }
+                    Ok(())
+                })
+            } else {
+                Ok(())
+            };
+            let hwm = std::fs::read_to_string("/proc/self/status")
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("VmHWM:"))
+                        .map(|v| v.trim().trim_end_matches("kB").trim().to_string())
+                })
+                .unwrap_or_default();
+            println!("HWM {} {hwm}", comm.rank());
+            r.and_then(|()| comm.barrier().map(|_| ()).map_err(|e| e.to_string()))
+        }
         "compute" => {
             // Rank 0 computes (sleeps) before joining an allreduce the others already wait in.
             let secs: u64 = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(12);
