@@ -1,7 +1,47 @@
 //! Small OS helpers.
 
+use std::io::Read;
+use std::net::TcpStream;
 use std::os::fd::RawFd;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Read exactly `buf.len()` bytes by `deadline`, however the peer splits them (a deadline for
+/// the whole read, not per `read` call, so a peer dripping one byte at a time cannot stretch
+/// it).
+///
+/// # Errors
+/// `TimedOut` at the deadline, `UnexpectedEof` when the peer closes, or the socket's error.
+pub(crate) fn read_exact_by(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    use std::io::ErrorKind;
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                format!("deadline passed with {got} of {} bytes read", buf.len()),
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Interrupted | ErrorKind::WouldBlock | ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
 
 /// Block until `fd` is readable or `timeout` passes; true when readable.
 pub(crate) fn wait_readable(fd: RawFd, timeout: Duration) -> bool {
@@ -55,5 +95,29 @@ impl Drop for WakePipe {
             libc::close(self.rx);
             libc::close(self.tx);
         }
+    }
+}
+
+/// A count of live connections of one kind, decremented when dropped.
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    pub(crate) fn take(count: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        let mut cur = count.load(Ordering::SeqCst);
+        loop {
+            if cur >= max {
+                return None;
+            }
+            match count.compare_exchange(cur, cur + 1, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return Some(Slot(count.clone())),
+                Err(now) => cur = now,
+            }
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }

@@ -16,14 +16,14 @@ fn free_port() -> u16 {
 fn node(rank: &str, port: &str, token: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
     cmd.args(["--nnodes", "2", "--node-rank", rank, "--nproc", "2"]);
-    cmd.args(["--master-addr", "127.0.0.1", "--master-port", port, "--token", token]);
+    cmd.args(["--master-addr", "127.0.0.1", "--master-port", port]).env("TUTTI_TOKEN", token);
     cmd.args(["--grace", "1", "--", env!("CARGO_BIN_EXE_tt-rank"), "collectives"]);
     cmd
 }
 
 fn two_nodes(transport: &str) {
     let port = free_port().to_string();
-    let token = format!("nodes-test-{}", std::process::id());
+    let token = format!("nodes-test-token-{}", std::process::id());
     let node = |rank: &str| {
         let mut cmd = node(rank, &port, &token);
         cmd.env("TUTTI_TRANSPORT", transport);
@@ -70,8 +70,8 @@ fn a_node_with_the_wrong_token_is_refused_and_the_other_names_the_missing_ranks(
         cmd
     };
     let results = std::thread::scope(|s| {
-        let a = node("0", "the-job-token");
-        let b = node("1", "a-stale-token");
+        let a = node("0", "the-job-token-0123");
+        let b = node("1", "a-stale-token-0123");
         let ha = s.spawn(move || run_with_deadline(a, Duration::from_secs(60)));
         let hb = s.spawn(move || run_with_deadline(b, Duration::from_secs(60)));
         [ha.join().unwrap(), hb.join().unwrap()]
@@ -85,6 +85,9 @@ fn a_node_with_the_wrong_token_is_refused_and_the_other_names_the_missing_ranks(
         format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
     };
     let (zero, one) = (all(0), all(1));
-    assert!(one.contains("authentication failed: wrong or missing TUTTI_TOKEN"), "node 1: {one}");
+    assert!(
+        one.contains("authentication failed: wrong or missing job secret (TUTTI_TOKEN)"),
+        "node 1: {one}"
+    );
     assert!(zero.contains("ranks [2, 3] did not connect"), "node 0: {zero}");
 }

@@ -39,8 +39,14 @@ fn master_addr_only_quic() {
 fn file_store() {
     let dir = std::env::temp_dir().join(format!("tutti-file-store-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    // No secret given: rank 0 makes one and keeps it in the (private) store directory, which
+    // tutti creates 0700; the last rank to leave removes it.
     run("collectives", 3, &[], &Rendezvous::File(dir.clone()));
+    assert!(!dir.exists(), "the file store was left behind after a clean end");
+    // A directory other users can enter is refused with the fix.
+    std::fs::create_dir_all(&dir).unwrap();
+    let e = tutti_runtime::store::FileStore::new(&dir).unwrap_err().to_string();
+    assert!(e.contains("chmod 700"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -57,4 +63,54 @@ fn ipv6_loopback_store_and_ranks() {
         return;
     }
     run("p2p", 3, &[], &Rendezvous::StoreAt("[::1]:0".parse().unwrap()));
+}
+
+/// This host's address towards the rest of the network (not loopback), if it has one.
+fn host_ip() -> Option<std::net::IpAddr> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect("10.255.255.254:9").ok()?;
+    let ip = s.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+#[test]
+fn a_store_reachable_from_other_hosts_needs_a_secret() {
+    let Some(ip) = host_ip() else {
+        assert!(
+            std::env::var_os("TUTTI_TEST_NO_HOST_IP").is_some(),
+            "this host has no non-loopback address: give it one, or set TUTTI_TEST_NO_HOST_IP=1"
+        );
+        eprintln!("TUTTI_TEST_NO_HOST_IP set and no host address: the test did not run");
+        return;
+    };
+    let port = std::net::TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap().port();
+    let master = |insecure: bool| {
+        let mut env = vec![
+            ("MASTER_ADDR".to_string(), ip.to_string()),
+            ("MASTER_PORT".to_string(), port.to_string()),
+        ];
+        if insecure {
+            env.push(("TUTTI_INSECURE".to_string(), "1".to_string()));
+        }
+        spawn_job_with(
+            Path::new(EXE),
+            &["connect"],
+            2,
+            move |_| env.clone(),
+            Duration::from_secs(60),
+            &Rendezvous::Master,
+        )
+    };
+    // Without a secret: every rank refuses at once, saying how to give one.
+    let (outs, killed) = master(false);
+    assert!(!killed);
+    for (r, o) in outs.iter().enumerate() {
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(!o.status.success(), "rank {r} started without a secret: {text}");
+        assert!(text.contains("TUTTI_TOKEN") && text.contains("TUTTI_INSECURE=1"), "{text}");
+    }
+    // Explicitly insecure: it runs (and says so on every rank).
+    let (outs, killed) = master(true);
+    assert!(!killed);
+    assert_all_ok(&outs, "TUTTI_INSECURE=1");
 }

@@ -39,7 +39,7 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 /// A job to start on this node.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Job {
     /// Processes on this node.
     pub nproc: usize,
@@ -63,6 +63,24 @@ pub struct Job {
     pub grace: Duration,
     /// Extra environment for every child.
     pub env: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("nproc", &self.nproc)
+            .field("nnodes", &self.nnodes)
+            .field("node_rank", &self.node_rank)
+            .field("master_addr", &self.master_addr)
+            .field("master_port", &self.master_port)
+            .field("token", &self.token.as_ref().map(|_| "(redacted)"))
+            .field("program", &self.program)
+            .field("prefix", &self.prefix)
+            .field("log_dir", &self.log_dir)
+            .field("grace", &self.grace)
+            .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 /// Why the launcher failed before or while running the job.
@@ -220,7 +238,9 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
     }
     if job.nnodes > 1 && (job.master_port == 0 || job.token.is_none()) {
         return Err(LaunchError::Usage(
-            "a multi-node job needs --master-port and the same TUTTI_TOKEN (or --token) on every node".into(),
+            "a multi-node job needs --master-port and the same secret on every node (TUTTI_TOKEN or \
+             --token-file)"
+                .into(),
         ));
     }
     let world = job.nproc * job.nnodes;

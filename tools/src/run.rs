@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! tutti-run --nproc 4 -- ./my_program args…
-//! tutti-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --token T --nproc 8 -- prog
+//! tutti-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --token-file ~/.tutti-token --nproc 8 -- prog
 //! ```
 
 use std::path::PathBuf;
@@ -31,9 +31,11 @@ pub(crate) struct Args {
     /// Store port on node 0 (0: pick a free one; multi-node jobs must choose).
     #[arg(long = "master-port", alias = "master_port", default_value_t = 0)]
     master_port: u16,
-    /// Job token shared by all nodes (default: TUTTI_TOKEN, or a fresh one on a single node).
-    #[arg(long)]
-    token: Option<String>,
+    /// A file holding the job secret shared by all nodes, readable by this user only (default:
+    /// TUTTI_TOKEN, or a fresh secret on a single node). The secret never goes on a command line,
+    /// where every user of the host could read it.
+    #[arg(long = "token-file", alias = "token_file")]
+    token_file: Option<PathBuf>,
     /// Also write each rank's output to DIR/rank-N.log.
     #[arg(long = "log-dir")]
     log_dir: Option<PathBuf>,
@@ -52,13 +54,30 @@ pub(crate) struct Args {
 pub fn main() -> ExitCode {
     crate::init_tracing();
     let a = Args::parse();
+    let token = match (a.token_file, std::env::var("TUTTI_TOKEN").ok().filter(|t| !t.is_empty())) {
+        (Some(_), Some(_)) => Err("both --token-file and TUTTI_TOKEN are given: use one".into()),
+        (Some(f), None) => tutti_runtime::rendezvous::secret::read_token_file(&f)
+            .map(Some)
+            .map_err(|e| e.to_string()),
+        (None, Some(t)) => tutti_runtime::rendezvous::secret::check_token(&t, "TUTTI_TOKEN")
+            .map(|()| Some(t))
+            .map_err(|e| e.to_string()),
+        (None, None) => Ok(None),
+    };
+    let token = match token {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("tutti-run: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let job = Job {
         nproc: a.nproc,
         nnodes: a.nnodes,
         node_rank: a.node_rank,
         master_addr: a.master_addr,
         master_port: a.master_port,
-        token: a.token.or_else(|| std::env::var("TUTTI_TOKEN").ok().filter(|t| !t.is_empty())),
+        token,
         program: a.program,
         prefix: !a.no_prefix,
         log_dir: a.log_dir,

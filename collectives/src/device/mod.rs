@@ -154,6 +154,13 @@ pub struct CopySpan {
     pub end: Instant,
 }
 
+/// The product of `parts` (a count of elements, the element size, the world size), or `None`
+/// when it overflows: a length check on a wrapped product would pass and let a copy run past
+/// the buffer.
+pub(crate) fn bytes(parts: &[usize]) -> Option<usize> {
+    parts.iter().try_fold(1usize, |acc, p| acc.checked_mul(*p))
+}
+
 /// Settings of the staging engine.
 #[derive(Clone, Copy, Debug)]
 pub struct StagingConfig {
@@ -327,8 +334,11 @@ impl Staged {
         op: &'static str,
         what: &str,
         b: &dyn DeviceBuffer,
-        need: usize,
+        need: Option<usize>,
     ) -> Result<()> {
+        let Some(need) = need else {
+            return Err(self.invalid(op, "the element count times its size overflows".into()));
+        };
         if b.len_bytes() < need {
             return Err(self.invalid(
                 op,
@@ -353,7 +363,7 @@ impl Staged {
         op: ReduceOp,
     ) -> Result<StagedStats> {
         self.comm.call("allreduce", || {
-            self.check_len("allreduce", "buffer", buf, count * size_of::<T>())?;
+            self.check_len("allreduce", "buffer", buf, bytes(&[count, size_of::<T>()]))?;
             let shape = Shape { n_in: 1, n_out: 1, count, in_place: true };
             self.run::<T>("allreduce", buf, buf, shape, |c, inp, _out| c.allreduce(inp, op))
         })
@@ -374,8 +384,8 @@ impl Staged {
         op: ReduceOp,
     ) -> Result<StagedStats> {
         self.comm.call("allreduce", || {
-            self.check_len("allreduce", "input", input, count * size_of::<T>())?;
-            self.check_len("allreduce", "output", output, count * size_of::<T>())?;
+            self.check_len("allreduce", "input", input, bytes(&[count, size_of::<T>()]))?;
+            self.check_len("allreduce", "output", output, bytes(&[count, size_of::<T>()]))?;
             let shape = Shape { n_in: 1, n_out: 1, count, in_place: false };
             self.run::<T>("allreduce", input, output, shape, |c, inp, out| {
                 c.allreduce_from(inp, out, op)
@@ -398,8 +408,8 @@ impl Staged {
     ) -> Result<StagedStats> {
         self.comm.call("allgather", || {
             let n = self.comm.size();
-            self.check_len("allgather", "input", input, count * size_of::<T>())?;
-            self.check_len("allgather", "output", output, n * count * size_of::<T>())?;
+            self.check_len("allgather", "input", input, bytes(&[count, size_of::<T>()]))?;
+            self.check_len("allgather", "output", output, bytes(&[n, count, size_of::<T>()]))?;
             let shape = Shape { n_in: 1, n_out: n, count, in_place: false };
             self.run::<T>("allgather", input, output, shape, |c, inp, out| c.allgather(inp, out))
         })
@@ -422,8 +432,8 @@ impl Staged {
     ) -> Result<StagedStats> {
         self.comm.call("reduce_scatter", || {
             let n = self.comm.size();
-            self.check_len("reduce_scatter", "input", input, n * count * size_of::<T>())?;
-            self.check_len("reduce_scatter", "output", output, count * size_of::<T>())?;
+            self.check_len("reduce_scatter", "input", input, bytes(&[n, count, size_of::<T>()]))?;
+            self.check_len("reduce_scatter", "output", output, bytes(&[count, size_of::<T>()]))?;
             let shape = Shape { n_in: n, n_out: 1, count, in_place: false };
             self.run::<T>("reduce_scatter", input, output, shape, |c, inp, out| {
                 c.reduce_scatter(inp, out, op)
@@ -447,8 +457,8 @@ impl Staged {
     ) -> Result<StagedStats> {
         self.comm.call("alltoall", || {
             let n = self.comm.size();
-            self.check_len("alltoall", "input", input, n * count * size_of::<T>())?;
-            self.check_len("alltoall", "output", output, n * count * size_of::<T>())?;
+            self.check_len("alltoall", "input", input, bytes(&[n, count, size_of::<T>()]))?;
+            self.check_len("alltoall", "output", output, bytes(&[n, count, size_of::<T>()]))?;
             let shape = Shape { n_in: n, n_out: n, count, in_place: false };
             self.run::<T>("alltoall", input, output, shape, |c, inp, out| c.all_to_all(inp, out))
         })

@@ -7,6 +7,7 @@
 
 use cudarc::nccl::{result, sys};
 
+use super::bytes;
 use super::cuda::{CudaBuffer, CudaDevice};
 use super::DeviceBuffer;
 use crate::comm::Comm;
@@ -133,8 +134,13 @@ impl NcclComm {
         &self,
         op: &'static str,
         b: &dyn DeviceBuffer,
-        bytes: usize,
+        bytes: Option<usize>,
     ) -> Result<*mut std::ffi::c_void> {
+        let bytes = bytes.ok_or_else(|| Error::InvalidArgument {
+            rank: self.rank,
+            op,
+            detail: "the element count times its size overflows".into(),
+        })?;
         let cb = b.as_any().downcast_ref::<CudaBuffer>().ok_or_else(|| Error::InvalidArgument {
             rank: self.rank,
             op,
@@ -185,7 +191,7 @@ impl NcclComm {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        let p = self.ptr("allreduce", buf, count * size_of::<T>())?;
+        let p = self.ptr("allreduce", buf, bytes(&[count, size_of::<T>()]))?;
         let dt = self.dtype::<T>("allreduce")?;
         // SAFETY: `p` holds `count` elements (checked); the stream is synchronised before return.
         let r = unsafe { result::all_reduce(p, p, count, dt, nccl_op(op), self.comm, self.stream) };
@@ -206,8 +212,8 @@ impl NcclComm {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        let i = self.ptr("allreduce", input, count * size_of::<T>())?;
-        let o = self.ptr("allreduce", output, count * size_of::<T>())?;
+        let i = self.ptr("allreduce", input, bytes(&[count, size_of::<T>()]))?;
+        let o = self.ptr("allreduce", output, bytes(&[count, size_of::<T>()]))?;
         let dt = self.dtype::<T>("allreduce")?;
         // SAFETY: sizes checked; synchronised before return.
         let r = unsafe { result::all_reduce(i, o, count, dt, nccl_op(op), self.comm, self.stream) };
@@ -227,8 +233,8 @@ impl NcclComm {
         output: &dyn DeviceBuffer,
         count: usize,
     ) -> Result<()> {
-        let i = self.ptr("allgather", input, count * size_of::<T>())?;
-        let o = self.ptr("allgather", output, self.size * count * size_of::<T>())?;
+        let i = self.ptr("allgather", input, bytes(&[count, size_of::<T>()]))?;
+        let o = self.ptr("allgather", output, bytes(&[self.size, count, size_of::<T>()]))?;
         let dt = self.dtype::<T>("allgather")?;
         // SAFETY: sizes checked; synchronised before return.
         let r = unsafe { result::all_gather(i, o, count, dt, self.comm, self.stream) };
@@ -250,8 +256,8 @@ impl NcclComm {
         count: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        let i = self.ptr("reduce_scatter", input, self.size * count * size_of::<T>())?;
-        let o = self.ptr("reduce_scatter", output, count * size_of::<T>())?;
+        let i = self.ptr("reduce_scatter", input, bytes(&[self.size, count, size_of::<T>()]))?;
+        let o = self.ptr("reduce_scatter", output, bytes(&[count, size_of::<T>()]))?;
         let dt = self.dtype::<T>("reduce_scatter")?;
         // SAFETY: sizes checked; synchronised before return.
         let r =
@@ -272,7 +278,7 @@ impl NcclComm {
         count: usize,
         root: usize,
     ) -> Result<()> {
-        let p = self.ptr("broadcast", buf, count * size_of::<T>())?;
+        let p = self.ptr("broadcast", buf, bytes(&[count, size_of::<T>()]))?;
         let dt = self.dtype::<T>("broadcast")?;
         // SAFETY: size checked; synchronised before return.
         let r = unsafe { result::broadcast(p, p, count, dt, root as i32, self.comm, self.stream) };

@@ -28,9 +28,12 @@ impl Default for SimConfig {
     }
 }
 
-/// Memory of the simulated device (8-byte aligned words, so any element type fits).
+/// Memory of the simulated device (8-byte aligned words, so any element type fits). Each word
+/// is its own `UnsafeCell`, so the copy queue and the staging threads write through raw
+/// pointers without ever forming a `&mut` to the memory (which several threads at once would
+/// make undefined behaviour, even on disjoint ranges).
 struct Mem {
-    words: UnsafeCell<Vec<u64>>,
+    words: Box<[UnsafeCell<u64>]>,
     len: usize,
 }
 
@@ -40,12 +43,13 @@ unsafe impl Sync for Mem {}
 
 impl Mem {
     fn new(len: usize) -> Mem {
-        Mem { words: UnsafeCell::new(vec![0u64; len.div_ceil(8).max(2)]), len }
+        let words = (0..len.div_ceil(8).max(2)).map(|_| UnsafeCell::new(0u64)).collect();
+        Mem { words, len }
     }
 
     fn ptr(&self) -> *mut u8 {
-        // SAFETY: the vector is never resized; the pointer stays valid while `self` lives.
-        unsafe { (*self.words.get()).as_mut_ptr().cast() }
+        // A pointer to the first cell, valid for the whole slice, that writes may go through.
+        UnsafeCell::raw_get(self.words.as_ptr()).cast()
     }
 }
 

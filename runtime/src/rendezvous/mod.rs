@@ -13,9 +13,9 @@
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
@@ -28,6 +28,7 @@ use crate::transport::QuicConfig;
 pub mod env;
 pub mod ifaddr;
 pub mod launcher;
+pub mod secret;
 
 pub use env::{EnvInfo, Launcher, StoreSpec};
 
@@ -42,11 +43,17 @@ pub enum TransportKind {
 }
 
 /// Options for [`init`]; [`Options::from_env`] reads the `TUTTI_*` variables.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Options {
-    /// Job token (`TUTTI_TOKEN`). Default: none, and rank 0 generates one and hands it out
-    /// through the store. Hazard: without a token, anyone who can reach the store can join.
+    /// Job secret (`TUTTI_TOKEN`, or read from `TUTTI_TOKEN_FILE`), at least 16 characters.
+    /// Default: none; then a single-host job (store on a loopback address, or a file store)
+    /// makes one and keeps it in a file only this user can read, and a job whose store is
+    /// reachable from other hosts refuses to start unless `insecure` is set.
     pub token: Option<String>,
+    /// `TUTTI_INSECURE=1`: let a job without a secret whose store is reachable from other hosts
+    /// start, with rank 0 handing a fresh secret out through the store. Hazard: anyone who can
+    /// reach the store can then read it and join the job. Logged at warn on every rank.
+    pub insecure: bool,
     /// Interface filter (`TUTTI_SOCKET_IFNAME`, NCCL syntax). Default: the route to the master.
     pub ifname: Option<ifaddr::IfSpec>,
     /// Per-operation timeout (`TUTTI_TIMEOUT`, seconds). Default 30 s.
@@ -64,6 +71,7 @@ impl Default for Options {
     fn default() -> Options {
         Options {
             token: None,
+            insecure: false,
             ifname: None,
             timeout: crate::group::DEFAULT_TIMEOUT,
             transport: TransportKind::Tcp,
@@ -91,8 +99,22 @@ fn secs(name: &str, v: &str) -> Result<Duration> {
     Ok(Duration::from_secs_f64(f))
 }
 
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("token", &self.token.as_ref().map(|_| "(redacted)"))
+            .field("insecure", &self.insecure)
+            .field("ifname", &self.ifname)
+            .field("timeout", &self.timeout)
+            .field("transport", &self.transport)
+            .field("link", &self.link)
+            .field("quic", &self.quic)
+            .finish()
+    }
+}
+
 impl Options {
-    /// Read `TUTTI_TOKEN`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
+    /// Read `TUTTI_TOKEN` or `TUTTI_TOKEN_FILE`, `TUTTI_INSECURE`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
     /// `TUTTI_TRANSPORT`, `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER`, `TUTTI_QUIC_MTU`,
     /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US` and `TUTTI_WINDOW_BYTES`; an empty variable counts as
     /// unset.
@@ -110,7 +132,26 @@ impl Options {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
         let mut o = Options::default();
         let get = |k: &str| lookup(k).filter(|v| !v.is_empty());
-        o.token = get("TUTTI_TOKEN");
+        o.token = match (get("TUTTI_TOKEN"), get("TUTTI_TOKEN_FILE")) {
+            (Some(_), Some(_)) => {
+                return Err(Error::Config(
+                    "both TUTTI_TOKEN and TUTTI_TOKEN_FILE are set: set one".into(),
+                ))
+            }
+            (Some(t), None) => {
+                secret::check_token(&t, "TUTTI_TOKEN")?;
+                Some(t)
+            }
+            (None, Some(f)) => Some(secret::read_token_file(std::path::Path::new(&f))?),
+            (None, None) => None,
+        };
+        if let Some(v) = get("TUTTI_INSECURE") {
+            o.insecure = match v.trim() {
+                "1" => true,
+                "0" => false,
+                _ => return Err(Error::Config(format!("TUTTI_INSECURE={v:?}: expected 1 or 0"))),
+            };
+        }
         if let Some(v) = get("TUTTI_SOCKET_IFNAME") {
             o.ifname = Some(v.parse()?);
         }
@@ -198,17 +239,90 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
 pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
     let (rank, world) = (env.rank, env.world);
     let deadline = opts.link.connect_timeout;
-    let key = opts.token.as_deref().map(JobKey::from_token);
+    let until = Instant::now() + deadline;
     let mut keep: Vec<Arc<dyn std::any::Any + Send + Sync>> = Vec::new();
-    let (store, master_ip): (Arc<dyn Store>, Option<IpAddr>) = match &env.store {
-        StoreSpec::File(dir) => (Arc::new(FileStore::new(dir)?), None),
+    // Where the store is, and whether it is on this host only.
+    let (tcp_addr, local) = match &env.store {
+        StoreSpec::File(_) => (None, true),
         StoreSpec::Tcp { host, port } | StoreSpec::Remote { host, port } => {
-            let addr = resolve(host, *port)?;
+            let a = resolve(host, *port)?;
+            (Some(a), a.ip().is_loopback())
+        }
+    };
+    // The secret: given, or made by rank 0 and kept privately on this host, or (explicitly
+    // insecure) handed out through the store.
+    let secret_file = match (&opts.token, &env.store, tcp_addr) {
+        (Some(_), _, _) => None,
+        (None, StoreSpec::File(dir), _) => {
+            secret::private_dir(dir)?;
+            Some(dir.join("secret"))
+        }
+        (None, _, Some(a)) if local => {
+            Some(secret::local_dir()?.join(format!("store-{}.secret", a.port())))
+        }
+        (None, _, _) if opts.insecure => {
+            warn!(
+                rank,
+                "TUTTI_INSECURE=1: no job secret; rank 0 hands one out through the store, and \
+                 anyone who can reach the store can join this job"
+            );
+            None
+        }
+        (None, _, _) => {
+            return Err(Error::Config(
+                "this job's store is reachable from other hosts and there is no job secret: \
+                 set TUTTI_TOKEN (or TUTTI_TOKEN_FILE) to the same random string on every rank, \
+                 e.g. `export TUTTI_TOKEN=$(openssl rand -hex 16)`, or start with tutti-run; \
+                 TUTTI_INSECURE=1 runs without one"
+                    .into(),
+            ))
+        }
+    };
+    let mut token = opts.token.clone();
+    if let (None, Some(path)) = (&token, &secret_file) {
+        if rank == 0 {
+            let (guard, t) = secret::LocalSecret::create(path.clone())?;
+            keep.push(Arc::new(guard));
+            token = Some(t);
+        } else {
+            token = Some(secret::wait_local(path, rank, until)?);
+        }
+    }
+    let key = token.as_deref().map(JobKey::from_token);
+    let (store, master_ip): (Arc<dyn Store>, Option<IpAddr>) = match (&env.store, tcp_addr) {
+        (StoreSpec::File(dir), _) => {
+            let fs = FileStore::new(dir)?.with_key(key.clone());
+            keep.push(Arc::new(fs.leaver(world)));
+            (Arc::new(fs), None)
+        }
+        (_, Some(addr)) => {
             if rank == 0 && matches!(env.store, StoreSpec::Tcp { .. }) {
                 keep.push(Arc::new(StoreServer::start(addr, world, key.clone())?));
             }
-            let s = TcpStore::connect(addr, rank, world, key.as_ref(), deadline)?;
+            let s = match (&secret_file, rank) {
+                // A secret file may hold an older job's secret until rank 0 replaces it: when
+                // the store refuses ours, read the file again.
+                (Some(path), r) if r != 0 => loop {
+                    let t = token.clone().unwrap_or_default();
+                    let k = JobKey::from_token(&t);
+                    match TcpStore::connect(addr, rank, world, Some(&k), deadline) {
+                        Ok(s) => break s,
+                        Err(e) if Instant::now() < until => {
+                            let again = secret::wait_local(path, rank, until)?;
+                            if again == t {
+                                return Err(e);
+                            }
+                            token = Some(again);
+                        }
+                        Err(e) => return Err(e),
+                    }
+                },
+                _ => TcpStore::connect(addr, rank, world, key.as_ref(), deadline)?,
+            };
             (Arc::new(s), Some(addr.ip()))
+        }
+        (_, None) => {
+            return Err(Error::Config("a TCP store without an address (internal error)".into()))
         }
     };
     let claims = store.add(&format!("tutti/rank/{rank}"), 1)?;
@@ -222,14 +336,15 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         });
     }
     let (token, job) = if rank == 0 {
-        let token = match &opts.token {
-            Some(t) => t.clone(),
-            None => auth::random_token().map_err(Error::Config)?,
+        let token = match token {
+            Some(t) => t,
+            None => {
+                let t = auth::random_token().map_err(Error::Config)?;
+                store.set("tutti/token", t.as_bytes())?;
+                t
+            }
         };
         let job = u64::from_le_bytes(auth::random::<8>().map_err(Error::Config)?);
-        if opts.token.is_none() {
-            store.set("tutti/token", token.as_bytes())?;
-        }
         store.set("tutti/job", &job.to_le_bytes())?;
         (token, job)
     } else {
@@ -242,8 +357,8 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
             <[u8; 8]>::try_from(job_raw.as_slice()).map(u64::from_le_bytes).map_err(|_| {
                 Error::Rendezvous { rank, detail: "malformed job id in the store".into() }
             })?;
-        let token = match &opts.token {
-            Some(t) => t.clone(),
+        let token = match token {
+            Some(t) => t,
             None => String::from_utf8_lossy(&store.get("tutti/token", deadline)?).into_owned(),
         };
         (token, job)

@@ -1,22 +1,22 @@
 //! The TCP store's client.
 
-use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::protocol::{
-    read_frame, write_frame, Request, Response, StoreHello, MAX_HELLO, MAX_STORE_MESSAGE,
-    STORE_MAGIC, STORE_VERSION,
+    hello_proof, recv, send, Request, Response, Seal, Side, StoreHello, CLIENT_PROOF,
+    HANDSHAKE_DEADLINE, MAX_HELLO, MAX_STORE_MESSAGE, SERVER_PROOF, STORE_MAGIC, STORE_VERSION,
 };
 use super::Store;
-use crate::auth::JobKey;
+use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
+use crate::util::read_exact_by;
 
 /// A client of a [`StoreServer`](super::StoreServer).
 pub struct TcpStore {
     addr: SocketAddr,
-    conn: Mutex<TcpStream>,
+    conn: Mutex<(TcpStream, Option<Seal>)>,
 }
 
 impl std::fmt::Debug for TcpStore {
@@ -27,10 +27,13 @@ impl std::fmt::Debug for TcpStore {
 
 impl TcpStore {
     /// Connect to the store at `addr`, retrying until `timeout` (the server may start later).
+    /// With a `key`, the server must prove it holds the same one, and every later answer is
+    /// checked against its tag.
     ///
     /// # Errors
-    /// [`Error::Store`] when no server answers in time or the server refuses this client (world
-    /// size disagreement, wrong token); the message says which.
+    /// [`Error::Store`] when no server answers in time, the server refuses this client (world
+    /// size disagreement, wrong secret), or the server cannot prove the job key (not this job's
+    /// store, or something between us rewrote its answer); the message says which.
     pub fn connect(
         addr: SocketAddr,
         rank: usize,
@@ -39,57 +42,123 @@ impl TcpStore {
         timeout: Duration,
     ) -> Result<TcpStore> {
         let deadline = Instant::now() + timeout;
-        let err = |detail: String| Error::Store { addr: addr.to_string(), detail };
         let mut backoff = Duration::from_millis(5);
-        let mut s = loop {
+        loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
-                Ok(s) => break s,
-                Err(e) => {
+            let attempt =
+                match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
+                    Ok(s) => hello(s, addr, rank, world, key),
+                    Err(e) => Err(Attempt::Retry(store_err(
+                        addr,
+                        format!(
+                        "no store answered within {timeout:?} ({e}); is rank 0 running and are \
+                         MASTER_ADDR/MASTER_PORT right?"
+                    ),
+                    ))),
+                };
+            match attempt {
+                Ok(conn) => return Ok(TcpStore { addr, conn: Mutex::new(conn) }),
+                Err(Attempt::Final(e)) => return Err(e),
+                Err(Attempt::Retry(e)) => {
                     if Instant::now() + backoff >= deadline {
-                        return Err(err(format!(
-                            "no store answered within {timeout:?} ({e}); is rank 0 running and \
-                             are MASTER_ADDR/MASTER_PORT right?"
-                        )));
+                        return Err(e);
                     }
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
                 }
             }
-        };
-        let io = |e: std::io::Error| err(format!("handshake with the store failed: {e}"));
-        s.set_nodelay(true).map_err(io)?;
-        s.set_read_timeout(Some(timeout.max(Duration::from_secs(1)))).map_err(io)?;
-        let mut nonce = [0u8; 16];
-        s.read_exact(&mut nonce).map_err(io)?;
-        let (r, w) = (rank as u32, world as u32);
-        let hello = StoreHello {
-            magic: STORE_MAGIC,
-            version: STORE_VERSION,
-            rank: r,
-            world: w,
-            mac: key.map(|k| k.mac(&[b"store", &nonce, &r.to_le_bytes(), &w.to_le_bytes()])),
-        };
-        write_frame(&mut s, &hello).map_err(io)?;
-        let body = read_frame(&mut s, MAX_HELLO).map_err(io)?;
-        match postcard::from_bytes::<Response>(&body) {
-            Ok(Response::Ok) => {}
-            Ok(Response::Err(e)) => return Err(err(format!("store refused rank {rank}: {e}"))),
-            _ => return Err(err("store sent a malformed answer".into())),
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(200));
         }
-        s.set_read_timeout(None).map_err(io)?;
-        Ok(TcpStore { addr, conn: Mutex::new(s) })
     }
 
     fn call(&self, req: &Request, timeout: Duration) -> Result<Response> {
         let err = |detail: String| Error::Store { addr: self.addr.to_string(), detail };
-        let mut s = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let io = |e: std::io::Error| err(format!("store connection failed (rank 0 died?): {e}"));
-        s.set_read_timeout(Some(timeout.saturating_add(Duration::from_secs(10)))).map_err(io)?;
-        write_frame(&mut s, req).map_err(io)?;
-        let body = read_frame(&mut s, MAX_STORE_MESSAGE).map_err(io)?;
+        let mut g = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let (s, seal) = &mut *g;
+        let io = |e: std::io::Error| {
+            if e.kind() == std::io::ErrorKind::InvalidData {
+                err(format!("the store's answer failed its check: {e}"))
+            } else {
+                err(format!("store connection failed (rank 0 died?): {e}"))
+            }
+        };
+        send(s, seal.as_mut(), req).map_err(io)?;
+        let by = Instant::now()
+            .checked_add(timeout.saturating_add(Duration::from_secs(10)))
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 30));
+        let body = recv(s, seal.as_mut(), MAX_STORE_MESSAGE, by).map_err(io)?;
         postcard::from_bytes(&body).map_err(|e| err(format!("malformed store answer: {e}")))
     }
+}
+
+/// How one connection attempt ended, when it did not connect.
+enum Attempt {
+    /// An answer: a refusal, a failed proof. Trying again would not change it.
+    Final(Error),
+    /// No server yet, or one too busy to greet us (it closes at once when
+    /// `MAX_UNAUTHENTICATED` hellos are under way): try again until the deadline.
+    Retry(Error),
+}
+
+fn store_err(addr: SocketAddr, detail: String) -> Error {
+    Error::Store { addr: addr.to_string(), detail }
+}
+
+/// The hello exchange on a fresh connection.
+fn hello(
+    mut s: TcpStream,
+    addr: SocketAddr,
+    rank: usize,
+    world: usize,
+    key: Option<&JobKey>,
+) -> std::result::Result<(TcpStream, Option<Seal>), Attempt> {
+    let fail = |e: std::io::Error| {
+        Attempt::Final(store_err(addr, format!("handshake with the store failed: {e}")))
+    };
+    s.set_nodelay(true).map_err(fail)?;
+    s.set_write_timeout(Some(HANDSHAKE_DEADLINE)).map_err(fail)?;
+    // The server's deadline for the whole hello is HANDSHAKE_DEADLINE; ours is a little longer,
+    // so a slow server is told apart from a dead one by its own refusal.
+    let hs_deadline = Instant::now() + HANDSHAKE_DEADLINE + Duration::from_secs(1);
+    let mut nonce_s = [0u8; 16];
+    read_exact_by(&mut s, &mut nonce_s, hs_deadline).map_err(|e| {
+        Attempt::Retry(store_err(
+            addr,
+            format!("the store closed the connection before greeting us (busy?): {e}"),
+        ))
+    })?;
+    let nonce = auth::random::<16>().map_err(|e| Attempt::Final(store_err(addr, e)))?;
+    let mut hello = StoreHello {
+        magic: STORE_MAGIC,
+        version: STORE_VERSION,
+        rank: rank as u32,
+        world: world as u32,
+        nonce,
+        mac: None,
+    };
+    hello.mac = key.map(|k| hello_proof(k, CLIENT_PROOF, &nonce_s, &hello));
+    send(&mut s, None, &hello).map_err(fail)?;
+    let body = recv(&mut s, None, MAX_HELLO, hs_deadline).map_err(fail)?;
+    let final_err = |d: String| Attempt::Final(store_err(addr, d));
+    match postcard::from_bytes::<Response>(&body) {
+        Ok(Response::Welcome(proof)) => {
+            if let Some(k) = key {
+                let want = hello_proof(k, SERVER_PROOF, &nonce_s, &hello);
+                if !proof.is_some_and(|p| auth::ct_eq(&want, &p)) {
+                    return Err(final_err(
+                        "the store did not prove it holds the job secret: it is not this job's \
+                         store, or something between us rewrote its answer; check \
+                         MASTER_ADDR/MASTER_PORT and TUTTI_TOKEN"
+                            .into(),
+                    ));
+                }
+            }
+        }
+        Ok(Response::Err(e)) => return Err(final_err(format!("store refused rank {rank}: {e}"))),
+        _ => return Err(final_err("store sent a malformed answer".into())),
+    }
+    let seal = key.map(|k| Seal::new(k.clone(), &nonce_s, &hello.nonce, Side::Client));
+    s.set_write_timeout(Some(Duration::from_secs(10))).map_err(fail)?;
+    Ok((s, seal))
 }
 
 fn unexpected(addr: &SocketAddr, r: Response) -> Error {

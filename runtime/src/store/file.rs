@@ -1,30 +1,58 @@
 //! A store in a shared directory.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::Store;
-use crate::auth;
+use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
 
 /// A store in a directory of a shared filesystem: one file per key, written atomically.
-#[derive(Debug, Clone)]
+///
+/// The directory is created with mode 0700 (or, when it exists, must be a directory of this
+/// user's that nobody else can enter), and every file is 0600. With a job key
+/// ([`with_key`](FileStore::with_key)) each value carries an HMAC over its key and contents, so a
+/// file changed or planted by someone who can write there is refused, naming the key.
+#[derive(Clone)]
 pub struct FileStore {
     dir: PathBuf,
+    key: Option<JobKey>,
 }
+
+impl std::fmt::Debug for FileStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileStore")
+            .field("dir", &self.dir)
+            .field("authenticated", &self.key.is_some())
+            .finish()
+    }
+}
+
+const TAG: usize = 32;
 
 impl FileStore {
     /// Use (and create) `dir`.
     ///
     /// # Errors
-    /// [`Error::Store`] when the directory cannot be created.
+    /// [`Error::Config`] when the directory cannot be created, is not this user's, or others
+    /// can enter it.
     pub fn new(dir: impl Into<PathBuf>) -> Result<FileStore> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(|e| Error::Store {
-            addr: dir.display().to_string(),
-            detail: format!("cannot create the store directory: {e}"),
-        })?;
-        Ok(FileStore { dir })
+        crate::rendezvous::secret::private_dir(&dir)?;
+        Ok(FileStore { dir, key: None })
+    }
+
+    /// Authenticate every value with `key` (none: plain contents).
+    pub fn with_key(mut self, key: Option<JobKey>) -> FileStore {
+        self.key = key;
+        self
+    }
+
+    /// A guard that, when dropped by each of the `world` ranks, counts them out; the last one
+    /// out removes the directory (a job that ends cleanly leaves nothing behind).
+    pub fn leaver(&self, world: usize) -> FileStoreLeaver {
+        FileStoreLeaver { store: self.clone(), world }
     }
 
     fn path(&self, key: &str) -> PathBuf {
@@ -37,18 +65,58 @@ impl FileStore {
         Error::Store { addr: self.dir.display().to_string(), detail }
     }
 
+    fn seal(&self, key: &str, value: &[u8]) -> Vec<u8> {
+        let mut v = value.to_vec();
+        if let Some(k) = &self.key {
+            v.extend_from_slice(&k.mac(&[b"tutti-file-store", key.as_bytes(), b"\0", value]));
+        }
+        v
+    }
+
+    fn open(&self, key: &str, mut raw: Vec<u8>) -> Result<Vec<u8>> {
+        let Some(k) = &self.key else { return Ok(raw) };
+        let bad = || {
+            self.err(format!(
+                "integrity check failed for key {key:?}: the file was changed or written by \
+                 someone without the job secret"
+            ))
+        };
+        if raw.len() < TAG {
+            return Err(bad());
+        }
+        let tag = raw.split_off(raw.len() - TAG);
+        if !k.verify(&[b"tutti-file-store", key.as_bytes(), b"\0", &raw], &tag) {
+            return Err(bad());
+        }
+        Ok(raw)
+    }
+
+    fn read(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        match std::fs::read(self.path(key)) {
+            Ok(v) => self.open(key, v).map(Some),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(self.err(format!("reading {key:?}: {e}"))),
+        }
+    }
+
     fn write_atomic(&self, key: &str, value: &[u8]) -> Result<()> {
+        use std::io::Write;
         let path = self.path(key);
-        let tmp = self.dir.join(format!(
-            ".tmp-{}-{}",
-            std::process::id(),
-            auth::random::<8>()
-                .map_err(|e| self.err(e))?
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        ));
-        std::fs::write(&tmp, value).map_err(|e| self.err(format!("writing {key:?}: {e}")))?;
+        let rnd: String = auth::random::<8>()
+            .map_err(|e| self.err(e))?
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let tmp = self.dir.join(format!(".tmp-{}-{rnd}", std::process::id()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| self.err(format!("writing {key:?}: {e}")))?;
+        f.write_all(&self.seal(key, value))
+            .map_err(|e| self.err(format!("writing {key:?}: {e}")))?;
+        drop(f);
         std::fs::rename(&tmp, &path).map_err(|e| self.err(format!("renaming {key:?}: {e}")))
     }
 
@@ -58,6 +126,7 @@ impl FileStore {
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(self.dir.join(".lock"))
             .map_err(|e| self.err(format!("opening the lock file: {e}")))?;
         // SAFETY: flock on a descriptor we own; released when `lock` is closed.
@@ -65,6 +134,23 @@ impl FileStore {
             return Err(self.err(format!("locking: {}", std::io::Error::last_os_error())));
         }
         f()
+    }
+}
+
+/// See [`FileStore::leaver`].
+#[derive(Debug)]
+pub struct FileStoreLeaver {
+    store: FileStore,
+    world: usize,
+}
+
+impl Drop for FileStoreLeaver {
+    fn drop(&mut self) {
+        if let Ok(n) = self.store.add("tutti/left", 1) {
+            if n >= self.world as i64 {
+                let _ = std::fs::remove_dir_all(&self.store.dir);
+            }
+        }
     }
 }
 
@@ -76,10 +162,8 @@ impl Store for FileStore {
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let deadline = Instant::now() + timeout;
         loop {
-            match std::fs::read(self.path(key)) {
-                Ok(v) => return Ok(v),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(self.err(format!("reading {key:?}: {e}"))),
+            if let Some(v) = self.read(key)? {
+                return Ok(v);
             }
             if Instant::now() >= deadline {
                 return Err(Error::StoreTimeout {
@@ -94,13 +178,12 @@ impl Store for FileStore {
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         self.with_lock(|| {
-            let cur = match std::fs::read(self.path(key)) {
-                Ok(v) => std::str::from_utf8(&v)
+            let cur = match self.read(key)? {
+                Some(v) => std::str::from_utf8(&v)
                     .ok()
                     .and_then(|s| s.parse::<i64>().ok())
                     .ok_or_else(|| self.err(format!("key {key:?} is not an integer")))?,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
-                Err(e) => return Err(self.err(format!("reading {key:?}: {e}"))),
+                None => 0,
             };
             let new = cur.wrapping_add(delta);
             self.write_atomic(key, new.to_string().as_bytes())?;

@@ -17,9 +17,12 @@ mod protocol;
 mod server;
 
 pub use client::TcpStore;
-pub use file::FileStore;
-pub use protocol::{decode_request, Request, Response, StoreHello, MAX_STORE_MESSAGE};
-pub use server::StoreServer;
+pub use file::{FileStore, FileStoreLeaver};
+pub use protocol::{
+    decode_request, Request, Response, StoreHello, HANDSHAKE_DEADLINE, MAX_KEY, MAX_STORE_MESSAGE,
+    MAX_VALUE, MESSAGE_DEADLINE,
+};
+pub use server::{max_clients, Quota, StoreServer, MAX_UNAUTHENTICATED};
 
 /// A rendezvous key-value store shared by the ranks of a job.
 ///
@@ -87,6 +90,58 @@ pub(crate) fn get_or(
         Error::StoreTimeout { .. } => on_timeout(),
         other => other,
     })
+}
+
+/// Publish `value` under `name`, bound to the job: what is stored is `value` followed by
+/// `HMAC(k, "tutti-entry" ‖ job ‖ name ‖ 0 ‖ value)`, so a store that is not authenticated, or
+/// an answer rewritten on its way, cannot substitute an address or a certificate fingerprint.
+///
+/// # Errors
+/// As [`Store::set`].
+pub(crate) fn set_signed(
+    store: &dyn Store,
+    key: &crate::auth::JobKey,
+    job: u64,
+    name: &str,
+    value: &[u8],
+) -> Result<()> {
+    let mut v = value.to_vec();
+    v.extend_from_slice(&key.mac(&[
+        b"tutti-entry",
+        &job.to_le_bytes(),
+        name.as_bytes(),
+        b"\0",
+        value,
+    ]));
+    store.set(name, &v)
+}
+
+/// The value of an entry written by [`set_signed`], or `None` when its tag does not check out
+/// (forged, altered, or written under another secret or job).
+pub(crate) fn open_signed(
+    key: &crate::auth::JobKey,
+    job: u64,
+    name: &str,
+    mut raw: Vec<u8>,
+) -> Option<Vec<u8>> {
+    if raw.len() < 32 {
+        return None;
+    }
+    let tag = raw.split_off(raw.len() - 32);
+    key.verify(&[b"tutti-entry", &job.to_le_bytes(), name.as_bytes(), b"\0", &raw], &tag)
+        .then_some(raw)
+}
+
+/// What a rank says when a peer's published entry fails its check.
+pub(crate) fn forged(rank: usize, peer: usize, what: &str) -> Error {
+    Error::Rendezvous {
+        rank,
+        detail: format!(
+            "rank {peer}'s published {what} fails its check against the job secret: the store's \
+             answer was forged or altered on its way (or rank {peer} runs with another secret); \
+             nothing was sent to it"
+        ),
+    }
 }
 
 #[cfg(test)]

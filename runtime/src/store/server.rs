@@ -1,10 +1,14 @@
 //! The TCP store server: one thread accepts, one thread per connection serves.
+//!
+//! Bounded whatever clients do: at most [`MAX_UNAUTHENTICATED`] connections may be in their
+//! hello at once (more are closed at once), each must finish it within the handshake deadline,
+//! authenticated connections are capped by the world size, and the data held is capped per
+//! client and in total ([`Quota`]).
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,69 +16,164 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use super::protocol::{
-    decode_request, read_frame, write_frame, Request, Response, StoreHello, MAX_HELLO,
-    MAX_STORE_MESSAGE, STORE_MAGIC, STORE_VERSION,
+    decode_request, hello_proof, recv, send, Request, Response, Seal, Side, StoreHello,
+    CLIENT_PROOF, HANDSHAKE_DEADLINE, MAX_HELLO, MAX_KEY, MAX_STORE_MESSAGE, MAX_VALUE,
+    MESSAGE_DEADLINE, SERVER_PROOF, STORE_MAGIC, STORE_VERSION,
 };
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
+use crate::util::Slot;
+
+/// Connections allowed in their hello at once; more are closed as soon as they are accepted.
+pub const MAX_UNAUTHENTICATED: usize = 64;
+
+/// Authenticated connections allowed at once, for a job of `world` ranks: every rank's client
+/// and the transports' (a rank holds one), with room for a launcher's and tools'.
+pub fn max_clients(world: usize) -> usize {
+    world.saturating_mul(4).saturating_add(16)
+}
+
+/// What the store holds at most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    /// Keys in the store.
+    pub keys: usize,
+    /// Bytes of keys and values in the store.
+    pub bytes: usize,
+    /// Bytes of keys and values last written by one connection.
+    pub per_client: usize,
+}
+
+impl Default for Quota {
+    /// 65,536 keys, 64 MiB in all, 8 MiB per client; a rendezvous uses a few hundred bytes per
+    /// rank.
+    fn default() -> Quota {
+        Quota { keys: 65_536, bytes: 64 << 20, per_client: 8 << 20 }
+    }
+}
+
+struct Entry {
+    value: Vec<u8>,
+    owner: u64,
+}
 
 #[derive(Default)]
+struct Data {
+    map: HashMap<String, Entry>,
+    bytes: usize,
+    per_owner: HashMap<u64, usize>,
+}
+
 struct Shared {
-    map: Mutex<HashMap<String, Vec<u8>>>,
+    data: Mutex<Data>,
     cv: Condvar,
+    quota: Quota,
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Data> {
+        self.data.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn serve(&self, req: Request) -> Response {
+    /// Insert `key` = `value` for `owner`, within the quotas.
+    fn put(&self, d: &mut Data, key: String, value: Vec<u8>, owner: u64) -> Response {
+        let size = key.len() + value.len();
+        let old = d.map.get(&key).map(|e| (key.len() + e.value.len(), e.owner));
+        let freed = old.map_or(0, |(n, _)| n);
+        if old.is_none() && d.map.len() >= self.quota.keys {
+            return Response::Err(format!("store full: {} keys", self.quota.keys));
+        }
+        if d.bytes - freed + size > self.quota.bytes {
+            return Response::Err(format!("store full: {} bytes", self.quota.bytes));
+        }
+        let mine = d.per_owner.get(&owner).copied().unwrap_or(0);
+        let mine_after = mine - if old.is_some_and(|(_, o)| o == owner) { freed } else { 0 } + size;
+        if mine_after > self.quota.per_client {
+            return Response::Err(format!(
+                "this client's store quota of {} bytes is used up",
+                self.quota.per_client
+            ));
+        }
+        if let Some((n, o)) = old {
+            if let Some(b) = d.per_owner.get_mut(&o) {
+                *b -= n;
+            }
+        }
+        *d.per_owner.entry(owner).or_insert(0) += size;
+        d.bytes = d.bytes - freed + size;
+        d.map.insert(key, Entry { value, owner });
+        self.cv.notify_all();
+        Response::Ok
+    }
+
+    fn serve(&self, req: Request, owner: u64) -> Response {
+        let too_long = |k: &str| k.len() > MAX_KEY;
         match req {
             Request::Set { key, value } => {
-                self.lock().insert(key, value);
-                self.cv.notify_all();
-                Response::Ok
+                if too_long(&key) || value.len() > MAX_VALUE {
+                    return Response::Err(format!(
+                        "key or value too large (limits {MAX_KEY} and {MAX_VALUE} bytes)"
+                    ));
+                }
+                let mut d = self.lock();
+                self.put(&mut d, key, value, owner)
             }
             Request::Get { key, timeout_ms } => {
-                let deadline = Instant::now() + Duration::from_millis(timeout_ms);
-                let mut m = self.lock();
+                let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(1 << 40));
+                let mut d = self.lock();
                 loop {
-                    if let Some(v) = m.get(&key) {
-                        return Response::Value(v.clone());
+                    if let Some(e) = d.map.get(&key) {
+                        return Response::Value(e.value.clone());
                     }
                     let now = Instant::now();
                     if now >= deadline {
                         return Response::Timeout;
                     }
-                    m = self
+                    d = self
                         .cv
-                        .wait_timeout(m, deadline - now)
+                        .wait_timeout(d, deadline - now)
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
                 }
             }
             Request::Add { key, delta } => {
-                let mut m = self.lock();
-                let cur = match m.get(&key) {
+                if too_long(&key) {
+                    return Response::Err(format!("key too long (limit {MAX_KEY} bytes)"));
+                }
+                let mut d = self.lock();
+                let cur = match d.map.get(&key) {
                     None => 0,
-                    Some(v) => {
-                        match std::str::from_utf8(v).ok().and_then(|s| s.parse::<i64>().ok()) {
+                    Some(e) => {
+                        match std::str::from_utf8(&e.value).ok().and_then(|s| s.parse::<i64>().ok())
+                        {
                             Some(n) => n,
                             None => return Response::Err(format!("key {key:?} is not an integer")),
                         }
                     }
                 };
                 let new = cur.wrapping_add(delta);
-                m.insert(key, new.to_string().into_bytes());
-                drop(m);
-                self.cv.notify_all();
-                Response::Int(new)
+                match self.put(&mut d, key, new.to_string().into_bytes(), owner) {
+                    Response::Ok => Response::Int(new),
+                    refused => refused,
+                }
             }
-            Request::Delete { key } => Response::Bool(self.lock().remove(&key).is_some()),
+            Request::Delete { key } => {
+                let mut d = self.lock();
+                match d.map.remove(&key) {
+                    Some(e) => {
+                        let n = key.len() + e.value.len();
+                        d.bytes -= n;
+                        if let Some(b) = d.per_owner.get_mut(&e.owner) {
+                            *b -= n;
+                        }
+                        Response::Bool(true)
+                    }
+                    None => Response::Bool(false),
+                }
+            }
             Request::Check { keys } => {
-                let m = self.lock();
-                Response::Bool(keys.iter().all(|k| m.contains_key(k)))
+                let d = self.lock();
+                Response::Bool(keys.iter().all(|k| d.map.contains_key(k)))
             }
         }
     }
@@ -114,10 +213,24 @@ impl StoreServer {
     /// # Errors
     /// [`Error::Io`] when the listener cannot be configured.
     pub fn serve(listener: TcpListener, world: usize, key: Option<JobKey>) -> Result<StoreServer> {
+        Self::serve_with(listener, world, key, Quota::default())
+    }
+
+    /// Serve on an already bound listener, holding at most `quota`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the listener cannot be configured.
+    pub fn serve_with(
+        listener: TcpListener,
+        world: usize,
+        key: Option<JobKey>,
+        quota: Quota,
+    ) -> Result<StoreServer> {
         let addr = listener.local_addr().map_err(|e| Error::io(0, "store address", &e))?;
         listener.set_nonblocking(true).map_err(|e| Error::io(0, "store listener", &e))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let shared = Arc::new(Shared::default());
+        let shared =
+            Arc::new(Shared { data: Mutex::new(Data::default()), cv: Condvar::new(), quota });
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("tutti-store".into())
@@ -149,16 +262,30 @@ fn accept_loop(
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
 ) {
+    let hello = Arc::new(AtomicUsize::new(0));
+    let clients = Arc::new(AtomicUsize::new(0));
+    let next_id = AtomicU64::new(0);
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((s, peer)) => {
-                let (shared, key, stop) = (shared.clone(), key.clone(), stop.clone());
-                let _ =
+                let Some(slot) = Slot::take(&hello, MAX_UNAUTHENTICATED) else {
+                    debug!(%peer, "store: {MAX_UNAUTHENTICATED} connections already in their hello; closed");
+                    drop(s);
+                    continue;
+                };
+                let (shared, key, stop, clients) =
+                    (shared.clone(), key.clone(), stop.clone(), clients.clone());
+                let id = next_id.fetch_add(1, Ordering::Relaxed);
+                let spawned =
                     std::thread::Builder::new().name("tutti-store-conn".into()).spawn(move || {
-                        if let Err(e) = serve_conn(s, world, key.as_ref(), &shared, &stop) {
+                        let conn = Conn { world, key: key.as_ref(), shared: &shared, stop: &stop };
+                        if let Err(e) = conn.serve(s, slot, &clients, id) {
                             warn!(%peer, "store connection dropped: {e}");
                         }
                     });
+                if let Err(e) = spawned {
+                    warn!("store: cannot start a connection thread: {e}");
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 crate::util::wait_readable(listener.as_raw_fd(), Duration::from_millis(100));
@@ -171,67 +298,78 @@ fn accept_loop(
     }
 }
 
-fn serve_conn(
-    mut s: TcpStream,
+struct Conn<'a> {
     world: usize,
-    key: Option<&JobKey>,
-    shared: &Shared,
-    stop: &AtomicBool,
-) -> std::result::Result<(), String> {
-    s.set_nonblocking(false).map_err(|e| e.to_string())?;
-    s.set_nodelay(true).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    let nonce = auth::random::<16>()?;
-    s.write_all(&nonce).map_err(|e| e.to_string())?;
-    let body = read_frame(&mut s, MAX_HELLO).map_err(|e| format!("no valid hello: {e}"))?;
-    let hello: StoreHello =
-        postcard::from_bytes(&body).map_err(|e| format!("malformed hello: {e}"))?;
-    let verdict = check_hello(&hello, world, key, &nonce);
-    let ok = verdict.is_ok();
-    let resp = match verdict {
-        Ok(()) => Response::Ok,
-        Err(e) => Response::Err(e),
-    };
-    write_frame(&mut s, &resp).map_err(|e| e.to_string())?;
-    if !ok {
-        return Err(format!("refused client claiming rank {}", hello.rank));
-    }
-    // Requests may legitimately wait long (a get with a long timeout), so poll for stop instead
-    // of a read timeout.
-    s.set_read_timeout(Some(Duration::from_millis(200))).map_err(|e| e.to_string())?;
-    loop {
-        let mut len = [0u8; 4];
-        match s.read_exact(&mut len) {
-            Ok(()) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                if stop.load(Ordering::SeqCst) {
-                    return Ok(());
-                }
-                continue;
-            }
-            Err(_) => return Ok(()), // client went away
-        }
-        let len = u32::from_le_bytes(len) as usize;
-        if len > MAX_STORE_MESSAGE {
-            return Err(format!("request of {len} bytes exceeds the limit"));
-        }
-        let mut body = vec![0u8; len];
-        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-        s.read_exact(&mut body).map_err(|e| format!("truncated request: {e}"))?;
-        s.set_read_timeout(Some(Duration::from_millis(200))).map_err(|e| e.to_string())?;
-        let resp = match decode_request(&body) {
-            Ok(req) => shared.serve(req),
+    key: Option<&'a JobKey>,
+    shared: &'a Shared,
+    stop: &'a AtomicBool,
+}
+
+impl Conn<'_> {
+    fn serve(
+        &self,
+        mut s: TcpStream,
+        hello_slot: Slot,
+        clients: &Arc<AtomicUsize>,
+        id: u64,
+    ) -> std::result::Result<(), String> {
+        let deadline = Instant::now() + HANDSHAKE_DEADLINE;
+        s.set_nonblocking(false).map_err(|e| e.to_string())?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        s.set_write_timeout(Some(HANDSHAKE_DEADLINE)).map_err(|e| e.to_string())?;
+        let nonce_s = auth::random::<16>()?;
+        std::io::Write::write_all(&mut s, &nonce_s).map_err(|e| e.to_string())?;
+        let body =
+            recv(&mut s, None, MAX_HELLO, deadline).map_err(|e| format!("no valid hello: {e}"))?;
+        let hello: StoreHello =
+            postcard::from_bytes(&body).map_err(|e| format!("malformed hello: {e}"))?;
+        let verdict = check_hello(&hello, self.world, self.key, &nonce_s);
+        let slot = match verdict {
+            Ok(()) => Slot::take(clients, max_clients(self.world)).ok_or_else(|| {
+                format!("more than {} store clients at once", max_clients(self.world))
+            }),
+            Err(e) => Err(e),
+        };
+        let slot = match slot {
+            Ok(slot) => slot,
             Err(e) => {
-                let _ = write_frame(&mut s, &Response::Err(e.clone()));
-                return Err(e);
+                let _ = send(&mut s, None, &Response::Err(e.clone()));
+                return Err(format!("refused a client: {e}"));
             }
         };
-        write_frame(&mut s, &resp).map_err(|e| e.to_string())?;
+        drop(hello_slot);
+        let proof = self.key.map(|k| hello_proof(k, SERVER_PROOF, &nonce_s, &hello));
+        send(&mut s, None, &Response::Welcome(proof)).map_err(|e| e.to_string())?;
+        let mut seal = self.key.map(|k| Seal::new(k.clone(), &nonce_s, &hello.nonce, Side::Server));
+        let _slot = slot;
+        // Requests may legitimately wait long (a get with a long timeout), so wait for the next
+        // one in slices, checking for stop; a message, once begun, must arrive whole in time.
+        s.set_write_timeout(Some(MESSAGE_DEADLINE)).map_err(|e| e.to_string())?;
+        loop {
+            while !crate::util::wait_readable(s.as_raw_fd(), Duration::from_millis(200)) {
+                if self.stop.load(Ordering::SeqCst) {
+                    return Ok(());
+                }
+            }
+            let body = match recv(
+                &mut s,
+                seal.as_mut(),
+                MAX_STORE_MESSAGE,
+                Instant::now() + MESSAGE_DEADLINE,
+            ) {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(format!("bad request from rank {}: {e}", hello.rank)),
+            };
+            let resp = match decode_request(&body) {
+                Ok(req) => self.shared.serve(req, id),
+                Err(e) => {
+                    let _ = send(&mut s, seal.as_mut(), &Response::Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            send(&mut s, seal.as_mut(), &resp).map_err(|e| e.to_string())?;
+        }
     }
 }
 
@@ -239,7 +377,7 @@ fn check_hello(
     h: &StoreHello,
     world: usize,
     key: Option<&JobKey>,
-    nonce: &[u8; 16],
+    nonce_s: &[u8; 16],
 ) -> std::result::Result<(), String> {
     if h.magic != STORE_MAGIC {
         return Err("not a tutti store client".into());
@@ -249,19 +387,21 @@ fn check_hello(
     }
     // Authentication first: a client without the job key learns nothing about the job.
     if let Some(k) = key {
-        let ok = h.mac.is_some_and(|m| {
-            k.verify(&[b"store", nonce, &h.rank.to_le_bytes(), &h.world.to_le_bytes()], &m)
-        });
+        let ok = h.mac.is_some_and(|m| auth::ct_eq(&hello_proof(k, CLIENT_PROOF, nonce_s, h), &m));
         if !ok {
-            return Err("authentication failed: wrong or missing TUTTI_TOKEN \
-                        (a process of another job?)"
+            return Err("authentication failed: wrong or missing job secret (TUTTI_TOKEN); a \
+                        process of another job?"
                 .into());
         }
+    } else if h.mac.is_some() {
+        return Err("this store runs without a job secret but the client has one: set the same \
+                    TUTTI_TOKEN on every rank"
+            .into());
     }
     if h.world as usize != world {
         return Err(format!(
-            "world size disagreement: rank {} says WORLD_SIZE={} but the store (rank 0) was \
-             started with WORLD_SIZE={world}; is another job using this MASTER_PORT?",
+            "world size disagreement: rank {} says WORLD_SIZE={} but the store was started \
+             with WORLD_SIZE={world}; is another job using this MASTER_PORT?",
             h.rank, h.world
         ));
     }

@@ -31,8 +31,10 @@ pub struct LinkConfig {
     /// How long start-up waits for every peer to publish its address and connect. Default 300 s
     /// (like torchrun's rendezvous). Hazard: too short fails jobs whose ranks start slowly.
     pub connect_timeout: Duration,
-    /// How long one handshake may take. Default 10 s. Hazard: too long lets a silent client hold
-    /// a handshake thread that long (it never blocks the group).
+    /// How long one whole handshake may take, however its bytes are split. Default 2 s. At most
+    /// `MAX_HANDSHAKES` (64) run at once per listener; a dialling rank whose handshake breaks
+    /// tries again until `connect_timeout`. Hazard: too long lets a silent client hold a
+    /// handshake slot that long; too short fails handshakes on a badly overloaded host.
     pub handshake_timeout: Duration,
     /// How long a waiter spins (yielding) before blocking in the kernel. Default 50 µs. Hazard:
     /// long spins waste CPU that oversubscribed ranks need; zero costs latency on slow-waking VMs.
@@ -67,7 +69,7 @@ impl Default for LinkConfig {
             bind_ip: IpAddr::from([127, 0, 0, 1]),
             port: 0,
             connect_timeout: Duration::from_secs(300),
-            handshake_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(2),
             spin: Duration::from_micros(50),
             window: 16 << 20,
             unexpected_limit: 1 << 30,

@@ -334,18 +334,46 @@ mod refused {
         // Another job (different job id), and a wrong token.
         let other_job = {
             let mut s = TcpStream::connect(addr0).unwrap();
-            handshake::client(&mut s, &JobKey::from_token("tutti-test"), hello(job ^ 1, 1), T)
+            handshake::client(
+                &mut s,
+                &JobKey::from_token("tutti-test"),
+                hello(job ^ 1, 1),
+                Instant::now() + T,
+            )
         };
         assert_eq!(other_job, Err(handshake::HsError::Refused(handshake::Status::WrongJob)));
         let wrong_token = {
             let mut s = TcpStream::connect(addr0).unwrap();
-            handshake::client(&mut s, &JobKey::from_token("wrong"), hello(job, 1), T)
+            handshake::client(
+                &mut s,
+                &JobKey::from_token("wrong"),
+                hello(job, 1),
+                Instant::now() + T,
+            )
         };
         assert_eq!(wrong_token, Err(handshake::HsError::Proof));
+        // Without the key, a wrong job id, world or rank is not revealed: the proof is checked
+        // first, and that is all the stranger hears about.
+        for h in [hello(job ^ 1, 1), Hello { world: 9, ..hello(job, 1) }, hello(job, 5)] {
+            let mut s = TcpStream::connect(addr0).unwrap();
+            s.write_all(&h.encode()).unwrap();
+            let mut ch = [0u8; 49];
+            s.read_exact(&mut ch).unwrap();
+            assert_eq!(ch[0], handshake::Status::Ok as u8, "challenge");
+            s.write_all(&[0u8; 32]).unwrap();
+            let mut ack = [0u8; 1];
+            s.read_exact(&mut ack).unwrap();
+            assert_eq!(ack[0], handshake::Status::BadProof as u8, "{h:?}");
+        }
         // Right token, but rank 1 is already connected: a duplicate.
         let dup = {
             let mut s = TcpStream::connect(addr0).unwrap();
-            handshake::client(&mut s, &JobKey::from_token("tutti-test"), hello(job, 1), T)
+            handshake::client(
+                &mut s,
+                &JobKey::from_token("tutti-test"),
+                hello(job, 1),
+                Instant::now() + T,
+            )
         };
         assert_eq!(dup, Err(handshake::HsError::Refused(handshake::Status::Duplicate)));
         // The group's next exchange still succeeds.

@@ -206,7 +206,8 @@ impl QuicTransport {
         // net.core.rmem_max / wmem_max unless we may force it), then keep what the peers may
         // have in flight towards us within what the kernel will actually hold.
         let rcvbuf = udp_buffers(&socket2::SockRef::from(&sock), 32 << 20);
-        store.set(&quic_key(rank), format!("{local}|{}", tls::hex(&me.fp)).as_bytes())?;
+        let mine = format!("{local}|{}", tls::hex(&me.fp));
+        crate::store::set_signed(store, &id.key, id.job, &quic_key(rank), mine.as_bytes())?;
         // Everyone's address and fingerprint, from the authenticated store.
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
         for (j, slot) in peers.iter_mut().enumerate().filter(|(j, _)| *j != rank) {
@@ -217,6 +218,8 @@ impl QuicTransport {
                     cfg.connect_timeout
                 ))
             })?;
+            let raw = crate::store::open_signed(&id.key, id.job, &quic_key(j), raw)
+                .ok_or_else(|| crate::store::forged(rank, j, "QUIC address and certificate"))?;
             let text = String::from_utf8_lossy(&raw).into_owned();
             let parsed =
                 text.split_once('|').and_then(|(a, f)| Some((a.parse().ok()?, tls::unhex(f)?)));
@@ -459,11 +462,11 @@ mod tests {
             let store = TcpStore::connect(addr, 1, 2, Some(&key), Duration::from_secs(30)).unwrap();
             let published = tls::Identity::generate().unwrap();
             let raw = store.get(&quic_key(0), Duration::from_secs(30)).unwrap();
+            let raw = crate::store::open_signed(&key, 7, &quic_key(0), raw).unwrap();
             let text = String::from_utf8(raw).unwrap();
             let (a, f) = text.split_once('|').unwrap();
-            store
-                .set(&quic_key(1), format!("127.0.0.1:9|{}", tls::hex(&published.fp)).as_bytes())
-                .unwrap();
+            let fake = format!("127.0.0.1:9|{}", tls::hex(&published.fp));
+            crate::store::set_signed(&store, &key, 7, &quic_key(1), fake.as_bytes()).unwrap();
             let target: SocketAddr = a.parse().unwrap();
             let refused = stranger_refused(target, tls::unhex(f).unwrap(), Duration::from_secs(3));
             let reason = refused.expect("a stranger's QUIC connection was not refused");
@@ -472,6 +475,36 @@ mod tests {
             let err = rank0.join().unwrap().unwrap_err().to_string();
             assert!(err.contains("[1]"), "{err}");
         });
+    }
+
+    #[test]
+    fn a_forged_endpoint_in_the_store_is_refused_naming_it() {
+        // Someone who can write to the store but lacks the job secret (an unauthenticated
+        // store, a rewritten answer) publishes rank 1's endpoint: rank 0 refuses it before
+        // connecting anywhere, over QUIC and TCP alike.
+        use crate::auth::JobKey;
+        use crate::store::{StoreServer, TcpStore};
+        let key = JobKey::from_token("tutti-test-forgery");
+        let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 2, None).unwrap();
+        let addr = server.addr();
+        let cfg = LinkConfig { connect_timeout: Duration::from_secs(10), ..LinkConfig::default() };
+        let store = TcpStore::connect(addr, 0, 2, None, Duration::from_secs(30)).unwrap();
+        let fake = tls::Identity::generate().unwrap();
+        store.set(&quic_key(1), format!("127.0.0.1:9|{}", tls::hex(&fake.fp)).as_bytes()).unwrap();
+        store.set(&crate::transport::tcp::addr_key(0), b"127.0.0.1:9").unwrap();
+        let id = JobIdentity { rank: 0, world: 2, job: 7, key: key.clone() };
+        let e = QuicTransport::connect(&id, &store as &dyn Store, &cfg, &QuicConfig::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 1's published QUIC address") && e.contains("fails its check"),
+            "{e}"
+        );
+        let id = JobIdentity { rank: 1, world: 2, job: 7, key };
+        let e = crate::transport::tcp::TcpTransport::connect(&id, &store as &dyn Store, &cfg)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 0's published address") && e.contains("fails its check"), "{e}");
     }
 
     #[test]

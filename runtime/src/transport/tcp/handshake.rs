@@ -9,15 +9,19 @@
 //! ```
 //!
 //! Both sides prove they know the job key without sending it; the nonces make every proof
-//! single-use. A server that sees a bad magic, a wrong job id, world size or rank, or a wrong
-//! proof drops the connection with one `warn!` line. Parsing never panics and never allocates
-//! from what arrived.
+//! single-use. The server checks the client's proof before it looks at the job id, world size
+//! or ranks, so a client without the key learns nothing about the job (only a protocol version
+//! mismatch is answered earlier). A server that sees a bad magic, a wrong proof, a wrong job id,
+//! world size or rank drops the connection with one `warn!` line. The whole exchange has one
+//! deadline (`LinkConfig::handshake_timeout`, 2 s by default), however the bytes are split.
+//! Parsing never panics and never allocates from what arrived.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::Instant;
 
 use crate::auth::JobKey;
+use crate::util::read_exact_by;
 
 /// Magic at the start of a handshake.
 pub(crate) const HS_MAGIC: &[u8; 8] = b"TUTTIHS1";
@@ -130,24 +134,28 @@ fn io(e: std::io::Error) -> HsError {
     HsError::Io(e.to_string())
 }
 
-/// Client side: returns once the server accepted us.
+fn write_timeout(s: &TcpStream, deadline: Instant) -> Result<(), HsError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    s.set_write_timeout(Some(left.max(std::time::Duration::from_millis(1)))).map_err(io)
+}
+
+/// Client side: returns once the server accepted us, by `deadline`.
 pub(crate) fn client(
     s: &mut TcpStream,
     key: &JobKey,
     hello: Hello,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<(), HsError> {
-    s.set_read_timeout(Some(timeout)).map_err(io)?;
-    s.set_write_timeout(Some(timeout)).map_err(io)?;
+    write_timeout(s, deadline)?;
     let hb = hello.encode();
     s.write_all(&hb).map_err(io)?;
     let mut ch = [0u8; 49];
-    s.read_exact(&mut ch[..1]).map_err(io)?;
+    read_exact_by(s, &mut ch[..1], deadline).map_err(io)?;
     let status = Status::from_u8(ch[0]).ok_or(HsError::Malformed("unknown status"))?;
     if status != Status::Ok {
         return Err(HsError::Refused(status));
     }
-    s.read_exact(&mut ch[1..]).map_err(io)?;
+    read_exact_by(s, &mut ch[1..], deadline).map_err(io)?;
     let nonce_s = &ch[1..17];
     if !key.verify(&[b"srv", &hb, nonce_s], &ch[17..49]) {
         return Err(HsError::Proof);
@@ -155,7 +163,7 @@ pub(crate) fn client(
     let proof = key.mac(&[b"cli", &hb, nonce_s]);
     s.write_all(&proof).map_err(io)?;
     let mut ack = [0u8; 1];
-    s.read_exact(&mut ack).map_err(io)?;
+    read_exact_by(s, &mut ack, deadline).map_err(io)?;
     match Status::from_u8(ack[0]) {
         Some(Status::Ok) => Ok(()),
         Some(st) => Err(HsError::Refused(st)),
@@ -171,24 +179,23 @@ pub(crate) struct Expect<'a> {
     pub(crate) me: u32,
 }
 
-/// Server side: returns the authenticated client's hello. `accept_rank` decides whether a
-/// client rank is welcome (not yet connected, higher than ours).
+/// Server side: returns the authenticated client's hello, by `deadline`. `accept_rank` decides
+/// whether a client rank is welcome (not yet connected, higher than ours).
 pub(crate) fn server(
     s: &mut TcpStream,
     expect: &Expect<'_>,
     nonce_s: [u8; 16],
     accept_rank: impl FnOnce(u32) -> bool,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<Hello, HsError> {
-    s.set_read_timeout(Some(timeout)).map_err(io)?;
-    s.set_write_timeout(Some(timeout)).map_err(io)?;
+    write_timeout(s, deadline)?;
     let mut hb = [0u8; HELLO_LEN];
     // Read the magic first so junk is refused at once, without waiting for 48 bytes.
-    s.read_exact(&mut hb[..8]).map_err(io)?;
+    read_exact_by(s, &mut hb[..8], deadline).map_err(io)?;
     if &hb[..8] != HS_MAGIC {
         return Err(HsError::Magic);
     }
-    s.read_exact(&mut hb[8..]).map_err(io)?;
+    read_exact_by(s, &mut hb[8..], deadline).map_err(io)?;
     let hello = Hello::decode(&hb)?;
     let refuse = |s: &mut TcpStream, st: Status| {
         let _ = s.write_all(&[st as u8]);
@@ -196,6 +203,16 @@ pub(crate) fn server(
     };
     if hello.version != HS_VERSION {
         return refuse(s, Status::BadVersion);
+    }
+    let mut ch = [0u8; 49];
+    ch[1..17].copy_from_slice(&nonce_s);
+    ch[17..49].copy_from_slice(&expect.key.mac(&[b"srv", &hb, &nonce_s]));
+    s.write_all(&ch).map_err(io)?;
+    let mut proof = [0u8; 32];
+    read_exact_by(s, &mut proof, deadline).map_err(io)?;
+    // The proof first: only a holder of the key hears what is wrong with its hello.
+    if !expect.key.verify(&[b"cli", &hb, &nonce_s], &proof) {
+        return refuse(s, Status::BadProof);
     }
     if hello.job != expect.job {
         return refuse(s, Status::WrongJob);
@@ -205,15 +222,6 @@ pub(crate) fn server(
     }
     if hello.to != expect.me || hello.from >= expect.world || hello.from <= expect.me {
         return refuse(s, Status::WrongRank);
-    }
-    let mut ch = [0u8; 49];
-    ch[1..17].copy_from_slice(&nonce_s);
-    ch[17..49].copy_from_slice(&expect.key.mac(&[b"srv", &hb, &nonce_s]));
-    s.write_all(&ch).map_err(io)?;
-    let mut proof = [0u8; 32];
-    s.read_exact(&mut proof).map_err(io)?;
-    if !expect.key.verify(&[b"cli", &hb, &nonce_s], &proof) {
-        return refuse(s, Status::BadProof);
     }
     if !accept_rank(hello.from) {
         return refuse(s, Status::Duplicate);

@@ -9,7 +9,7 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,6 +27,7 @@ pub(crate) mod handshake;
 use crate::transport::core::{Core, CoreConfig};
 use crate::transport::engine::{Engine, Running, Wired};
 use crate::transport::LinkConfig;
+use crate::util::Slot;
 use driver::TcpDriver;
 
 /// Who this rank is within its job, for connection set-up.
@@ -82,7 +83,13 @@ impl TcpTransport {
             .map_err(|e| Error::io(rank, format!("binding {}:{}", cfg.bind_ip, cfg.port), &e))?;
         let local = listener.local_addr().map_err(|e| Error::io(rank, "listener address", &e))?;
         listener.set_nonblocking(true).map_err(|e| Error::io(rank, "listener", &e))?;
-        store.set(&addr_key(rank), local.to_string().as_bytes())?;
+        crate::store::set_signed(
+            store,
+            &id.key,
+            id.job,
+            &addr_key(rank),
+            local.to_string().as_bytes(),
+        )?;
         debug!(rank, %local, "listening");
 
         let stop = Arc::new(AtomicBool::new(false));
@@ -111,6 +118,8 @@ impl TcpTransport {
                         cfg.connect_timeout
                     ),
                 })?;
+                let raw = crate::store::open_signed(&id.key, id.job, &addr_key(j), raw)
+                    .ok_or_else(|| crate::store::forged(rank, j, "address"))?;
                 let text = String::from_utf8_lossy(&raw).into_owned();
                 let addr: SocketAddr = text.parse().map_err(|_| Error::Rendezvous {
                     rank,
@@ -226,12 +235,20 @@ fn connect_one(
             job: id.job,
             nonce,
         };
-        match handshake::client(&mut s, &id.key, hello, cfg.handshake_timeout) {
+        let hs_deadline = (Instant::now() + cfg.handshake_timeout).min(deadline);
+        match handshake::client(&mut s, &id.key, hello, hs_deadline) {
             Ok(()) => {
                 let _ = s.set_read_timeout(None);
                 let _ = s.set_write_timeout(None);
                 debug!(rank, peer = j, %addr, "connected");
                 return Ok(s);
+            }
+            // The connection broke or timed out (a listener busy with other handshakes closes
+            // new ones at once): try again until the deadline.
+            Err(handshake::HsError::Io(e)) if Instant::now() + backoff < deadline => {
+                debug!(rank, peer = j, %addr, "handshake i/o failed: {e}; retrying");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(100));
             }
             Err(e) => {
                 return Err(Error::Rendezvous {
@@ -243,6 +260,10 @@ fn connect_one(
     }
 }
 
+/// Handshakes a rank's listener runs at once; more connections are closed as soon as they are
+/// accepted (a dialling peer tries again until its connect deadline).
+pub const MAX_HANDSHAKES: usize = 64;
+
 fn accept_loop(
     listener: TcpListener,
     id: JobIdentity,
@@ -253,6 +274,7 @@ fn accept_loop(
 ) {
     let rank = id.rank;
     let id = Arc::new(id);
+    let in_handshake = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::SeqCst) {
         let (mut s, from) = match listener.accept() {
             Ok(x) => x,
@@ -266,9 +288,16 @@ fn accept_loop(
                 continue;
             }
         };
+        let Some(slot) = Slot::take(&in_handshake, MAX_HANDSHAKES) else {
+            debug!(rank, "{MAX_HANDSHAKES} handshakes already under way; closed {from}");
+            drop(s);
+            continue;
+        };
         let (id, connected, tx) = (id.clone(), connected.clone(), tx.clone());
         let spawned =
             std::thread::Builder::new().name(format!("tutti-hs-{rank}")).spawn(move || {
+                let _slot = slot;
+                let deadline = Instant::now() + hs_timeout;
                 let _ = s.set_nonblocking(false);
                 let nonce = match auth::random::<16>() {
                     Ok(n) => n,
@@ -285,7 +314,7 @@ fn accept_loop(
                     let slot = &mut c[r as usize];
                     !std::mem::replace(slot, true)
                 };
-                match handshake::server(&mut s, &expect, nonce, accept, hs_timeout) {
+                match handshake::server(&mut s, &expect, nonce, accept, deadline) {
                     Ok(h) => {
                         let _ = s.set_read_timeout(None);
                         let _ = s.set_write_timeout(None);
