@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use tutti_tests::{now_us, LiveJob};
+use tutti_tests::{now_us, LiveJob, Rendezvous};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tt-rank");
 
@@ -21,10 +21,15 @@ fn lcg(seed: &mut u64) -> u64 {
 
 /// One kill run: returns the detection delays (µs) of the survivors.
 fn kill_run(seed: u64, victim: usize, env: &[(&str, &str)]) -> Vec<u128> {
+    kill_run_with(seed, victim, env, &Rendezvous::Store)
+}
+
+/// One kill run of a job that rendezvouses as `rdv` says.
+fn kill_run_with(seed: u64, victim: usize, env: &[(&str, &str)], rdv: &Rendezvous) -> Vec<u128> {
     let n = 4;
     let mut env = env.to_vec();
     env.push(("TUTTI_CONNECT_TIMEOUT", "30"));
-    let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, &env);
+    let mut job = LiveJob::start_with(Path::new(EXE), &["loop"], n, &env, rdv);
     assert!(job.wait_all("READY", Duration::from_secs(60)), "seed {seed}: job did not start");
     let mut s = seed;
     std::thread::sleep(Duration::from_millis(20 + lcg(&mut s) % 400));
@@ -79,6 +84,17 @@ fn sigkill_of_a_random_rank_is_named_by_every_survivor() {
 fn sigkill_of_rank_zero_is_named() {
     let d = kill_run(1000, 0, &[]);
     assert!(d.iter().all(|us| *us < 1_000_000), "{d:?}");
+}
+
+/// The README's path: rank 0 serves the store itself (`MASTER_ADDR`/`MASTER_PORT`, its secret
+/// kept privately on this host). Killing it mid-job takes the store with it; the survivors
+/// still name rank 0 at once, over TCP and QUIC.
+#[test]
+fn sigkill_of_the_rank_serving_the_store_is_named() {
+    for (seed, env) in [(1100, vec![]), (1200, vec![("TUTTI_TRANSPORT", "quic")])] {
+        let d = kill_run_with(seed, 0, &env, &Rendezvous::Master);
+        assert!(d.iter().all(|us| *us < 1_000_000), "{env:?}: {d:?}");
+    }
 }
 
 #[test]

@@ -180,3 +180,26 @@ fn survivors_name_a_rank_that_died_leaving_its_sockets_open() {
         assert!(took < Duration::from_secs(30), "{transport}: took {took:?}\n{stdout}");
     }
 }
+
+/// A rank forks a process that keeps the job's output pipe open and outlives it: the launcher
+/// kills it when the job ends (it is in the rank's process group) instead of waiting on the pipe.
+#[test]
+fn a_grandchild_holding_the_output_neither_hangs_the_launcher_nor_survives() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.args(["--nproc", "2", "--", env!("CARGO_BIN_EXE_tt-rank"), "grandchild"]);
+    let start = Instant::now();
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(50));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let grandchildren: Vec<u32> = stdout
+        .lines()
+        .filter_map(|l| l.split("GRANDCHILD ").nth(1))
+        .filter_map(|p| p.trim().parse().ok())
+        .collect();
+    assert!(!killed, "tutti-run waited on its grandchildren's pipe\n{stdout}");
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert_eq!(grandchildren.len(), 2, "{stdout}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("left processes running"), "{err}");
+    assert_gone(&grandchildren);
+}

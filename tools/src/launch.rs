@@ -11,6 +11,11 @@
 //! process's sockets tell its peers. It gives them [`NOTICE_WAIT`] (at most the grace period) to
 //! report that and exit; the rest get SIGTERM, then SIGKILL after the grace period, and the
 //! launcher exits non-zero with one line naming the rank.
+//!
+//! Each child leads its own process group: stopping a rank stops what it forked, and when the
+//! job ends whatever its ranks left running is killed (with one line saying so), so a finished
+//! job leaves no process behind and a forked process holding an output pipe cannot keep the
+//! launcher waiting (it waits at most 2 s more for output).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
@@ -154,11 +159,30 @@ fn forward(
     })
 }
 
+/// Signal every child's process group (each child leads its own, so what it forked is signalled
+/// with it), and the child itself while it runs.
 fn signal_all(children: &mut [(usize, Child)], sig: i32) {
     for (_, c) in children.iter_mut() {
+        let pid = c.id() as libc::pid_t;
+        // SAFETY: signalling the process group our child leads (its pid), and the child.
+        unsafe { libc::kill(-pid, sig) };
         if let Ok(None) = c.try_wait() {
-            // SAFETY: sending a signal to our own child's pid.
-            unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, sig) };
+        }
+    }
+}
+
+/// Kill what is left in the children's process groups once the children have ended (processes
+/// they forked that outlived them), saying so; a finished job leaves nothing running.
+fn reap_leftovers(children: &[(usize, Child)]) {
+    for (rank, c) in children {
+        let pgid = c.id() as libc::pid_t;
+        // SAFETY: signal 0 only checks whether the group has members.
+        if unsafe { libc::kill(-pgid, 0) } == 0 {
+            eprintln!("tutti-run: rank {rank} left processes running; killing them");
+            // SAFETY: killing the process group our child led.
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
         }
     }
 }
@@ -310,10 +334,20 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
         if let Some(fd) = read_fd {
             cmd.env(LAUNCHER_FD, fd.to_string());
         }
-        // SAFETY: prctl and fcntl are async-signal-safe; they run in the child before exec.
+        // SAFETY: getpid, setpgid, prctl, getppid, fcntl and _exit are async-signal-safe; the
+        // closure runs in the child before exec.
+        let launcher = unsafe { libc::getpid() };
+        // SAFETY: see above.
         unsafe {
             cmd.pre_exec(move || {
+                // Its own process group, so stopping it reaches what it forks too.
+                libc::setpgid(0, 0);
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // The launcher may have died between fork and prctl: then nobody would
+                // signal us, so do not start.
+                if libc::getppid() != launcher {
+                    libc::_exit(1);
+                }
                 if let Some(fd) = read_fd {
                     // This child, alone, keeps its notice pipe's read end across exec.
                     libc::fcntl(fd, libc::F_SETFD, 0);
@@ -383,8 +417,18 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for p in pumps {
+    reap_leftovers(&children);
+    // The pumps end when the last holder of each pipe is gone; a process that left the group
+    // (setsid) may still hold one, so wait a little, never forever.
+    let deadline = Instant::now() + PUMP_WAIT;
+    while pumps.iter().any(|p| !p.is_finished()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for p in pumps.into_iter().filter(|p| p.is_finished()) {
         let _ = p.join();
     }
     Ok(code)
 }
+
+/// How long the launcher waits, after the job, for the rest of its children's output.
+const PUMP_WAIT: Duration = Duration::from_secs(2);

@@ -177,6 +177,21 @@ fn main() {
             }
             return;
         }
+        "grandchild" => {
+            // Fork a process that keeps our output open and sleeps 60 s, print its pid, and
+            // exit successfully: the launcher must neither hang on the pipe nor leave it behind.
+            // SAFETY: the child only sleeps and exits (async-signal-safe calls).
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: in the forked child, only async-signal-safe calls.
+                unsafe {
+                    libc::sleep(60);
+                    libc::_exit(0);
+                }
+            }
+            println!("GRANDCHILD {pid}");
+            return;
+        }
         "sleep" => {
             println!("PID {}", std::process::id());
             std::thread::sleep(Duration::from_secs(120));
@@ -196,7 +211,11 @@ fn main() {
     }
     let r = match scenario {
         "p2p" => p2p(&comm),
-        "collectives" => collectives(&comm),
+        "collectives" => {
+            // `collectives [N]`: N rounds (default 1).
+            let n: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
+            (0..n).try_for_each(|_| collectives(&comm))
+        }
         "connect" => Ok(()),
         "loop" => loop_until_error(&comm),
         "orphan" => {
