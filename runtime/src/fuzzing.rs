@@ -24,9 +24,13 @@ pub fn handshake(data: &[u8]) {
     }
 }
 
-/// Decode a store request body (what follows the length prefix).
+/// Decode a store message body (what follows the length prefix) as each thing a peer may send:
+/// a request (to the server), a hello (to the server, before authentication) and an answer (to
+/// a client, possibly from a fake store).
 pub fn store_request(data: &[u8]) {
     let _ = crate::store::decode_request(data);
+    let _ = postcard::from_bytes::<crate::store::StoreHello>(data);
+    let _ = postcard::from_bytes::<crate::store::Response>(data);
 }
 
 /// Feed a byte stream to one connection core (frames, matching, parking, the budget, timers on

@@ -173,6 +173,7 @@ impl Group {
             let mut p = self.inner.poison.lock().unwrap_or_else(|p| p.into_inner());
             if p.is_none() {
                 warn!(group = self.inner.id, rank = self.inner.rank, "group poisoned: {e}");
+                crate::rendezvous::launcher::record_failure(&e.to_string());
                 *p = Some(e.clone());
             }
         }

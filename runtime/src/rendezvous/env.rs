@@ -3,8 +3,11 @@
 //! Recognised, in this order: torchrun/`tutti-run` (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`), Open MPI
 //! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`) and Slurm
 //! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`). The store is `TUTTI_STORE`
-//! (`tcp://host:port`, served by someone else such as `tutti-run`, or `file:///dir`) or else
-//! `MASTER_ADDR` + `MASTER_PORT`, served by rank 0.
+//! (`tcp://host:port`, served by someone else such as `tutti-run`; `torch://host:port`, a
+//! PyTorch `TCPStore`; or `file:///dir`); else torchrun's agent store when
+//! `TORCHELASTIC_USE_AGENT_STORE=True` (at `MASTER_ADDR:MASTER_PORT`); else `MASTER_ADDR` +
+//! `MASTER_PORT`, served by rank 0 — under srun without `MASTER_ADDR`, the step's first host
+//! and a port from the job and step ids (`slurm.rs`).
 
 use crate::error::{Error, Result};
 
@@ -40,6 +43,15 @@ pub enum StoreSpec {
     },
     /// A file store in a shared directory.
     File(std::path::PathBuf),
+    /// PyTorch's `TCPStore` served by someone else: torchrun's agent
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True` with `MASTER_ADDR`/`MASTER_PORT`) or
+    /// `TUTTI_STORE=torch://host:port`.
+    Torch {
+        /// Host name or address.
+        host: String,
+        /// Port.
+        port: u16,
+    },
 }
 
 /// The launch environment of one rank.
@@ -58,6 +70,9 @@ pub struct EnvInfo {
     /// The launcher's notice pipe (`TUTTI_LAUNCHER_FD`, set by `tutti-run`): where it reports
     /// ranks whose processes ended.
     pub launcher_fd: Option<i32>,
+    /// torchrun's restart count (`TORCHELASTIC_RESTART_COUNT`), 0 elsewhere: each attempt
+    /// rendezvouses under its own keys in the agent's store.
+    pub restart: u64,
 }
 
 fn parse_usize(name: &str, v: &str) -> Result<usize> {
@@ -112,8 +127,38 @@ impl EnvInfo {
             Some(v) => parse_usize(lk, &v)?,
             None => 0,
         };
+        let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
+            .is_some_and(|v| matches!(v.trim(), "True" | "true" | "1"));
         let store = match get("TUTTI_STORE") {
             Some(s) => parse_store(&s)?,
+            // Under srun with no MASTER_ADDR: the step's first host, a port from the job id.
+            None if launcher == Launcher::Slurm && get("MASTER_ADDR").is_none() => {
+                let list = get("SLURM_STEP_NODELIST")
+                    .or_else(|| get("SLURM_JOB_NODELIST"))
+                    .or_else(|| get("SLURM_NODELIST"))
+                    .ok_or_else(|| {
+                        Error::Config(
+                            "under srun without MASTER_ADDR, tutti reads rank 0's host from \
+                             SLURM_STEP_NODELIST / SLURM_JOB_NODELIST, and neither is set"
+                                .into(),
+                        )
+                    })?;
+                let host = super::slurm::first_host(&list).ok_or_else(|| {
+                    Error::Config(format!("cannot read a host from the Slurm node list {list:?}"))
+                })?;
+                let port = match get("MASTER_PORT") {
+                    Some(p) => {
+                        p.trim().parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+                            Error::Config(format!("MASTER_PORT={p:?} is not a port (1-65535)"))
+                        })?
+                    }
+                    None => super::slurm::port(
+                        super::slurm::id(get("SLURM_JOB_ID").as_deref()),
+                        super::slurm::id(get("SLURM_STEP_ID").as_deref()),
+                    ),
+                };
+                StoreSpec::Tcp { host, port }
+            }
             None => {
                 let host = get("MASTER_ADDR").ok_or_else(|| {
                     Error::Config(
@@ -132,7 +177,12 @@ impl EnvInfo {
                 if host.trim().is_empty() {
                     return Err(Error::Config("MASTER_ADDR is empty".into()));
                 }
-                StoreSpec::Tcp { host: host.trim().to_string(), port }
+                if agent_store {
+                    // torchrun's agent already serves its TCPStore there: use it.
+                    StoreSpec::Torch { host: host.trim().to_string(), port }
+                } else {
+                    StoreSpec::Tcp { host: host.trim().to_string(), port }
+                }
             }
         };
         let launcher_fd = match get(super::launcher::LAUNCHER_FD) {
@@ -146,7 +196,13 @@ impl EnvInfo {
             }
             None => None,
         };
-        Ok(EnvInfo { rank, world, local_rank, launcher, store, launcher_fd })
+        let restart = match get("TORCHELASTIC_RESTART_COUNT") {
+            Some(v) => v.trim().parse::<u64>().map_err(|_| {
+                Error::Config(format!("TORCHELASTIC_RESTART_COUNT={v:?} is not a whole number"))
+            })?,
+            None => 0,
+        };
+        Ok(EnvInfo { rank, world, local_rank, launcher, store, launcher_fd, restart })
     }
 }
 
@@ -157,19 +213,29 @@ fn parse_store(s: &str) -> Result<StoreSpec> {
         }
         return Ok(StoreSpec::File(path.into()));
     }
+    if let Some(hp) = s.strip_prefix("torch://") {
+        let (host, port) = host_port(s, hp)?;
+        return Ok(StoreSpec::Torch { host, port });
+    }
     if let Some(hp) = s.strip_prefix("tcp://") {
-        let (host, port) = hp
-            .rsplit_once(':')
-            .ok_or_else(|| Error::Config(format!("TUTTI_STORE={s:?} needs tcp://host:port")))?;
-        let port = port
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p != 0)
-            .ok_or_else(|| Error::Config(format!("TUTTI_STORE={s:?}: bad port")))?;
-        let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+        let (host, port) = host_port(s, hp)?;
         return Ok(StoreSpec::Remote { host, port });
     }
-    Err(Error::Config(format!("TUTTI_STORE={s:?}: expected tcp://host:port or file:///dir")))
+    Err(Error::Config(format!(
+        "TUTTI_STORE={s:?}: expected tcp://host:port, torch://host:port or file:///dir"
+    )))
+}
+
+fn host_port(s: &str, hp: &str) -> Result<(String, u16)> {
+    let (host, port) = hp
+        .rsplit_once(':')
+        .ok_or_else(|| Error::Config(format!("TUTTI_STORE={s:?} needs host:port")))?;
+    let port = port
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| Error::Config(format!("TUTTI_STORE={s:?}: bad port")))?;
+    Ok((host.trim_start_matches('[').trim_end_matches(']').to_string(), port))
 }
 
 #[cfg(test)]

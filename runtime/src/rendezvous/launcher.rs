@@ -140,9 +140,63 @@ fn apply(line: &[u8]) {
     }
 }
 
+/// torchrun's error file variable: where a failing worker leaves its error for the agent.
+pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
+
+static RECORDED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Leave `message` (this rank's first fatal error) where torchrun looks for it, so that its
+/// "Root Cause" summary shows tutti's message — rank, peer, operation — instead of `<N/A>`.
+/// Only under torchrun (`TORCHELASTIC_ERROR_FILE` set), once per process; the group calls this
+/// when it is first poisoned and rendezvous when it fails. The file is torch's own format:
+/// `{"message": {"message": …, "extraInfo": {"py_callstack": …, "timestamp": …}}}`; torchrun
+/// reads it only if the process then exits with a failure.
+pub fn record_failure(message: &str) {
+    let Some(path) = std::env::var_os(ERROR_FILE).filter(|p| !p.is_empty()) else { return };
+    if RECORDED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let text = format!("TuttiError: {message}");
+    let json = format!(
+        "{{\"message\": {{\"message\": {}, \"extraInfo\": {{\"py_callstack\": {}, \"timestamp\": \"{now}\"}}}}}}",
+        json_string(&text),
+        json_string(&format!("{text}\n(tutti: no Python call stack; the message names the rank, peer and operation)")),
+    );
+    if let Err(e) = std::fs::write(&path, json) {
+        warn!("cannot write torchrun's error file {}: {e}", std::path::Path::new(&path).display());
+    }
+}
+
+/// `s` as a JSON string literal.
+fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_strings_escape_what_they_must() {
+        assert_eq!(json_string("a\"b\\c\nd\u{1}é"), "\"a\\\"b\\\\c\\nd\\u0001é\"");
+    }
 
     #[test]
     fn notices_round_trip_and_stay_one_bounded_line() {

@@ -20,7 +20,7 @@ use tracing::{info, warn};
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::store::{FileStore, Store, StoreServer, TcpStore};
+use crate::store::{FileStore, SignedStore, Store, StoreServer, TcpStore, TorchStore};
 use crate::transport::tcp::{JobIdentity, TcpTransport};
 use crate::transport::LinkConfig;
 use crate::transport::QuicConfig;
@@ -29,6 +29,7 @@ pub mod env;
 pub mod ifaddr;
 pub mod launcher;
 pub mod secret;
+pub mod slurm;
 
 pub use env::{EnvInfo, Launcher, StoreSpec};
 
@@ -221,7 +222,11 @@ impl Options {
 /// [`Error::Config`] for missing or malformed variables; [`Error::Store`] and
 /// [`Error::Rendezvous`] naming the ranks that could not be reached or disagree.
 pub fn init_from_env() -> Result<Group> {
-    init(&EnvInfo::from_env()?, &Options::from_env()?)
+    let r = EnvInfo::from_env().and_then(|env| init(&env, &Options::from_env()?));
+    if let Err(e) = &r {
+        launcher::record_failure(&e.to_string());
+    }
+    r
 }
 
 fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
@@ -230,6 +235,13 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
         .map_err(|e| Error::Config(format!("cannot resolve MASTER_ADDR {host:?}: {e}")))?
         .next()
         .ok_or_else(|| Error::Config(format!("MASTER_ADDR {host:?} resolves to no address")))
+}
+
+/// A short public digest of a job secret (for matching a secret file to its maker).
+fn secret_digest(token: &str) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(format!("tutti-secret-id\0{token}").as_bytes());
+    d[..8].to_vec()
 }
 
 /// Rendezvous with explicit environment and options.
@@ -244,7 +256,9 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
     // Where the store is, and whether it is on this host only.
     let (tcp_addr, local) = match &env.store {
         StoreSpec::File(_) => (None, true),
-        StoreSpec::Tcp { host, port } | StoreSpec::Remote { host, port } => {
+        StoreSpec::Tcp { host, port }
+        | StoreSpec::Remote { host, port }
+        | StoreSpec::Torch { host, port } => {
             let a = resolve(host, *port)?;
             (Some(a), a.ip().is_loopback())
         }
@@ -294,6 +308,47 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
             let fs = FileStore::new(dir)?.with_key(key.clone());
             keep.push(Arc::new(fs.leaver(world)));
             (Arc::new(fs), None)
+        }
+        (StoreSpec::Torch { .. }, Some(addr)) => {
+            let ts = TorchStore::connect(addr, &format!("tutti-{}", env.restart), deadline)?;
+            if let (Some(path), Some(t)) = (&secret_file, &token) {
+                // The store cannot tell us that our secret file is an older job's (it checks
+                // nothing), so rank 0 publishes a digest of the secret it made, and the others
+                // read the file again until theirs matches.
+                if rank == 0 {
+                    ts.set("tutti/secret-id", &secret_digest(t))?;
+                } else {
+                    let want = crate::store::get_or(&ts, "tutti/secret-id", deadline, || {
+                        Error::Rendezvous {
+                            rank,
+                            detail: format!(
+                                "rank 0 did not join the torch store within {deadline:?}"
+                            ),
+                        }
+                    })?;
+                    let mut mine = t.clone();
+                    while secret_digest(&mine) != want {
+                        if Instant::now() >= until {
+                            return Err(Error::Rendezvous {
+                                rank,
+                                detail: format!(
+                                    "the job secret in {} is not the one rank 0 made (is rank 0 \
+                                     on this host, running as this user?)",
+                                    path.display()
+                                ),
+                            });
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                        mine = secret::wait_local(path, rank, until)?;
+                    }
+                    token = Some(mine);
+                }
+            }
+            let s: Arc<dyn Store> = match token.as_deref() {
+                Some(t) => Arc::new(SignedStore::new(ts, JobKey::from_token(t))),
+                None => Arc::new(ts),
+            };
+            (s, Some(addr.ip()))
         }
         (_, Some(addr)) => {
             if rank == 0 && matches!(env.store, StoreSpec::Tcp { .. }) {

@@ -15,6 +15,7 @@ mod client;
 mod file;
 mod protocol;
 mod server;
+mod torch;
 
 pub use client::TcpStore;
 pub use file::{FileStore, FileStoreLeaver};
@@ -23,6 +24,7 @@ pub use protocol::{
     MAX_VALUE, MESSAGE_DEADLINE,
 };
 pub use server::{max_clients, Quota, StoreServer, MAX_UNAUTHENTICATED};
+pub use torch::TorchStore;
 
 /// A rendezvous key-value store shared by the ranks of a job.
 ///
@@ -90,6 +92,75 @@ pub(crate) fn get_or(
         Error::StoreTimeout { .. } => on_timeout(),
         other => other,
     })
+}
+
+/// A store that does not authenticate its clients (torch's `TCPStore`), made tamper-evident:
+/// every value is written with `HMAC(key, "tutti-signed" ‖ name ‖ 0 ‖ value)` after it and
+/// checked when read, so an entry written or changed by someone without the job secret is
+/// refused, naming the key. Counters (`add`) are not covered: a forger can disturb them (a
+/// failed start), not redirect anything.
+#[derive(Debug)]
+pub struct SignedStore<S> {
+    inner: S,
+    key: crate::auth::JobKey,
+}
+
+impl<S: Store> SignedStore<S> {
+    /// Sign and check `inner`'s values with `key`.
+    pub fn new(inner: S, key: crate::auth::JobKey) -> SignedStore<S> {
+        SignedStore { inner, key }
+    }
+
+    fn tag(&self, name: &str, value: &[u8]) -> [u8; 32] {
+        self.key.mac(&[b"tutti-signed", name.as_bytes(), b"\0", value])
+    }
+}
+
+impl<S: Store> Store for SignedStore<S> {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let mut v = value.to_vec();
+        v.extend_from_slice(&self.tag(key, value));
+        self.inner.set(key, &v)
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let mut raw = self.inner.get(key, timeout)?;
+        let forged = || Error::Store {
+            addr: self.inner.describe(),
+            detail: format!(
+                "the entry {key:?} fails its check against the job secret: someone without the \
+                 secret wrote or changed it (or a rank runs with another TUTTI_TOKEN)"
+            ),
+        };
+        if raw.len() < 32 {
+            return Err(forged());
+        }
+        let tag = raw.split_off(raw.len() - 32);
+        if !crate::auth::ct_eq(&self.tag(key, &raw), &tag) {
+            return Err(forged());
+        }
+        Ok(raw)
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(key, delta)
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(key)
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        self.inner.check(keys)
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.inner.wait(keys, timeout)
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
 }
 
 /// Publish `value` under `name`, bound to the job: what is stored is `value` followed by
