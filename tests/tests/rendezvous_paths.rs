@@ -114,3 +114,43 @@ fn a_store_reachable_from_other_hosts_needs_a_secret() {
     assert!(!killed);
     assert_all_ok(&outs, "TUTTI_INSECURE=1");
 }
+
+/// A fake two-node `srun` step on this host: only the variables srun sets (`SLURM_PROCID`,
+/// `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_STEP_NODELIST`, `SLURM_JOB_ID`, `SLURM_STEP_ID`, …),
+/// no `MASTER_ADDR`: rank 0's host comes from the node list and the port from the job id.
+#[test]
+fn srun_without_master_addr() {
+    // A job id whose port is free here.
+    let job = (1000u64..5000)
+        .find(|j| {
+            let p = tutti_runtime::rendezvous::slurm::port(*j, 0);
+            std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()
+        })
+        .expect("a free port in the Slurm range");
+    let n = 4;
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            let mut c = std::process::Command::new(EXE);
+            c.arg("collectives");
+            for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+                c.env_remove(k);
+            }
+            c.env_remove("TUTTI_STORE").env_remove("TUTTI_TOKEN");
+            c.env("SLURM_JOB_ID", job.to_string())
+                .env("SLURM_STEP_ID", "0")
+                .env("SLURM_PROCID", r.to_string())
+                .env("SLURM_LOCALID", (r % 2).to_string())
+                .env("SLURM_NODEID", (r / 2).to_string())
+                .env("SLURM_NTASKS", n.to_string())
+                .env("SLURM_NNODES", "2")
+                .env("SLURM_STEP_NODELIST", "localhost,127.0.0.1")
+                .env("SLURM_JOB_NODELIST", "localhost,127.0.0.1")
+                .env("TUTTI_CONNECT_TIMEOUT", "60");
+            c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            c.spawn().unwrap()
+        })
+        .collect();
+    let outs: Vec<std::process::Output> =
+        children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    assert_all_ok(&outs, "srun without MASTER_ADDR");
+}

@@ -298,6 +298,82 @@ mod tests {
         assert_eq!(e.store, StoreSpec::Remote { host: "::1".into(), port: 7000 });
     }
 
+    /// What `srun` puts in a task's environment (the variables and value forms of Slurm's
+    /// documentation for srun and sbatch), for a few node lists: rank 0's host is the step's
+    /// first node, the port comes from the job and step ids, and MASTER_ADDR/MASTER_PORT still
+    /// win when set.
+    #[test]
+    fn srun_steps_without_master_addr() {
+        let step = |nodelist: &'static str, job: &'static str, step: &'static str| {
+            vec![
+                ("SLURM_JOB_ID", job),
+                ("SLURM_JOBID", job),
+                ("SLURM_STEP_ID", step),
+                ("SLURM_STEPID", step),
+                ("SLURM_PROCID", "3"),
+                ("SLURM_LOCALID", "1"),
+                ("SLURM_NODEID", "1"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_NPROCS", "8"),
+                ("SLURM_NNODES", "4"),
+                ("SLURM_TASKS_PER_NODE", "2(x4)"),
+                ("SLURM_JOB_NODELIST", "gpu[001-004,010]"),
+                ("SLURM_NODELIST", "gpu[001-004,010]"),
+                ("SLURM_STEP_NODELIST", nodelist),
+                ("SLURM_STEP_NUM_NODES", "4"),
+                ("SLURM_STEP_NUM_TASKS", "8"),
+                ("SLURMD_NODENAME", "gpu002"),
+                ("SLURM_CLUSTER_NAME", "c1"),
+            ]
+        };
+        for (nodelist, host) in [
+            ("gpu[002-004,010]", "gpu002"),
+            ("gpu010,gpu[001-002]", "gpu010"),
+            ("rack[2-3]-n[07-08]", "rack2-n07"),
+            ("gpu003", "gpu003"),
+        ] {
+            let e = env(&step(nodelist, "81234", "2")).unwrap();
+            assert_eq!((e.rank, e.world, e.local_rank, e.launcher), (3, 8, 1, Launcher::Slurm));
+            let port = super::super::slurm::port(81234, 2);
+            assert_eq!(e.store, StoreSpec::Tcp { host: host.into(), port }, "{nodelist}");
+        }
+        // Two steps of one job: two ports.
+        let a = env(&step("n1", "77", "0")).unwrap().store;
+        let b = env(&step("n1", "77", "1")).unwrap().store;
+        assert_ne!(a, b);
+        // The batch step's name counts as step 0.
+        let c = env(&step("n1", "77", "batch")).unwrap().store;
+        assert_eq!(a, c);
+        // Without a step node list, the job's.
+        let mut v = step("x", "5", "0");
+        v.retain(|(k, _)| *k != "SLURM_STEP_NODELIST");
+        assert_eq!(env(&v).unwrap().store, StoreSpec::Tcp { host: "gpu001".into(), port: 20_050 });
+        // Set by hand, MASTER_ADDR and MASTER_PORT win.
+        let mut v = step("n1", "5", "0");
+        v.extend([("MASTER_ADDR", "10.1.1.1"), ("MASTER_PORT", "29500")]);
+        assert_eq!(env(&v).unwrap().store, StoreSpec::Tcp { host: "10.1.1.1".into(), port: 29500 });
+        // A malformed list is named.
+        let e = env(&step("gpu[1-", "5", "0")).unwrap_err().to_string();
+        assert!(e.contains("gpu[1-"), "{e}");
+    }
+
+    #[test]
+    fn torchrun_agent_store_and_torch_urls() {
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", "40217"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ])
+        .unwrap();
+        assert_eq!(e.store, StoreSpec::Torch { host: "localhost".into(), port: 40217 });
+        assert_eq!(e.restart, 2);
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("TUTTI_STORE", "torch://h:5")]).unwrap();
+        assert_eq!(e.store, StoreSpec::Torch { host: "h".into(), port: 5 });
+    }
+
     #[test]
     fn torchrun_wins_over_slurm() {
         let e = env(&[

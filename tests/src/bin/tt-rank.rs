@@ -248,6 +248,14 @@ fn main() {
                 .map(|_| ())
                 .map_err(|e| format!("{} {e}", now_us()))
         }
+        "diverge" => {
+            // `diverge WHO`: rank WHO calls an allreduce of a different length than the others
+            // (a bug in the program): every rank fails, naming the disagreement.
+            let who: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
+            let n = if comm.rank() == who { 1001 } else { 1000 };
+            let mut x = vec![1.0f32; n];
+            comm.allreduce(&mut x, ReduceOp::Sum).map(|_| ()).map_err(|e| e.to_string())
+        }
         "sendloop" => {
             // `sendloop ROUNDS BATCH BYTES`: a pipeline stage's send loop run ahead of its
             // consumer. Rank 0 posts BATCH sends of BYTES at once, ROUNDS times, to rank 1, which
