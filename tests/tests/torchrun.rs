@@ -158,17 +158,12 @@ fn a_failing_rank_is_named_in_torchruns_summary() {
     assert!(!root.contains("error_file: <N/A>"), "{root}");
 }
 
-/// torch's store authenticates nobody: an entry forged there (the job id, an address) is
-/// refused by a rank that has the job secret, naming the entry.
-#[test]
-fn an_entry_forged_in_a_torch_store_is_refused() {
-    let Some(py) = torch() else { return };
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/torch/forge.py");
-    let mut server = Command::new(&py).arg(script).stdout(Stdio::piped()).spawn().unwrap();
-    let mut line = String::new();
+/// Start `script` (a torch store server) and return it, its port and torch's version line.
+fn serve(py: &PathBuf, script: &str, args: &[&str]) -> (std::process::Child, u16, String) {
+    let mut server =
+        Command::new(py).arg(script).args(args).stdout(Stdio::piped()).spawn().unwrap();
     let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
-    let mut port = None;
-    let mut version = String::new();
+    let (mut port, mut version, mut line) = (None, String::new(), String::new());
     for _ in 0..10 {
         line.clear();
         if std::io::BufRead::read_line(&mut out, &mut line).unwrap() == 0 {
@@ -182,7 +177,55 @@ fn an_entry_forged_in_a_torch_store_is_refused() {
             break;
         }
     }
-    let port = port.expect("the torch store did not start");
+    (server, port.expect("the torch store did not start"), version)
+}
+
+/// A job rendezvouses through torch's store with either of its servers (libuv, the default,
+/// and the classic one), given as `TUTTI_STORE=torch://host:port`.
+#[test]
+fn a_job_rendezvouses_through_both_torch_store_servers() {
+    let Some(py) = torch() else { return };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/torch/serve.py");
+    for server in ["libuv", "classic"] {
+        let (mut srv, port, version) = serve(&py, script, &[server]);
+        eprintln!("torch {version}");
+        let want = format!("libuv={}", server == "libuv");
+        assert!(version.to_lowercase().contains(&want), "{version}");
+        let n = 3;
+        let ranks: Vec<_> = (0..n)
+            .map(|r| {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_tt-rank"));
+                c.arg("collectives")
+                    .env("RANK", r.to_string())
+                    .env("WORLD_SIZE", n.to_string())
+                    .env("TUTTI_STORE", format!("torch://127.0.0.1:{port}"))
+                    .env_remove("TUTTI_TOKEN")
+                    .env("TUTTI_CONNECT_TIMEOUT", "60")
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                c.spawn().unwrap()
+            })
+            .collect();
+        let outs: Vec<Output> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+        let _ = srv.kill();
+        let _ = srv.wait();
+        for (r, o) in outs.iter().enumerate() {
+            assert!(
+                o.status.success() && text(o).contains(&format!("OK {r}")),
+                "{server}: rank {r}:\n{}",
+                text(o)
+            );
+        }
+    }
+}
+
+/// torch's store authenticates nobody: an entry forged there (the job id, an address) is
+/// refused by a rank that has the job secret, naming the entry.
+#[test]
+fn an_entry_forged_in_a_torch_store_is_refused() {
+    let Some(py) = torch() else { return };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/torch/forge.py");
+    let (mut server, port, version) = serve(&py, script, &[]);
     eprintln!("torch {version}");
     // Rank 1 of 2 joins (rank 0 never comes): the job id it reads was forged.
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-rank"));
