@@ -230,9 +230,12 @@ mod tests {
         // SAFETY: pipe(2) fills the two-element array.
         assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
         let desc = MsgDesc { tag: Tag { group: 0, seq: 0, step: 0 }, fp: Fingerprint::p2p(4) };
-        let mut kinds = vec![Kind::Mem, Kind::Tcp];
-        #[cfg(feature = "quic")]
-        kinds.push(Kind::Quic);
+        let kinds = [
+            Kind::Mem,
+            Kind::Tcp,
+            #[cfg(feature = "quic")]
+            Kind::Quic,
+        ];
         for kind in kinds {
             let ts = testing::world(kind, 3).unwrap();
             watch(fds[0], &ts[0]);

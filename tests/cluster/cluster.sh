@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# A cluster on one machine: H hosts as network namespaces on a bridge, each with its own IPv4 and
+# IPv6 address, a decoy interface and a docker0-like bridge (which rendezvous must never pick),
+# and links shaped by rate with tc tbf in both directions. Needs root.
+#
+#   tests/cluster/cluster.sh up H [--rate 1gbit] [--name tt]   bring H hosts up
+#   tests/cluster/cluster.sh exec I CMD...  [--name tt via TT_CLUSTER]   run CMD on host I
+#   tests/cluster/cluster.sh down [--name tt]                   take everything down
+#   tests/cluster/cluster.sh run H [--rate R] [--name tt] -- CMD...
+#       up, run CMD once on this machine (not in a host; it uses `exec` itself), down — also
+#       on failure and on Ctrl-C.
+#
+# Host I (0-based) is namespace NAME-hI: eth0 with 10.77.0.(I+1)/24 and fd77::(I+1)/64, lo,
+# decoy0 (one end of a veth pair inside the host: up, 10.88.I.1/24 and fd88::I:1/64, leading
+# nowhere) and docker0 (a bridge,
+# 172.17.0.1/16, as Docker leaves one). The hosts' eth0 sit on bridge NAME-br in the root
+# namespace. With --rate, each host's link is shaped to that rate both ways: tbf on eth0 (what
+# the host sends) and on its peer on the bridge (what it receives). netem is not available in
+# these kernels, so there is no added delay or loss: latency is what veth and the bridge give.
+#
+# Environment for CMD (run): CLUSTER_NAME, CLUSTER_HOSTS, and CLUSTER_IP4_I / CLUSTER_IP6_I.
+set -euo pipefail
+
+die() { echo "cluster: $*" >&2; exit 1; }
+
+name="${TT_CLUSTER:-tt}"
+rate=""
+args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --rate) rate="$2"; shift 2 ;;
+        --name) name="$2"; shift 2 ;;
+        --) shift; args+=("--" "$@"); break ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+set -- "${args[@]}"
+[ $# -ge 1 ] || die "usage: cluster.sh up H | exec I CMD... | down | run H -- CMD..."
+cmd="$1"; shift
+
+hosts_of() {
+    ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${name}-h[0-9]+$" | sort -V || true
+}
+
+down() {
+    for ns in $(hosts_of); do
+        ip netns del "$ns" 2>/dev/null || true
+    done
+    ip link del "${name}-br" 2>/dev/null || true
+    # Peers left on the bridge side (deleting a namespace removes its ends).
+    for l in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -E "^${name}-v[0-9]+$" || true); do
+        ip link del "$l" 2>/dev/null || true
+    done
+}
+
+shape() { # dev rate
+    tc qdisc replace dev "$1" root tbf rate "$2" burst 512kb latency 100ms
+}
+
+up() {
+    local n="$1"
+    [ "$n" -ge 1 ] && [ "$n" -le 200 ] || die "between 1 and 200 hosts"
+    [ "$(id -u)" = 0 ] || die "needs root (network namespaces)"
+    down
+    ip link add "${name}-br" type bridge
+    ip link set "${name}-br" up
+    for i in $(seq 0 $((n - 1))); do
+        local ns="${name}-h$i" v="${name}-v$i" e="${name}-e$i"
+        ip netns add "$ns"
+        ip link add "$e" type veth peer name "$v"
+        ip link set "$e" netns "$ns"
+        ip -n "$ns" link set "$e" name eth0
+        ip link set "$v" master "${name}-br"
+        ip link set "$v" up
+        ip -n "$ns" link set lo up
+        ip -n "$ns" addr add "10.77.0.$((i + 1))/24" dev eth0
+        ip -n "$ns" addr add "fd77::$((i + 1))/64" dev eth0 nodad
+        ip -n "$ns" link set eth0 up
+        # The decoy: one end of a veth pair inside the host (up, with carrier, leading nowhere).
+        ip -n "$ns" link add decoy0 type veth peer name decoy1
+        ip -n "$ns" addr add "10.88.$i.1/24" dev decoy0
+        ip -n "$ns" addr add "fd88::$i:1/64" dev decoy0 nodad
+        ip -n "$ns" link set decoy1 up
+        ip -n "$ns" link set decoy0 up
+        ip -n "$ns" link add docker0 type bridge
+        ip -n "$ns" addr add 172.17.0.1/16 dev docker0
+        ip -n "$ns" link set docker0 up
+        if [ -n "$rate" ]; then
+            ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst 512kb latency 100ms
+            shape "$v" "$rate"
+        fi
+    done
+}
+
+case "$cmd" in
+    up) [ $# -ge 1 ] || die "up H"; up "$1"; echo "cluster $name: $1 hosts up${rate:+, links at $rate}" ;;
+    down) down ;;
+    exec)
+        [ $# -ge 2 ] || die "exec I CMD..."
+        i="$1"; shift
+        exec ip netns exec "${name}-h$i" "$@"
+        ;;
+    run)
+        [ $# -ge 3 ] && [ "$2" = "--" ] || die "run H -- CMD..."
+        n="$1"; shift 2
+        trap down EXIT
+        trap 'exit 130' INT TERM
+        up "$n"
+        export CLUSTER_NAME="$name" CLUSTER_HOSTS="$n"
+        for i in $(seq 0 $((n - 1))); do
+            export "CLUSTER_IP4_$i=10.77.0.$((i + 1))" "CLUSTER_IP6_$i=fd77::$((i + 1))"
+        done
+        "$@"
+        ;;
+    *) die "unknown command $cmd" ;;
+esac
