@@ -116,6 +116,12 @@ impl Group {
         &self.inner.members
     }
 
+    /// The address this rank listens on and published to its peers (TCP, QUIC); `None` over
+    /// memory.
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner.transport.local_addr()
+    }
+
     /// The transport under this group.
     pub fn transport(&self) -> &Arc<dyn Transport> {
         &self.inner.transport

@@ -67,6 +67,10 @@ up() {
     for i in $(seq 0 $((n - 1))); do
         local ns="${name}-h$i" v="${name}-v$i" e="${name}-e$i"
         ip netns add "$ns"
+        # docker0 first, so that "the first interface with an address" would be the wrong one.
+        ip -n "$ns" link add docker0 type bridge
+        ip -n "$ns" addr add 172.17.0.1/16 dev docker0
+        ip -n "$ns" link set docker0 up
         ip link add "$e" type veth peer name "$v"
         ip link set "$e" netns "$ns"
         ip -n "$ns" link set "$e" name eth0
@@ -82,9 +86,9 @@ up() {
         ip -n "$ns" addr add "fd88::$i:1/64" dev decoy0 nodad
         ip -n "$ns" link set decoy1 up
         ip -n "$ns" link set decoy0 up
-        ip -n "$ns" link add docker0 type bridge
-        ip -n "$ns" addr add 172.17.0.1/16 dev docker0
-        ip -n "$ns" link set docker0 up
+        # As on a real host, the default routes leave through eth0.
+        ip -n "$ns" route add default dev eth0
+        ip -n "$ns" -6 route add default dev eth0
         if [ -n "$rate" ]; then
             ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst 512kb latency 100ms
             shape "$v" "$rate"

@@ -170,11 +170,12 @@ fn survivors_name_a_rank_that_died_leaving_its_sockets_open() {
         assert!(stderr.contains("rank 1 exited with status 3"), "{transport}: {stderr}");
         let errs: Vec<&str> = stdout.lines().filter(|l| l.contains("] ERR ")).collect();
         assert_eq!(errs.len(), 2, "{transport}: both survivors report\n{stdout}\n{stderr}");
+        // Each names rank 1 and how it ended: from its own notice ("connection to peer rank 1
+        // lost … tutti-run reports that rank 1 exited with status 3") or, when the other
+        // survivor's abort frame arrives first, from that ("rank 0 lost its connection to rank 1
+        // (tutti-run reports …)").
         for e in &errs {
-            assert!(
-                e.contains("peer rank 1") && e.contains("rank 1 exited with status 3"),
-                "{transport}: {e}"
-            );
+            assert!(e.contains("rank 1 exited with status 3"), "{transport}: {e}");
         }
         // Dead-after and the operation timeout are both 60 s: well under them means the notice.
         assert!(took < Duration::from_secs(30), "{transport}: took {took:?}\n{stdout}");

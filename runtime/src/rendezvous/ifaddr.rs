@@ -4,7 +4,9 @@
 //! interface-name prefixes (`eth,ib`), `^` in front to exclude them instead (`^docker,lo`), and `=`
 //! in front to match names exactly (`=eth0`). Without it, the address of the interface that
 //! routes to `MASTER_ADDR` is used: loopback only when the master itself is on loopback (a
-//! single-host job), so a multi-host world never advertises loopback.
+//! single-host job), so a multi-host world never advertises loopback. With no master address
+//! (a file store), the interface of the default route; without one, the first IPv4 address on
+//! an interface that is neither loopback nor a container or VM bridge ([`VIRTUAL`]).
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 
@@ -104,6 +106,12 @@ fn usable(ip: &IpAddr) -> bool {
     }
 }
 
+/// Name prefixes of the bridges and links that container and VM runtimes create (Docker, libvirt,
+/// CNI plugins, LXC/LXD, Podman): never chosen without `TUTTI_SOCKET_IFNAME` (other hosts cannot
+/// reach them).
+pub const VIRTUAL: &[&str] =
+    &["lo", "docker", "br-", "virbr", "veth", "cni", "flannel", "cali", "lxc", "lxd", "podman"];
+
 /// Choose the address to listen on and advertise.
 ///
 /// # Errors
@@ -133,10 +141,19 @@ pub fn select(spec: Option<&IfSpec>, master: Option<IpAddr>) -> Result<IpAddr> {
         Some(m) if m.is_loopback() => Ok(m),
         Some(m) => route_to(m),
         None => {
+            // The default route's interface, as the kernel would pick it for a distant address
+            // (a documentation address: nothing is sent).
+            if let Ok(ip) = route_to(IpAddr::from([192, 0, 2, 1])) {
+                if !ip.is_loopback() && !ip.is_unspecified() {
+                    return Ok(ip);
+                }
+            }
             let all = interfaces()?;
             Ok(all
                 .iter()
-                .find(|(_, ip)| ip.is_ipv4() && !ip.is_loopback())
+                .find(|(n, ip)| {
+                    ip.is_ipv4() && !ip.is_loopback() && !VIRTUAL.iter().any(|v| n.starts_with(v))
+                })
                 .map_or(IpAddr::from([127, 0, 0, 1]), |(_, ip)| *ip))
         }
     }

@@ -434,11 +434,17 @@ pub(crate) trait Wired: Send + Sync {
     const NAME: &'static str;
     /// Its engine.
     fn engine(&self) -> &Engine<Self::Driver>;
+    /// The address it listens on and published.
+    fn listen_addr(&self) -> std::net::SocketAddr;
 }
 
 impl<T: Wired> Transport for T {
     fn rank(&self) -> usize {
         self.engine().rank()
+    }
+
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        Some(self.listen_addr())
     }
 
     fn world_size(&self) -> usize {

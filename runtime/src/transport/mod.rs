@@ -207,6 +207,12 @@ pub trait Transport: Send + Sync {
 
     /// The error that poisoned this transport, if any.
     fn poisoned(&self) -> Option<Error>;
+
+    /// The address this rank listens on and published to its peers (`None` for transports
+    /// without one, such as the in-memory transport).
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        None
+    }
 }
 
 /// One operation for [`TransportExt::exchange`].

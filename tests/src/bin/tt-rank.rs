@@ -217,6 +217,12 @@ fn main() {
             (0..n).try_for_each(|_| collectives(&comm))
         }
         "connect" => Ok(()),
+        "whereami" => {
+            // Print the address this rank published, then check everyone can talk.
+            let addr = comm.group().local_addr().map_or("-".to_string(), |a| a.to_string());
+            println!("ADDR {} {addr}", comm.rank());
+            collectives(&comm)
+        }
         "loop" => loop_until_error(&comm),
         "orphan" => {
             // `orphan WHO`: rank WHO forks a child that keeps its sockets open (for up to 30 s,

@@ -302,6 +302,10 @@ impl Wired for QuicTransport {
     fn engine(&self) -> &Engine<QuicDriver> {
         self.wire.engine()
     }
+
+    fn listen_addr(&self) -> SocketAddr {
+        self.local_addr()
+    }
 }
 
 #[cfg(test)]

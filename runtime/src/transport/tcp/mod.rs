@@ -341,6 +341,10 @@ impl Wired for TcpTransport {
     fn engine(&self) -> &Engine<TcpDriver> {
         self.wire.engine()
     }
+
+    fn listen_addr(&self) -> SocketAddr {
+        self.local_addr()
+    }
 }
 
 impl Drop for TcpTransport {

@@ -1,0 +1,272 @@
+//! Several hosts on one machine (`tests/cluster/cluster.sh`: network namespaces on a bridge, each
+//! with IPv4 and IPv6, a decoy interface and a docker0 bridge): `tutti-run --nnodes` across hosts
+//! with two ranks per host, every collective exact over TCP and QUIC (QUIC off loopback: path MTU
+//! discovery and segmentation offload); IPv6 only; the interface chosen by route, by NCCL syntax
+//! and, with a file store, with no master address — never loopback, the decoy or docker0; a host
+//! whose link goes down mid-job named by every survivor within `TUTTI_DEAD_AFTER` + 1 s.
+//!
+//! Needs root and network namespaces (CI runs as root). Where the machine forbids them, each test
+//! prints why and returns; that is the only skip.
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/cluster/cluster.sh");
+const RANK: &str = env!("CARGO_BIN_EXE_tt-rank");
+const RUN: &str = env!("CARGO_BIN_EXE_tt-run");
+const SECRET: &str = "cluster-test-secret-0123";
+
+/// One cluster at a time in this process (they share the bridge's address plan).
+static ONE: Mutex<()> = Mutex::new(());
+
+/// A cluster of `hosts` namespaces, taken down when dropped.
+struct Cluster {
+    name: String,
+    hosts: usize,
+}
+
+impl Cluster {
+    /// Bring one up, or `None` (after saying why) where namespaces cannot be made here.
+    fn up(hosts: usize, rate: Option<&str>) -> Option<Cluster> {
+        let name = format!("tc{}", std::process::id() % 100_000);
+        let mut cmd = Command::new("bash");
+        cmd.args([SCRIPT, "up", &hosts.to_string(), "--name", &name]);
+        if let Some(r) = rate {
+            cmd.args(["--rate", r]);
+        }
+        let out = cmd.output().expect("bash");
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            // SAFETY: getuid cannot fail.
+            let root = unsafe { libc::getuid() } == 0;
+            assert!(
+                !root
+                    || !Path::new("/proc/self/ns/net").exists()
+                    || err.contains("Operation not permitted"),
+                "cannot bring the cluster up although this is root with namespaces:\n{err}"
+            );
+            eprintln!(
+                "cluster tests skipped: this machine forbids network namespaces ({})",
+                err.trim()
+            );
+            return None;
+        }
+        Some(Cluster { name, hosts })
+    }
+
+    fn ns(&self, host: usize) -> String {
+        format!("{}-h{host}", self.name)
+    }
+
+    /// `prog args…` on `host` (inheriting `env`), started.
+    fn spawn(&self, host: usize, prog: &str, args: &[&str], env: &[(&str, &str)]) -> Child {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns(host), prog]).args(args);
+        for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TUTTI_STORE", "TUTTI_TOKEN"]
+        {
+            c.env_remove(k);
+        }
+        c.envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c.spawn().expect("ip netns exec")
+    }
+
+    /// A `tutti-run` per host, `per_host` ranks each, running `tt-rank args…`; the outputs.
+    fn job(
+        &self,
+        per_host: usize,
+        master: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Vec<Output> {
+        let port = "29811";
+        let nodes = self.hosts.to_string();
+        let nproc = per_host.to_string();
+        let mut env = env.to_vec();
+        env.push(("TUTTI_TOKEN", SECRET));
+        env.push(("TUTTI_CONNECT_TIMEOUT", "60"));
+        let children: Vec<Child> = (0..self.hosts)
+            .map(|h| {
+                let node = h.to_string();
+                let mut a = vec!["--nnodes", &nodes, "--node-rank", &node, "--nproc", &nproc];
+                a.extend(["--master-addr", master, "--master-port", port, "--grace", "1", "--"]);
+                a.push(RANK);
+                a.extend(args);
+                self.spawn(h, RUN, &a, &env)
+            })
+            .collect();
+        wait_all(children, Duration::from_secs(180))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash").args([SCRIPT, "down", "--name", &self.name]).status();
+    }
+}
+
+fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let start = Instant::now();
+    children
+        .into_iter()
+        .map(|mut c| {
+            while c.try_wait().ok().flatten().is_none() {
+                if start.elapsed() > limit {
+                    let _ = c.kill();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            c.wait_with_output().expect("output")
+        })
+        .collect()
+}
+
+fn text(outs: &[Output]) -> String {
+    outs.iter()
+        .map(|o| {
+            format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+        })
+        .collect()
+}
+
+fn all_ok(outs: &[Output], ranks: usize, what: &str) {
+    let t = text(outs);
+    for (h, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "{what}: host {h} failed:\n{t}");
+    }
+    for r in 0..ranks {
+        assert!(t.contains(&format!("OK {r}")), "{what}: rank {r} did not pass:\n{t}");
+    }
+}
+
+#[test]
+fn every_collective_across_hosts_over_tcp_and_quic() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(c) = Cluster::up(3, None) else { return };
+    for transport in ["tcp", "quic"] {
+        let outs = c.job(2, "10.77.0.1", &["collectives"], &[("TUTTI_TRANSPORT", transport)]);
+        all_ok(&outs, 6, transport);
+    }
+    // IPv6 only: the master and every rank on the hosts' IPv6 addresses.
+    let outs = c.job(2, "fd77::1", &["whereami"], &[]);
+    all_ok(&outs, 6, "ipv6");
+    for line in text(&outs).lines().filter_map(|l| l.split("ADDR ").nth(1)) {
+        let addr = line.split_whitespace().nth(1).unwrap_or("");
+        assert!(addr.starts_with("[fd77::"), "an IPv6 job advertised {addr}");
+    }
+}
+
+/// The address each rank advertises, by route, by NCCL syntax and with a file store (no master
+/// address): the host's eth0 address every time, never loopback, the decoy or docker0.
+#[test]
+fn the_right_interface_is_advertised() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(c) = Cluster::up(2, None) else { return };
+    let check = |outs: &[Output], what: &str| {
+        all_ok(outs, 4, what);
+        let t = text(outs);
+        let addrs: Vec<&str> = t
+            .lines()
+            .filter_map(|l| l.split("ADDR ").nth(1))
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .collect();
+        assert_eq!(addrs.len(), 4, "{what}:\n{t}");
+        for a in addrs {
+            assert!(a.starts_with("10.77.0."), "{what}: a rank advertised {a}");
+        }
+    };
+    check(&c.job(2, "10.77.0.1", &["whereami"], &[]), "by route");
+    check(&c.job(2, "10.77.0.1", &["whereami"], &[("TUTTI_SOCKET_IFNAME", "eth")]), "eth");
+    check(
+        &c.job(2, "10.77.0.1", &["whereami"], &[("TUTTI_SOCKET_IFNAME", "^docker,lo,decoy")]),
+        "^docker,lo,decoy",
+    );
+    // A file store (namespaces share the file system) and no master address at all.
+    let dir = std::env::temp_dir().join(format!("tutti-cluster-fs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let url = format!("file://{}", dir.display());
+    let children: Vec<Child> = (0..2)
+        .flat_map(|h| (0..2).map(move |l| (h, l)))
+        .map(|(h, l)| {
+            let rank = (h * 2 + l).to_string();
+            c.spawn(
+                h,
+                RANK,
+                &["whereami"],
+                &[
+                    ("RANK", &rank),
+                    ("WORLD_SIZE", "4"),
+                    ("TUTTI_STORE", &url),
+                    ("TUTTI_TOKEN", SECRET),
+                    ("TUTTI_CONNECT_TIMEOUT", "60"),
+                ],
+            )
+        })
+        .collect();
+    let outs = wait_all(children, Duration::from_secs(120));
+    let _ = std::fs::remove_dir_all(&dir);
+    check(&outs, "file store, no master address");
+}
+
+/// A host whose link goes down mid-job (its bridge port set down: nothing is reset, nothing
+/// answers): every survivor names one of its ranks within `TUTTI_DEAD_AFTER` + 1 s.
+#[test]
+fn a_host_that_drops_off_the_network_is_named() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(c) = Cluster::up(3, None) else { return };
+    for transport in ["tcp", "quic"] {
+        let env =
+            [("TUTTI_TRANSPORT", transport), ("TUTTI_DEAD_AFTER", "2"), ("TUTTI_TIMEOUT", "60")];
+        let mut env_all = env.to_vec();
+        env_all.push(("TUTTI_TOKEN", SECRET));
+        env_all.push(("TUTTI_CONNECT_TIMEOUT", "60"));
+        let nodes: Vec<Child> = (0..3)
+            .map(|h| {
+                let node = h.to_string();
+                let a = [
+                    "--nnodes",
+                    "3",
+                    "--node-rank",
+                    &node,
+                    "--nproc",
+                    "1",
+                    "--master-addr",
+                    "10.77.0.1",
+                    "--master-port",
+                    "29812",
+                    "--grace",
+                    "1",
+                    "--",
+                    RANK,
+                    "loop",
+                ];
+                c.spawn(h, RUN, &a, &env_all)
+            })
+            .collect();
+        // Let the job run, then cut host 2 off.
+        std::thread::sleep(Duration::from_secs(3));
+        let cut_us = tutti_tests::now_us();
+        let status = Command::new("ip")
+            .args(["link", "set", &format!("{}-v2", c.name), "down"])
+            .status()
+            .expect("ip");
+        assert!(status.success());
+        let outs = wait_all(nodes, Duration::from_secs(60));
+        let _ = Command::new("ip").args(["link", "set", &format!("{}-v2", c.name), "up"]).status();
+        let t = text(&outs[..2]);
+        for r in 0..2 {
+            let line = t
+                .lines()
+                .find(|l| l.starts_with(&format!("[{r}] ERR")))
+                .unwrap_or_else(|| panic!("{transport}: rank {r} reported nothing:\n{t}"));
+            assert!(line.contains("rank 2"), "{transport}: rank {r} does not name rank 2: {line}");
+            let seen: u128 =
+                line.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap_or(0);
+            let took = seen.saturating_sub(cut_us);
+            eprintln!("{transport}: rank {r} named rank 2 {took} us after the cut");
+            // TUTTI_DEAD_AFTER (2 s) + 1 s.
+            assert!(took < 3_000_000, "{transport}: rank {r} took {took} us: {line}");
+        }
+    }
+}
