@@ -39,16 +39,20 @@ pub struct Config {
     pub segment: usize,
     /// Per-collective algorithm overrides (`TUTTI_ALGO`). Default none: automatic choice.
     pub overrides: Overrides,
+    /// Choose algorithms by timing them on the first calls of each size class (`TUTTI_TUNE=1`;
+    /// see `tune.rs`). Default off: the built-in table. Hazard: the first few calls of each class
+    /// run slower algorithms on purpose, and one small allreduce is added when a class is decided.
+    pub tune: bool,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { segment: DEFAULT_SEGMENT, overrides: Overrides::default() }
+        Config { segment: DEFAULT_SEGMENT, overrides: Overrides::default(), tune: false }
     }
 }
 
 impl Config {
-    /// Defaults plus `TUTTI_ALGO` and `TUTTI_SEGMENT_BYTES` from the environment.
+    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE` and `TUTTI_SEGMENT_BYTES` from the environment.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the malformed variable.
@@ -58,6 +62,13 @@ impl Config {
             |detail: String| Error::InvalidArgument { rank: usize::MAX, op: "config", detail };
         if let Ok(v) = std::env::var("TUTTI_ALGO") {
             c.overrides = Overrides::parse(&v).map_err(bad)?;
+        }
+        if let Ok(v) = std::env::var("TUTTI_TUNE") {
+            c.tune = match v.trim() {
+                "1" => true,
+                "0" | "" => false,
+                _ => return Err(bad(format!("TUTTI_TUNE={v:?}: expected 1 or 0"))),
+            };
         }
         if let Ok(v) = std::env::var("TUTTI_SEGMENT_BYTES") {
             c.segment = v.trim().parse::<usize>().ok().filter(|s| *s > 0).ok_or_else(|| {
@@ -81,6 +92,7 @@ pub struct Comm {
     pub(crate) group: Group,
     cfg: Arc<Config>,
     force: Option<Algo>,
+    tuner: Arc<crate::tune::Tuner>,
     scratch: Arc<Mutex<Scratch>>,
     /// The background worker that runs non-blocking calls in program order (started lazily,
     /// shared by clones).
@@ -142,6 +154,7 @@ impl Comm {
             group,
             cfg: Arc::new(cfg),
             force: None,
+            tuner: Arc::new(crate::tune::Tuner::default()),
             scratch: Arc::new(Mutex::new(Scratch::default())),
             worker: Arc::new(std::sync::OnceLock::new()),
             in_worker: false,
@@ -196,10 +209,32 @@ impl Comm {
         Error::InvalidArgument { rank: self.rank(), op, detail }
     }
 
+    /// The choices tuning has made so far (`TUTTI_TUNE=1`): collective, size class (bytes, a
+    /// power of two: the class holds sizes above half of it up to it) and algorithm.
+    pub fn tuned(&self) -> Vec<(Coll, usize, Algo)> {
+        self.tuner.decided()
+    }
+
+    /// The tuning class of a call, when tuning decides it.
+    fn tuning(&self, coll: Coll, bytes: usize, uniform: bool) -> Option<crate::tune::Key> {
+        let tunable = match coll {
+            Coll::Allreduce | Coll::Broadcast | Coll::Reduce => true,
+            Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll => uniform,
+            Coll::Gather | Coll::Scatter | Coll::Barrier => false,
+        };
+        (self.cfg.tune
+            && tunable
+            && self.force.is_none()
+            && !self.cfg.overrides.0.contains_key(&coll))
+        .then(|| crate::tune::Key::new(coll, bytes, uniform))
+    }
+
     fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
-        self.force
-            .or_else(|| self.cfg.overrides.0.get(&coll).copied())
-            .unwrap_or_else(|| choose(coll, bytes, self.size(), uniform))
+        let table = || choose(coll, bytes, self.size(), uniform);
+        if let Some(key) = self.tuning(coll, bytes, uniform) {
+            return self.tuner.pick(key, self.size(), table());
+        }
+        self.force.or_else(|| self.cfg.overrides.0.get(&coll).copied()).unwrap_or_else(table)
     }
 
     /// One call's life, the one path of every entry point (collectives, point-to-point,
@@ -283,6 +318,15 @@ impl Comm {
         drop(scratch);
         let elapsed = start.elapsed();
         debug!(op, seq, bytes = req.bytes, %algo, ?elapsed, "collective done");
+        if let Some(key) = self.tuning(req.coll, req.bytes, req.uniform) {
+            if let Some(mut times) = self.tuner.record(key, algo, elapsed) {
+                // Every rank reaches this at the same call: agree on the slowest rank's times.
+                self.with_algo(Algo::Tree).allreduce(&mut times, ReduceOp::Max)?;
+                if let Some(best) = self.tuner.decide(key, &times) {
+                    debug!(op, bytes = req.bytes, %best, ?times, "tuned");
+                }
+            }
+        }
         Ok(Stats { algo, bytes_sent, elapsed, seq })
     }
 

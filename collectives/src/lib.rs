@@ -33,6 +33,7 @@ mod nonblocking;
 pub mod plan;
 pub mod select;
 pub mod tensor;
+mod tune;
 pub mod verify;
 
 pub use coll::Coll;

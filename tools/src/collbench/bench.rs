@@ -505,7 +505,12 @@ impl Bench {
         call: &mut dyn FnMut(&Bench) -> Result<Option<String>>,
     ) -> Result<(Mode, String)> {
         let a = self.s.args.clone();
-        for _ in 0..a.warmup {
+        // With tuning on (TUTTI_TUNE=1), warm up at least as long as a size class takes to try
+        // its candidates (at most 4 algorithms per collective, 5 runs each, two passes), so the
+        // timed iterations measure the choice.
+        let tuning = std::env::var("TUTTI_TUNE").is_ok_and(|v| v.trim() == "1");
+        let warmup = if tuning { a.warmup.max(4 * 5 * 2 + 1) } else { a.warmup };
+        for _ in 0..warmup {
             if let Some(x) = call(self)? {
                 algo = x;
             }
