@@ -1,9 +1,9 @@
 //! Per-job secrets: the token every rank proves it knows, and HMAC-SHA256 helpers.
 //!
-//! The token comes from `TUTTI_TOKEN` (set by `tutti-run` or the user), or, when that is unset,
-//! rank 0 generates one and publishes it through the store (then the store is the trust anchor;
-//! see `docs/security.md`). The token never travels on rank-to-rank connections: ranks prove
-//! knowledge of it by challenge-response.
+//! Where the token comes from is `rendezvous::secret`'s business (`TUTTI_TOKEN`, a token file,
+//! a private file on a single host, or — explicitly insecure — the store). It never travels on
+//! rank-to-rank or store connections: both prove knowledge of the key derived from it
+//! ([`JobKey::from_token`], PBKDF2) by challenge-response, and tag what they send with it.
 
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};

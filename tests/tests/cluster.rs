@@ -80,6 +80,18 @@ impl Cluster {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Vec<Output> {
+        self.job_of(RANK, per_host, master, args, env)
+    }
+
+    /// As [`job`](Cluster::job), running `prog args…`.
+    fn job_of(
+        &self,
+        prog: &str,
+        per_host: usize,
+        master: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Vec<Output> {
         let port = "29811";
         let nodes = self.hosts.to_string();
         let nproc = per_host.to_string();
@@ -91,7 +103,7 @@ impl Cluster {
                 let node = h.to_string();
                 let mut a = vec!["--nnodes", &nodes, "--node-rank", &node, "--nproc", &nproc];
                 a.extend(["--master-addr", master, "--master-port", port, "--grace", "1", "--"]);
-                a.push(RANK);
+                a.push(prog);
                 a.extend(args);
                 self.spawn(h, RUN, &a, &env)
             })
@@ -147,6 +159,20 @@ fn every_collective_across_hosts_over_tcp_and_quic() {
     for transport in ["tcp", "quic"] {
         let outs = c.job(2, "10.77.0.1", &["collectives"], &[("TUTTI_TRANSPORT", transport)]);
         all_ok(&outs, 6, transport);
+    }
+    // Full-size messages over QUIC off loopback (path MTU discovery, GSO, batched receives):
+    // collbench's own check of every element of a 16 MiB allreduce and all-to-all.
+    for coll in ["allreduce", "alltoall"] {
+        let outs = c.job_of(
+            env!("CARGO_BIN_EXE_tt-collbench"),
+            1,
+            "10.77.0.1",
+            &[coll, "-b", "16M", "-e", "16M", "-n", "2", "-w", "1", "-c", "1"],
+            &[("TUTTI_TRANSPORT", "quic")],
+        );
+        let t = text(&outs);
+        assert!(outs.iter().all(|o| o.status.success()), "quic {coll} 16 MiB:\n{t}");
+        assert!(t.contains("Out of bounds values : 0 OK"), "quic {coll} 16 MiB:\n{t}");
     }
     // IPv6 only: the master and every rank on the hosts' IPv6 addresses.
     let outs = c.job(2, "fd77::1", &["whereami"], &[]);
