@@ -93,6 +93,8 @@ pub struct Comm {
     cfg: Arc<Config>,
     force: Option<Algo>,
     tuner: Arc<crate::tune::Tuner>,
+    /// How much slower than loopback the links are, once measured (see [`Comm::link_scale`]).
+    link: Arc<std::sync::OnceLock<f64>>,
     scratch: Arc<Mutex<Scratch>>,
     /// The background worker that runs non-blocking calls in program order (started lazily,
     /// shared by clones).
@@ -108,6 +110,19 @@ impl std::fmt::Debug for Comm {
             .field("force", &self.force)
             .finish_non_exhaustive()
     }
+}
+
+/// Bytes per rank of the link probe's all-gather.
+const LINK_PROBE_BYTES: usize = 1 << 20;
+/// Per-link bandwidth of that probe on loopback on the machine the built-in table was measured
+/// on (2-core VM, 4 ranks over TCP), in bytes per second.
+const REFERENCE_BW: f64 = 1.0e9;
+/// Links at least this many times slower than the reference count as slower (`link_scale`).
+const LINK_SLOW: f64 = 4.0;
+
+thread_local! {
+    /// Set while this thread runs the link probe: its own collectives do not probe again.
+    static PROBING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The `plan` of a rooted collective over per-rank blocks (gather, scatter).
@@ -155,6 +170,7 @@ impl Comm {
             cfg: Arc::new(cfg),
             force: None,
             tuner: Arc::new(crate::tune::Tuner::default()),
+            link: Arc::new(std::sync::OnceLock::new()),
             scratch: Arc::new(Mutex::new(Scratch::default())),
             worker: Arc::new(std::sync::OnceLock::new()),
             in_worker: false,
@@ -229,7 +245,65 @@ impl Comm {
         .then(|| crate::tune::Key::new(coll, bytes, uniform))
     }
 
+    /// How many times slower per byte this group's links are than the loopback the built-in
+    /// table was measured on: 1 on one host (a loopback address) and over memory; otherwise
+    /// measured once, at the group's first collective (every rank makes the same one): a ring
+    /// all-gather of 1 MiB per rank, twice, the faster kept, the slowest rank's time agreed by
+    /// an allreduce. Under 4 times slower it counts as 1 (noise on a loaded host must
+    /// not move the loopback choices).
+    ///
+    /// # Errors
+    /// The probe's collectives' errors (a peer lost during it, named).
+    pub fn link_scale(&self) -> Result<f64> {
+        if let Some(f) = self.link.get() {
+            return Ok(*f);
+        }
+        if PROBING.with(|p| p.get()) {
+            // The probe's own collectives.
+            return Ok(1.0);
+        }
+        let remote = self.group.local_addr().is_some_and(|a| !a.ip().is_loopback());
+        if !remote || self.size() < 2 {
+            return Ok(*self.link.get_or_init(|| 1.0));
+        }
+        PROBING.with(|p| p.set(true));
+        let r = (|| -> Result<f64> {
+            let block = LINK_PROBE_BYTES;
+            let mine = vec![0u8; block];
+            let mut all = vec![0u8; block * self.size()];
+            let ring = self.with_algo(Algo::Ring);
+            let mut best = f64::MAX;
+            for _ in 0..2 {
+                let t = Instant::now();
+                ring.allgather(&mine, &mut all)?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let mut worst = [best];
+            self.with_algo(Algo::Tree).allreduce(&mut worst, ReduceOp::Max)?;
+            let bw = (self.size() - 1) as f64 * block as f64 / worst[0].max(1e-9);
+            let f = REFERENCE_BW / bw;
+            debug!(bw, factor = f, "link probe");
+            Ok(if f >= LINK_SLOW { f } else { 1.0 })
+        })();
+        PROBING.with(|p| p.set(false));
+        let f = r?;
+        Ok(*self.link.get_or_init(|| f))
+    }
+
     fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
+        // On links slower than loopback the crossovers from latency-bound to bandwidth-bound
+        // algorithms come at proportionally smaller sizes: choose as if the message were that
+        // much larger. Measured for allreduce (docs/algorithms.md); the other collectives keep
+        // the table until they are measured on such links too.
+        let scale = match coll {
+            Coll::Allreduce => self.link.get().copied().unwrap_or(1.0),
+            _ => 1.0,
+        };
+        let bytes = if scale > 1.0 {
+            ((bytes as f64) * scale).min(usize::MAX as f64 / 2.0) as usize
+        } else {
+            bytes
+        };
         let table = || choose(coll, bytes, self.size(), uniform);
         if let Some(key) = self.tuning(coll, bytes, uniform) {
             return self.tuner.pick(key, self.size(), table());
@@ -285,6 +359,8 @@ impl Comm {
         req: Req<'_>,
         plan: impl FnOnce(&PlanCtx, Algo) -> Result<Plan>,
     ) -> Result<Stats> {
+        // The link probe, once per group, at its first collective (the same call on every rank).
+        self.link_scale()?;
         let start = Instant::now();
         let op = req.coll.name();
         // The collective's `plan` refuses an algorithm that cannot run here (`Coll::supports`).
@@ -509,5 +585,29 @@ impl Comm {
             let got = self.group.batch_p2p(&s, &mut r)?;
             Ok(got.into_iter().map(|n| n / size_of::<T>()).collect())
         })
+    }
+}
+
+#[cfg(test)]
+mod link_tests {
+    use super::*;
+
+    #[test]
+    fn slow_links_move_allreduce_to_bandwidth_algorithms_sooner() {
+        let comms = Comm::mem_world(4);
+        let c = &comms[0];
+        // Over memory (and on one host) nothing is probed: the table's choices.
+        assert_eq!(c.link_scale().unwrap(), 1.0);
+        assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Tree);
+        // Links measured 8 times slower than the reference (1 Gbit/s here): 64 KiB chooses
+        // like 512 KiB would, the other collectives are not moved, and small messages stay
+        // latency-bound.
+        let slow = Comm { link: Arc::new(std::sync::OnceLock::from(8.0)), ..c.clone() };
+        assert_eq!(slow.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Rabenseifner);
+        assert_eq!(slow.algo_for(Coll::Allreduce, 1 << 20, true), Algo::Ring);
+        assert_eq!(slow.algo_for(Coll::Allreduce, 4 << 10, true), Algo::Tree);
+        assert_eq!(slow.algo_for(Coll::Broadcast, 64 << 10, true), Algo::Tree);
+        // A forced algorithm still wins.
+        assert_eq!(slow.with_algo(Algo::Ring).algo_for(Coll::Allreduce, 8, true), Algo::Ring);
     }
 }
