@@ -293,10 +293,12 @@ impl Comm {
     fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
         // On links slower than loopback the crossovers from latency-bound to bandwidth-bound
         // algorithms come at proportionally smaller sizes: choose as if the message were that
-        // much larger. Measured for allreduce (docs/algorithms.md); the other collectives keep
-        // the table until they are measured on such links too.
+        // much larger. Measured for allreduce, broadcast, all-gather and reduce-scatter
+        // (docs/algorithms.md); all-to-all's choice is about message counts and stays.
         let scale = match coll {
-            Coll::Allreduce => self.link.get().copied().unwrap_or(1.0),
+            Coll::Allreduce | Coll::Broadcast | Coll::Allgather | Coll::ReduceScatter => {
+                self.link.get().copied().unwrap_or(1.0)
+            }
             _ => 1.0,
         };
         let bytes = if scale > 1.0 {
@@ -600,13 +602,20 @@ mod link_tests {
         assert_eq!(c.link_scale().unwrap(), 1.0);
         assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Tree);
         // Links measured 8 times slower than the reference (1 Gbit/s here): 64 KiB chooses
-        // like 512 KiB would, the other collectives are not moved, and small messages stay
-        // latency-bound.
+        // like 512 KiB would, all-to-all is not moved, and small messages stay latency-bound.
         let slow = Comm { link: Arc::new(std::sync::OnceLock::from(8.0)), ..c.clone() };
         assert_eq!(slow.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Rabenseifner);
         assert_eq!(slow.algo_for(Coll::Allreduce, 1 << 20, true), Algo::Ring);
         assert_eq!(slow.algo_for(Coll::Allreduce, 4 << 10, true), Algo::Tree);
-        assert_eq!(slow.algo_for(Coll::Broadcast, 64 << 10, true), Algo::Tree);
+        assert_eq!(slow.algo_for(Coll::Broadcast, 64 << 10, true), Algo::Chain);
+        assert_eq!(slow.algo_for(Coll::Broadcast, 16 << 10, true), Algo::Tree);
+        assert_eq!(slow.algo_for(Coll::Allgather, 1 << 20, true), Algo::Ring);
+        assert_eq!(slow.algo_for(Coll::ReduceScatter, 1 << 20, true), Algo::Ring);
+        assert_eq!(slow.algo_for(Coll::ReduceScatter, 256 << 10, true), Algo::RecursiveHalving);
+        assert_eq!(
+            slow.algo_for(Coll::AllToAll, 64 << 10, true),
+            c.algo_for(Coll::AllToAll, 64 << 10, true)
+        );
         // A forced algorithm still wins.
         assert_eq!(slow.with_algo(Algo::Ring).algo_for(Coll::Allreduce, 8, true), Algo::Ring);
     }
