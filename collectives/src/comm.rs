@@ -252,6 +252,11 @@ impl Comm {
     /// an allreduce. Under 4 times slower it counts as 1 (noise on a loaded host must
     /// not move the loopback choices).
     ///
+    /// # Collective contract
+    /// The first call on a multi-host group is collective: every rank of the group makes it
+    /// (every collective does, first thing), or none calls it directly. Later calls return the
+    /// measured value at once.
+    ///
     /// # Errors
     /// The probe's collectives' errors (a peer lost during it, named).
     pub fn link_scale(&self) -> Result<f64> {
