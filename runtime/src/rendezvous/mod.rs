@@ -305,9 +305,12 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
     let key = token.as_deref().map(JobKey::from_token);
     let (store, master_ip): (Arc<dyn Store>, Option<IpAddr>) = match (&env.store, tcp_addr) {
         (StoreSpec::File(dir), _) => {
-            let fs = FileStore::new(dir)?.with_key(key.clone());
+            let fs = FileStore::new(dir)?;
             keep.push(Arc::new(fs.leaver(world)));
-            (Arc::new(fs), None)
+            match &key {
+                Some(k) => (Arc::new(SignedStore::new(fs, k.clone())), None),
+                None => (Arc::new(fs), None),
+            }
         }
         (StoreSpec::Torch { .. }, Some(addr)) => {
             let ts = TorchStore::connect(addr, &format!("tutti-{}", env.restart), deadline)?;

@@ -100,25 +100,23 @@ pub fn private_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Write `data` to `path` atomically, readable by this user only.
+/// Write `data` to `path` atomically (a fresh temporary file in the same directory, renamed),
+/// readable by this user only.
 ///
 /// # Errors
-/// [`Error::Config`] on failure.
-pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<()> {
-    let bad = |d: String| Error::Config(format!("writing {}: {d}", path.display()));
-    let rnd: String =
-        auth::random::<8>().map_err(bad)?.iter().map(|b| format!("{b:02x}")).collect();
+/// The file system's error.
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let rnd: String = auth::random::<8>()
+        .map_err(std::io::Error::other)?
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(format!(".tmp-{}-{rnd}", std::process::id()));
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(|e| bad(e.to_string()))?;
-    f.write_all(data).map_err(|e| bad(e.to_string()))?;
+    let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+    f.write_all(data)?;
     drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| bad(e.to_string()))
+    std::fs::rename(&tmp, path)
 }
 
 /// This user's private directory for single-host job secrets.
@@ -148,7 +146,8 @@ impl LocalSecret {
     /// Make a fresh secret at `path`.
     pub(crate) fn create(path: PathBuf) -> Result<(LocalSecret, String)> {
         let token = auth::random_token().map_err(Error::Config)?;
-        write_private(&path, token.as_bytes())?;
+        write_private(&path, token.as_bytes())
+            .map_err(|e| Error::Config(format!("writing {}: {e}", path.display())))?;
         Ok((LocalSecret { path }, token))
     }
 }

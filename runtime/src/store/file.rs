@@ -5,31 +5,18 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::Store;
-use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
 
 /// A store in a directory of a shared filesystem: one file per key, written atomically.
 ///
 /// The directory is created with mode 0700 (or, when it exists, must be a directory of this
-/// user's that nobody else can enter), and every file is 0600. With a job key
-/// ([`with_key`](FileStore::with_key)) each value carries an HMAC over its key and contents, so a
-/// file changed or planted by someone who can write there is refused, naming the key.
-#[derive(Clone)]
+/// user's that nobody else can enter), and every file is 0600. Rendezvous wraps it in a
+/// [`SignedStore`](super::SignedStore) when the job has a secret, so a file changed or planted
+/// by someone who can write there is refused, naming the key.
+#[derive(Debug, Clone)]
 pub struct FileStore {
     dir: PathBuf,
-    key: Option<JobKey>,
 }
-
-impl std::fmt::Debug for FileStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FileStore")
-            .field("dir", &self.dir)
-            .field("authenticated", &self.key.is_some())
-            .finish()
-    }
-}
-
-const TAG: usize = 32;
 
 impl FileStore {
     /// Use (and create) `dir`.
@@ -40,13 +27,7 @@ impl FileStore {
     pub fn new(dir: impl Into<PathBuf>) -> Result<FileStore> {
         let dir = dir.into();
         crate::rendezvous::secret::private_dir(&dir)?;
-        Ok(FileStore { dir, key: None })
-    }
-
-    /// Authenticate every value with `key` (none: plain contents).
-    pub fn with_key(mut self, key: Option<JobKey>) -> FileStore {
-        self.key = key;
-        self
+        Ok(FileStore { dir })
     }
 
     /// A guard that, when dropped by each of the `world` ranks, counts them out; the last one
@@ -65,59 +46,17 @@ impl FileStore {
         Error::Store { addr: self.dir.display().to_string(), detail }
     }
 
-    fn seal(&self, key: &str, value: &[u8]) -> Vec<u8> {
-        let mut v = value.to_vec();
-        if let Some(k) = &self.key {
-            v.extend_from_slice(&k.mac(&[b"tutti-file-store", key.as_bytes(), b"\0", value]));
-        }
-        v
-    }
-
-    fn open(&self, key: &str, mut raw: Vec<u8>) -> Result<Vec<u8>> {
-        let Some(k) = &self.key else { return Ok(raw) };
-        let bad = || {
-            self.err(format!(
-                "integrity check failed for key {key:?}: the file was changed or written by \
-                 someone without the job secret"
-            ))
-        };
-        if raw.len() < TAG {
-            return Err(bad());
-        }
-        let tag = raw.split_off(raw.len() - TAG);
-        if !k.verify(&[b"tutti-file-store", key.as_bytes(), b"\0", &raw], &tag) {
-            return Err(bad());
-        }
-        Ok(raw)
-    }
-
     fn read(&self, key: &str) -> Result<Option<Vec<u8>>> {
         match std::fs::read(self.path(key)) {
-            Ok(v) => self.open(key, v).map(Some),
+            Ok(v) => Ok(Some(v)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(self.err(format!("reading {key:?}: {e}"))),
         }
     }
 
     fn write_atomic(&self, key: &str, value: &[u8]) -> Result<()> {
-        use std::io::Write;
-        let path = self.path(key);
-        let rnd: String = auth::random::<8>()
-            .map_err(|e| self.err(e))?
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        let tmp = self.dir.join(format!(".tmp-{}-{rnd}", std::process::id()));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| self.err(format!("writing {key:?}: {e}")))?;
-        f.write_all(&self.seal(key, value))
-            .map_err(|e| self.err(format!("writing {key:?}: {e}")))?;
-        drop(f);
-        std::fs::rename(&tmp, &path).map_err(|e| self.err(format!("renaming {key:?}: {e}")))
+        crate::rendezvous::secret::write_private(&self.path(key), value)
+            .map_err(|e| self.err(format!("writing {key:?}: {e}")))
     }
 
     fn with_lock<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {

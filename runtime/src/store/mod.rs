@@ -94,7 +94,32 @@ pub(crate) fn get_or(
     })
 }
 
-/// A store that does not authenticate its clients (torch's `TCPStore`), made tamper-evident:
+/// `value` followed by `HMAC(key, domain… ‖ name ‖ 0 ‖ value)`: what [`SignedStore`] and
+/// [`set_signed`] store.
+fn seal(key: &crate::auth::JobKey, domain: &[&[u8]], name: &str, value: &[u8]) -> Vec<u8> {
+    let mut parts: Vec<&[u8]> = domain.to_vec();
+    parts.extend([name.as_bytes(), b"\0", value]);
+    let mut v = value.to_vec();
+    v.extend_from_slice(&key.mac(&parts));
+    v
+}
+
+/// The value [`seal`] sealed, or `None` when the tag does not check out.
+fn unseal(
+    key: &crate::auth::JobKey,
+    domain: &[&[u8]],
+    name: &str,
+    mut raw: Vec<u8>,
+) -> Option<Vec<u8>> {
+    let at = raw.len().checked_sub(32)?;
+    let tag = raw.split_off(at);
+    let mut parts: Vec<&[u8]> = domain.to_vec();
+    parts.extend([name.as_bytes(), b"\0", &raw]);
+    key.verify(&parts, &tag).then_some(raw)
+}
+
+/// A store that does not authenticate its clients (torch's `TCPStore`, a file store), made
+/// tamper-evident:
 /// every value is written with `HMAC(key, "tutti-signed" ‖ name ‖ 0 ‖ value)` after it and
 /// checked when read, so an entry written or changed by someone without the job secret is
 /// refused, naming the key. Counters (`add`) are not covered: a forger can disturb them (a
@@ -110,36 +135,23 @@ impl<S: Store> SignedStore<S> {
     pub fn new(inner: S, key: crate::auth::JobKey) -> SignedStore<S> {
         SignedStore { inner, key }
     }
-
-    fn tag(&self, name: &str, value: &[u8]) -> [u8; 32] {
-        self.key.mac(&[b"tutti-signed", name.as_bytes(), b"\0", value])
-    }
 }
 
 impl<S: Store> Store for SignedStore<S> {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        let mut v = value.to_vec();
-        v.extend_from_slice(&self.tag(key, value));
-        self.inner.set(key, &v)
+        self.inner.set(key, &seal(&self.key, &[b"tutti-signed"], key, value))
     }
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        let mut raw = self.inner.get(key, timeout)?;
-        let forged = || Error::Store {
+        let raw = self.inner.get(key, timeout)?;
+        unseal(&self.key, &[b"tutti-signed"], key, raw).ok_or_else(|| Error::Store {
             addr: self.inner.describe(),
             detail: format!(
-                "the entry {key:?} fails its check against the job secret: someone without the \
-                 secret wrote or changed it (or a rank runs with another TUTTI_TOKEN)"
+                "integrity check failed: the entry {key:?} fails its check against the job \
+                 secret; someone without the secret wrote or changed it (or a rank runs with \
+                 another TUTTI_TOKEN)"
             ),
-        };
-        if raw.len() < 32 {
-            return Err(forged());
-        }
-        let tag = raw.split_off(raw.len() - 32);
-        if !crate::auth::ct_eq(&self.tag(key, &raw), &tag) {
-            return Err(forged());
-        }
-        Ok(raw)
+        })
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
@@ -176,15 +188,7 @@ pub(crate) fn set_signed(
     name: &str,
     value: &[u8],
 ) -> Result<()> {
-    let mut v = value.to_vec();
-    v.extend_from_slice(&key.mac(&[
-        b"tutti-entry",
-        &job.to_le_bytes(),
-        name.as_bytes(),
-        b"\0",
-        value,
-    ]));
-    store.set(name, &v)
+    store.set(name, &seal(key, &[b"tutti-entry", &job.to_le_bytes()], name, value))
 }
 
 /// The value of an entry written by [`set_signed`], or `None` when its tag does not check out
@@ -193,14 +197,9 @@ pub(crate) fn open_signed(
     key: &crate::auth::JobKey,
     job: u64,
     name: &str,
-    mut raw: Vec<u8>,
+    raw: Vec<u8>,
 ) -> Option<Vec<u8>> {
-    if raw.len() < 32 {
-        return None;
-    }
-    let tag = raw.split_off(raw.len() - 32);
-    key.verify(&[b"tutti-entry", &job.to_le_bytes(), name.as_bytes(), b"\0", &raw], &tag)
-        .then_some(raw)
+    unseal(key, &[b"tutti-entry", &job.to_le_bytes()], name, raw)
 }
 
 /// What a rank says when a peer's published entry fails its check.

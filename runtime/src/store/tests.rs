@@ -454,7 +454,8 @@ fn file_store_is_private_authenticated_and_cleaned_up() {
     let dir = std::env::temp_dir().join(format!("tutti-fs-sec-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let key = JobKey::from_token("file-store-secret-0123");
-    let s = FileStore::new(&dir).unwrap().with_key(Some(key.clone()));
+    let fs = FileStore::new(&dir).unwrap();
+    let s = SignedStore::new(fs.clone(), key.clone());
     assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
     s.set("tutti/addr/0", b"10.0.0.1:5000").unwrap();
     let file = std::fs::read_dir(&dir)
@@ -480,7 +481,7 @@ fn file_store_is_private_authenticated_and_cleaned_up() {
     assert!(e.contains("chmod 700"), "{e}");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     // The last of the job's ranks to leave removes the directory.
-    let leavers: Vec<_> = (0..3).map(|_| s.leaver(3)).collect();
+    let leavers: Vec<_> = (0..3).map(|_| fs.leaver(3)).collect();
     let mut leavers = leavers.into_iter();
     drop(leavers.next());
     drop(leavers.next());
