@@ -11,8 +11,10 @@ use crate::coll::Coll;
 use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::exec::{self, Call, Scratch};
+use crate::model::Model;
 use crate::plan::{split, Plan};
 use crate::select::{choose, Algo, Overrides};
+use crate::topo::Topology;
 
 /// Default pipeline segment size in bytes (`TUTTI_SEGMENT_BYTES`).
 pub const DEFAULT_SEGMENT: usize = 512 << 10;
@@ -93,8 +95,10 @@ pub struct Comm {
     cfg: Arc<Config>,
     force: Option<Algo>,
     tuner: Arc<crate::tune::Tuner>,
-    /// How much slower than loopback the links are, once measured (see [`Comm::link_scale`]).
-    link: Arc<std::sync::OnceLock<f64>>,
+    /// Which ranks share a host, once known (see [`Comm::topology`]).
+    topo: Arc<std::sync::OnceLock<Arc<Topology>>>,
+    /// The links, once measured (see [`Comm::link_scale`]).
+    link: Arc<std::sync::OnceLock<Link>>,
     scratch: Arc<Mutex<Scratch>>,
     /// The background worker that runs non-blocking calls in program order (started lazily,
     /// shared by clones).
@@ -112,6 +116,23 @@ impl std::fmt::Debug for Comm {
     }
 }
 
+/// What the link probe found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Link {
+    /// How many times slower per byte than the reference loopback (1 when not slower).
+    scale: f64,
+    /// The cost model the choice follows, on links measured [`LINK_SLOW`] times slower.
+    model: Option<Model>,
+}
+
+impl Link {
+    const LOCAL: Link = Link { scale: 1.0, model: None };
+}
+
+/// Messages of the probe's latency measurement.
+const LINK_PROBE_SMALL: usize = 5;
+/// Bytes of the probe's local reduction (larger than a core's cache, as real buffers are).
+const LINK_PROBE_REDUCE: usize = 8 << 20;
 /// Bytes per rank of the link probe's all-gather.
 const LINK_PROBE_BYTES: usize = 1 << 20;
 /// Per-link bandwidth of that probe on loopback on the machine the built-in table was measured
@@ -170,6 +191,7 @@ impl Comm {
             cfg: Arc::new(cfg),
             force: None,
             tuner: Arc::new(crate::tune::Tuner::default()),
+            topo: Arc::new(std::sync::OnceLock::new()),
             link: Arc::new(std::sync::OnceLock::new()),
             scratch: Arc::new(Mutex::new(Scratch::default())),
             worker: Arc::new(std::sync::OnceLock::new()),
@@ -245,11 +267,74 @@ impl Comm {
         .then(|| crate::tune::Key::new(coll, bytes, uniform))
     }
 
+    /// The same communicator told which host each rank is on (`hosts[r]`, any numbering;
+    /// ranks with equal numbers share a host) instead of finding out: for tests over memory,
+    /// and for jobs whose ranks reach each other through addresses that do not tell hosts
+    /// apart. Links are then taken as measured equal to loopback unless
+    /// [`Comm::with_model`] says otherwise.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `hosts` does not have one entry per rank.
+    pub fn with_hosts(&self, hosts: &[usize]) -> Result<Comm> {
+        if hosts.len() != self.size() {
+            return Err(self.invalid(
+                "with_hosts",
+                format!("{} host numbers for {} ranks", hosts.len(), self.size()),
+            ));
+        }
+        let topo = std::sync::OnceLock::from(Arc::new(Topology::from_hosts(hosts)));
+        let link = self.link.get().copied().unwrap_or(Link::LOCAL);
+        Ok(Comm {
+            topo: Arc::new(topo),
+            link: Arc::new(std::sync::OnceLock::from(link)),
+            ..self.clone()
+        })
+    }
+
+    /// The same communicator choosing from `model` (as if the link probe had measured it):
+    /// what a job whose links are known can set instead of probing, and how tests check the
+    /// choice on slow links.
+    pub fn with_model(&self, model: Model) -> Comm {
+        let link = Link { scale: model.beta * REFERENCE_BW, model: Some(model) };
+        Comm { link: Arc::new(std::sync::OnceLock::from(link)), ..self.clone() }
+    }
+
+    /// Which host each rank is on: over memory and on a loopback address, one host; otherwise
+    /// found at the group's first collective (with [`Comm::link_scale`]'s probe): ranks that
+    /// advertise the same address to their peers share a host.
+    ///
+    /// # Collective contract
+    /// As [`Comm::link_scale`].
+    ///
+    /// # Errors
+    /// As [`Comm::link_scale`].
+    pub fn topology(&self) -> Result<Arc<Topology>> {
+        self.link_scale()?;
+        Ok(self.topo_now())
+    }
+
+    /// The cost model the automatic choice follows, when the link probe found links at least
+    /// 4 times slower than loopback (or [`Comm::with_model`] set one); `None` before the first
+    /// collective and on loopback-class links.
+    pub fn link_model(&self) -> Option<Model> {
+        self.link.get().and_then(|l| l.model)
+    }
+
+    /// The topology known so far (one host before the probe).
+    fn topo_now(&self) -> Arc<Topology> {
+        self.topo.get().cloned().unwrap_or_else(|| Arc::new(Topology::flat(self.size())))
+    }
+
     /// How many times slower per byte this group's links are than the loopback the built-in
-    /// table was measured on: 1 on one host (a loopback address) and over memory; otherwise
-    /// measured once, at the group's first collective (every rank makes the same one): a ring
-    /// all-gather of 1 MiB per rank, twice, the faster kept, the slowest rank's time agreed by
-    /// an allreduce. Under 4 times slower it counts as 1 (noise on a loaded host must
+    /// table was measured on: 1 on one host (a loopback address, or every rank advertising the
+    /// same address) and over memory; otherwise measured once, at the group's first collective
+    /// (every rank makes the same one). The probe: an all-gather of each rank's address (which
+    /// ranks share a host, [`Comm::topology`]), then 5 allreduces of 8 bytes (the per-message
+    /// cost α: the best time over the tree's steps), a ring all-gather of 1 MiB per rank twice
+    /// (the link's per-byte cost β: the faster), and 3 local reductions of 8 MiB (the per-byte
+    /// reduction cost γ); the slowest rank's times, agreed by an allreduce, are every rank's.
+    /// On links at least 4 times slower than the reference the choice follows the cost model
+    /// built from them (`model.rs`); under that it counts as 1 (noise on a loaded host must
     /// not move the loopback choices).
     ///
     /// # Collective contract
@@ -260,62 +345,107 @@ impl Comm {
     /// # Errors
     /// The probe's collectives' errors (a peer lost during it, named).
     pub fn link_scale(&self) -> Result<f64> {
-        if let Some(f) = self.link.get() {
-            return Ok(*f);
+        if let Some(l) = self.link.get() {
+            return Ok(l.scale);
         }
         if PROBING.with(|p| p.get()) {
             // The probe's own collectives.
             return Ok(1.0);
         }
-        let remote = self.group.local_addr().is_some_and(|a| !a.ip().is_loopback());
-        if !remote || self.size() < 2 {
-            return Ok(*self.link.get_or_init(|| 1.0));
-        }
+        let remote = self.group.local_addr().filter(|a| !a.ip().is_loopback());
+        let Some(addr) = remote.filter(|_| self.size() >= 2) else {
+            return Ok(self.link.get_or_init(|| Link::LOCAL).scale);
+        };
         PROBING.with(|p| p.set(true));
-        let r = (|| -> Result<f64> {
-            let block = LINK_PROBE_BYTES;
-            let mine = vec![0u8; block];
-            let mut all = vec![0u8; block * self.size()];
-            let ring = self.with_algo(Algo::Ring);
-            let mut best = f64::MAX;
-            for _ in 0..2 {
-                let t = Instant::now();
-                ring.allgather(&mine, &mut all)?;
-                best = best.min(t.elapsed().as_secs_f64());
-            }
-            let mut worst = [best];
-            self.with_algo(Algo::Tree).allreduce(&mut worst, ReduceOp::Max)?;
-            let bw = (self.size() - 1) as f64 * block as f64 / worst[0].max(1e-9);
-            let f = REFERENCE_BW / bw;
-            debug!(bw, factor = f, "link probe");
-            Ok(if f >= LINK_SLOW { f } else { 1.0 })
-        })();
+        let r = self.probe(addr.ip());
         PROBING.with(|p| p.set(false));
-        let f = r?;
-        Ok(*self.link.get_or_init(|| f))
+        let l = r?;
+        Ok(self.link.get_or_init(|| l).scale)
+    }
+
+    /// The link probe (see [`Comm::link_scale`]).
+    fn probe(&self, ip: std::net::IpAddr) -> Result<Link> {
+        let n = self.size();
+        let key = match ip {
+            std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+            std::net::IpAddr::V6(v6) => v6.octets(),
+        };
+        let mut keys = vec![0u8; 16 * n];
+        self.with_algo(Algo::Ring).allgather(&key, &mut keys)?;
+        let topo = Topology::from_keys(&keys.chunks(16).collect::<Vec<_>>());
+        let hosts = topo.hosts();
+        let _ = self.topo.set(Arc::new(topo));
+        if hosts < 2 {
+            return Ok(Link::LOCAL);
+        }
+        let tree = self.with_algo(Algo::Tree);
+        let mut small = f64::MAX;
+        for _ in 0..LINK_PROBE_SMALL {
+            let mut x = [0.0f64];
+            let t = Instant::now();
+            tree.allreduce(&mut x, ReduceOp::Sum)?;
+            small = small.min(t.elapsed().as_secs_f64());
+        }
+        let block = LINK_PROBE_BYTES;
+        let mine = vec![0u8; block];
+        let mut all = vec![0u8; block * n];
+        let ring = self.with_algo(Algo::Ring);
+        let mut big = f64::MAX;
+        for _ in 0..2 {
+            let t = Instant::now();
+            ring.allgather(&mine, &mut all)?;
+            big = big.min(t.elapsed().as_secs_f64());
+        }
+        let mut reduce = f64::MAX;
+        let rbytes = LINK_PROBE_REDUCE;
+        let (mut acc, add) = (vec![0u8; rbytes], vec![0u8; rbytes]);
+        for _ in 0..3 {
+            let t = Instant::now();
+            crate::kernel::reduce_into(DType::F32, ReduceOp::Sum, &mut acc, &add);
+            reduce = reduce.min(t.elapsed().as_secs_f64());
+        }
+        let mut worst = [small, big, reduce];
+        tree.allreduce(&mut worst, ReduceOp::Max)?;
+        let [small, big, reduce] = worst;
+        let steps = 2 * (usize::BITS - (n - 1).leading_zeros()) as usize;
+        let bw = (n - 1) as f64 * block as f64 / big.max(1e-9);
+        let model = Model {
+            alpha: small / steps as f64,
+            beta: 1.0 / bw,
+            beta_local: crate::model::LOCAL_BETA,
+            gamma: reduce / rbytes as f64,
+        };
+        let scale = REFERENCE_BW / bw;
+        debug!(bw, scale, ?model, hosts, "link probe");
+        Ok(if scale >= LINK_SLOW { Link { scale, model: Some(model) } } else { Link::LOCAL })
     }
 
     fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
-        // On links slower than loopback the crossovers from latency-bound to bandwidth-bound
-        // algorithms come at proportionally smaller sizes: choose as if the message were that
-        // much larger. Measured for allreduce, broadcast, all-gather and reduce-scatter
-        // (docs/algorithms.md); all-to-all's choice is about message counts and stays.
-        let scale = match coll {
-            Coll::Allreduce | Coll::Broadcast | Coll::Allgather | Coll::ReduceScatter => {
-                self.link.get().copied().unwrap_or(1.0)
-            }
-            _ => 1.0,
+        let model = self.link.get().and_then(|l| l.model);
+        let auto = || {
+            // On links slower than loopback, the cost model; it covers the collectives whose
+            // choice trades steps against bytes. All-to-all's choice is about message counts.
+            let modelled = matches!(
+                coll,
+                Coll::Allreduce | Coll::Broadcast | Coll::Allgather | Coll::ReduceScatter
+            );
+            let n = self.size();
+            model
+                .filter(|_| modelled)
+                .and_then(|m| {
+                    let algos = coll
+                        .algos()
+                        .iter()
+                        .copied()
+                        .filter(|a| coll.supports(*a, n, uniform).is_ok());
+                    m.best(coll, algos, bytes as f64, &self.topo_now())
+                })
+                .unwrap_or_else(|| choose(coll, bytes, n, uniform))
         };
-        let bytes = if scale > 1.0 {
-            ((bytes as f64) * scale).min(usize::MAX as f64 / 2.0) as usize
-        } else {
-            bytes
-        };
-        let table = || choose(coll, bytes, self.size(), uniform);
         if let Some(key) = self.tuning(coll, bytes, uniform) {
-            return self.tuner.pick(key, self.size(), table());
+            return self.tuner.pick(key, self.size(), auto());
         }
-        self.force.or_else(|| self.cfg.overrides.0.get(&coll).copied()).unwrap_or_else(table)
+        self.force.or_else(|| self.cfg.overrides.0.get(&coll).copied()).unwrap_or_else(auto)
     }
 
     /// One call's life, the one path of every entry point (collectives, point-to-point,
@@ -364,7 +494,7 @@ impl Comm {
     pub(crate) fn run(
         &self,
         req: Req<'_>,
-        plan: impl FnOnce(&PlanCtx, Algo) -> Result<Plan>,
+        plan: impl FnOnce(&PlanCtx, Algo, &Topology) -> Result<Plan>,
     ) -> Result<Stats> {
         // The link probe, once per group, at its first collective (the same call on every rank).
         self.link_scale()?;
@@ -379,7 +509,7 @@ impl Comm {
             seg: self.cfg.segment,
             in_place: req.input.is_none(),
         };
-        let plan = plan(&ctx, algo)?;
+        let plan = plan(&ctx, algo, &self.topo_now())?;
         let seq = self.group.next_seq();
         let fp = Fingerprint {
             op: req.coll.op_kind(),
@@ -451,7 +581,7 @@ impl Comm {
                 data: as_bytes_mut(output),
                 input: Some(as_bytes(input)),
             };
-            self.run(req, |ctx, algo| plan(ctx, algo, &blocks, root))
+            self.run(req, |ctx, algo, _| plan(ctx, algo, &blocks, root))
         })
     }
 
@@ -484,7 +614,7 @@ impl Comm {
                 data: as_bytes_mut(buf),
                 input: None,
             };
-            self.run(req, |ctx, algo| plan(ctx, algo, &blocks, root))
+            self.run(req, |ctx, algo, _| plan(ctx, algo, &blocks, root))
         })
     }
 
@@ -600,28 +730,34 @@ mod link_tests {
     use super::*;
 
     #[test]
-    fn slow_links_move_allreduce_to_bandwidth_algorithms_sooner() {
-        let comms = Comm::mem_world(4);
+    fn slow_links_choose_from_the_model() {
+        let comms = Comm::mem_world(8);
         let c = &comms[0];
         // Over memory (and on one host) nothing is probed: the table's choices.
         assert_eq!(c.link_scale().unwrap(), 1.0);
+        assert_eq!(c.topology().unwrap().hosts(), 1);
         assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Tree);
-        // Links measured 8 times slower than the reference (1 Gbit/s here): 64 KiB chooses
-        // like 512 KiB would, all-to-all is not moved, and small messages stay latency-bound.
-        let slow = Comm { link: Arc::new(std::sync::OnceLock::from(8.0)), ..c.clone() };
-        assert_eq!(slow.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Rabenseifner);
-        assert_eq!(slow.algo_for(Coll::Allreduce, 1 << 20, true), Algo::Ring);
-        assert_eq!(slow.algo_for(Coll::Allreduce, 4 << 10, true), Algo::Tree);
-        assert_eq!(slow.algo_for(Coll::Broadcast, 64 << 10, true), Algo::Chain);
-        assert_eq!(slow.algo_for(Coll::Broadcast, 16 << 10, true), Algo::Tree);
-        assert_eq!(slow.algo_for(Coll::Allgather, 1 << 20, true), Algo::Ring);
-        assert_eq!(slow.algo_for(Coll::ReduceScatter, 1 << 20, true), Algo::Ring);
-        assert_eq!(slow.algo_for(Coll::ReduceScatter, 256 << 10, true), Algo::RecursiveHalving);
+        // 1 Gbit/s links (8 ns per byte), 50 µs per message, reductions at 2 GB/s.
+        let m = Model { alpha: 50e-6, beta: 8e-9, beta_local: 0.4e-9, gamma: 0.5e-9 };
+        let one = c.with_hosts(&[0, 1, 2, 3, 4, 5, 6, 7]).unwrap().with_model(m);
+        assert!((one.link_scale().unwrap() - 8.0).abs() < 1e-9);
+        let ar = |c: &Comm, b: usize| c.algo_for(Coll::Allreduce, b, true);
+        assert_eq!(ar(&one, 64 << 20), Algo::Ring);
+        assert!(matches!(ar(&one, 8), Algo::Tree | Algo::RecursiveDoubling), "{}", ar(&one, 8));
+        assert_eq!(one.algo_for(Coll::Broadcast, 16 << 20, true), Algo::Chain);
+        assert_eq!(one.algo_for(Coll::Allgather, 16 << 20, true), Algo::Ring);
+        // Four ranks on each of two hosts: large allreduces go two-level, and recursive doubling
+        // (whose far partners all cross the host's link) is not chosen for middle sizes.
+        let two = c.with_hosts(&[0, 0, 0, 0, 1, 1, 1, 1]).unwrap().with_model(m);
+        assert_eq!(ar(&two, 64 << 20), Algo::TwoLevel);
+        assert_ne!(ar(&two, 1 << 20), Algo::RecursiveDoubling);
+        // All-to-all is not moved; a forced algorithm still wins; on one host, the table.
         assert_eq!(
-            slow.algo_for(Coll::AllToAll, 64 << 10, true),
+            two.algo_for(Coll::AllToAll, 64 << 10, true),
             c.algo_for(Coll::AllToAll, 64 << 10, true)
         );
-        // A forced algorithm still wins.
-        assert_eq!(slow.with_algo(Algo::Ring).algo_for(Coll::Allreduce, 8, true), Algo::Ring);
+        assert_eq!(two.with_algo(Algo::Ring).algo_for(Coll::Allreduce, 8, true), Algo::Ring);
+        assert_eq!(ar(&c.with_hosts(&[0; 8]).unwrap(), 64 << 10), Algo::Tree);
+        assert!(c.with_hosts(&[0; 3]).is_err());
     }
 }

@@ -29,10 +29,12 @@ pub mod dtype;
 mod error;
 mod exec;
 pub mod kernel;
+pub mod model;
 mod nonblocking;
 pub mod plan;
 pub mod select;
 pub mod tensor;
+pub mod topo;
 mod tune;
 pub mod verify;
 
@@ -42,6 +44,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use nonblocking::Pending;
 pub use select::Algo;
+pub use topo::Topology;
 pub use tutti_runtime::{Group, Transport};
 
 /// The README's example compiles (doc-test only).

@@ -158,6 +158,59 @@ impl Plan {
         }
     }
 
+    /// The plan with every peer `v` replaced by `map[v]`: a plan built for position `v` of a
+    /// sub-group or of a reordered ring, run by the group ranks `map` names.
+    ///
+    /// # Panics
+    /// If a peer is outside `map` (a bug in the caller: `map` lists every position).
+    pub fn relabel(mut self, map: &[usize]) -> Plan {
+        for st in &mut self.steps {
+            if let Step::Send { peer, .. } | Step::Recv { peer, .. } = st {
+                *peer = map[*peer];
+            }
+        }
+        self
+    }
+
+    /// The plan with every region of the data buffer moved `off` bytes on: a plan over
+    /// `[off, off + len)` of the data buffer built as if that range were the whole buffer.
+    pub fn shift_data(mut self, off: usize) -> Plan {
+        let mv = |r: &mut Region| {
+            if r.buf == Buf::Data {
+                r.off += off;
+            }
+        };
+        for st in &mut self.steps {
+            match st {
+                Step::Send { region, .. } | Step::Recv { region, .. } => mv(region),
+                Step::Reduce { dst, a, b } => {
+                    mv(dst);
+                    mv(a);
+                    mv(b);
+                }
+                Step::Copy { dst, src } => {
+                    mv(dst);
+                    mv(src);
+                }
+                Step::Wait(_) | Step::WaitAll => {}
+            }
+        }
+        self
+    }
+
+    /// One more than the largest tag the plan uses (0 for a plan without messages): the tag
+    /// base of a plan appended after it.
+    pub fn tag_end(&self) -> u32 {
+        self.steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Send { tag, .. } | Step::Recv { tag, .. } => Some(tag + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Total bytes this plan sends.
     pub fn bytes_sent(&self) -> u64 {
         self.steps

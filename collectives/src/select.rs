@@ -32,11 +32,13 @@ pub enum Algo {
     Linear,
     /// Dissemination.
     Dissemination,
+    /// Two-level: within each host, then across hosts, then within each host again.
+    TwoLevel,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 11] = [
+    pub const ALL: [Algo; 12] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Rabenseifner,
@@ -48,6 +50,7 @@ impl Algo {
         Algo::PostAll,
         Algo::Linear,
         Algo::Dissemination,
+        Algo::TwoLevel,
     ];
 
     /// Short name (collbench's algorithm column, `TUTTI_ALGO`).
@@ -64,10 +67,12 @@ impl Algo {
             Algo::PostAll => "postall",
             Algo::Linear => "linear",
             Algo::Dissemination => "dissemination",
+            Algo::TwoLevel => "twolevel",
         }
     }
 
-    /// Parse a name or a common alias (`binomial`, `recursive_doubling`, `halving_doubling`).
+    /// Parse a name or a common alias (`binomial`, `recursive_doubling`, `halving_doubling`,
+    /// `hierarchical`).
     pub fn parse(s: &str) -> Option<Algo> {
         let s = s.trim().to_ascii_lowercase();
         let alias = match s.as_str() {
@@ -76,6 +81,7 @@ impl Algo {
             "halving_doubling" | "halving-doubling" => "rabenseifner",
             "recursive_halving" | "recursive-halving" => "halving",
             "post_all" | "post-all" => "postall",
+            "two_level" | "two-level" | "hierarchical" => "twolevel",
             other => other,
         };
         Algo::ALL.into_iter().find(|a| a.name() == alias)
@@ -121,9 +127,11 @@ impl Overrides {
     }
 }
 
-/// The automatic choice. `bytes` is the collective's S as nccl-tests defines it (one rank's
-/// buffer for allreduce/broadcast/reduce, the whole gathered or scattered buffer otherwise).
-/// Thresholds come from collbench runs on the reference machine (`docs/algorithms.md`).
+/// The automatic choice on one host (and over memory). `bytes` is the collective's S as
+/// nccl-tests defines it (one rank's buffer for allreduce/broadcast/reduce, the whole gathered
+/// or scattered buffer otherwise). Thresholds come from collbench runs on the reference machine
+/// (`docs/algorithms.md`); on links measured slower than loopback the communicator chooses from
+/// the cost model instead (`model.rs`).
 pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
     const K: usize = 1 << 10;
     match coll {

@@ -69,7 +69,9 @@ fn candidates(coll: Coll, n: usize, uniform: bool, default: Algo) -> Vec<Algo> {
         // Linear and post-all gain nothing on a link-limited world that the others lack, and
         // chain only pays off for broadcast; keep every algorithm the collective has, as long
         // as it can run here.
-        if *a != default && coll.supports(*a, n, uniform).is_ok() {
+        // Two-level depends on the hosts, which the candidates do not know: the cost model
+        // chooses it on slow links, tuning does not explore it.
+        if *a != default && *a != Algo::TwoLevel && coll.supports(*a, n, uniform).is_ok() {
             v.push(*a);
         }
     }

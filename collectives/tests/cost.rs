@@ -4,7 +4,7 @@
 
 use tutti_collectives::algo::{self, PlanCtx};
 use tutti_collectives::plan::{blocks_from_counts, simulate, Buf, Plan, SimResult};
-use tutti_collectives::Coll;
+use tutti_collectives::{Algo, Coll, Topology};
 
 const BIG_SEG: usize = 1 << 40;
 
@@ -193,7 +193,8 @@ fn every_plan_matches_at_every_world() {
                     let uniform = counts.windows(2).all(|w| w[0] == w[1]);
                     for coll in Coll::ALL {
                         for &a in coll.algos() {
-                            if coll.supports(a, n, uniform).is_err() {
+                            // Two-level needs hosts: `host_placements_match` below.
+                            if coll.supports(a, n, uniform).is_err() || a == Algo::TwoLevel {
                                 continue;
                             }
                             let rooted = matches!(
@@ -213,6 +214,57 @@ fn every_plan_matches_at_every_world() {
                                 let what = format!("{coll} {a} {counts:?} root {root}");
                                 sim_named(n, f, seg, &what);
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn host_placements_match() {
+    // The ring and the chain reordered host by host, and two-level, on placements by host and
+    // round-robin, even and uneven counts, tiny and whole segments.
+    let placements: [&[usize]; 5] = [
+        &[0, 0, 1, 1],
+        &[0, 1, 0, 1],
+        &[0, 1, 2, 0, 1, 2],
+        &[1, 1, 0, 0, 2, 2, 3, 3],
+        &[0, 0, 0, 1, 2],
+    ];
+    for hosts in placements {
+        let topo = Topology::from_hosts(hosts);
+        let n = hosts.len();
+        for count in [0usize, 1, n + 1, 1000] {
+            let uneven: Vec<usize> = (0..n).map(|q| (q * 3 + count) % (count + 2)).collect();
+            for counts in [uneven, vec![count; n]] {
+                let uniform = counts.windows(2).all(|w| w[0] == w[1]);
+                for (coll, a) in [
+                    (Coll::Allreduce, Algo::Ring),
+                    (Coll::Allreduce, Algo::TwoLevel),
+                    (Coll::Allgather, Algo::Ring),
+                    (Coll::ReduceScatter, Algo::Ring),
+                    (Coll::Broadcast, Algo::Chain),
+                ] {
+                    if !uniform && matches!(coll, Coll::Allreduce | Coll::Broadcast) {
+                        continue;
+                    }
+                    let fits = topo.per_host().is_some_and(|l| l >= 2) && topo.hosts() >= 2;
+                    for seg in [8usize, BIG_SEG] {
+                        for (root, in_place) in [(0, true), (n - 1, false)] {
+                            let f = |sh: &PlanCtx| {
+                                let sh = PlanCtx { in_place, ..*sh };
+                                match coll.plan_on(a, &sh, &counts, root, &topo) {
+                                    Ok(p) => p,
+                                    Err(e) => {
+                                        assert!(a == Algo::TwoLevel && !fits, "{a}: {e}");
+                                        Plan::new()
+                                    }
+                                }
+                            };
+                            let what = format!("{coll} {a} {hosts:?} {counts:?} root {root}");
+                            sim_named(n, f, seg, &what);
                         }
                     }
                 }

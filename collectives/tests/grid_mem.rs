@@ -52,7 +52,7 @@ fn check_allreduce<T: Element>(
 fn allreduce_grid(c: &Comm, seg_note: &str) {
     let n = c.size();
     for &count in &counts(n) {
-        for &algo in Coll::Allreduce.algos() {
+        for algo in allreduce_algos(c) {
             let ca = c.with_algo(algo);
             for in_place in [true, false] {
                 check_allreduce::<f32>(
@@ -242,6 +242,24 @@ fn allreduce_every_world_and_algorithm() {
 }
 
 #[test]
+fn every_host_placement() {
+    // The ring and the chain follow hosts, two-level runs where it applies; with the default
+    // segment and with 64-byte ones (many segments per block in every phase).
+    for (hosts, what) in PLACEMENTS {
+        for seg in [512 << 10, 64] {
+            world(hosts.len(), seg, |c| {
+                let c = c.with_hosts(hosts).unwrap();
+                assert_eq!(c.topology().unwrap().hosts(), hosts.iter().max().unwrap() + 1);
+                allreduce_grid(&c, what);
+                broadcast_grid(&c);
+                allgather_grid(&c);
+                reduce_scatter_grid(&c);
+            });
+        }
+    }
+}
+
+#[test]
 fn pipelined_with_tiny_segments() {
     // 64-byte segments: hundreds of pipeline segments per block.
     for n in [2, 3, 5, 8, 13] {
@@ -297,7 +315,7 @@ fn dtype_op_case<T: Element>(c: &Comm, what: &str) {
     let n = c.size();
     let r = c.rank();
     for op in ReduceOp::ALL {
-        for &algo in Coll::Allreduce.algos() {
+        for algo in allreduce_algos(c) {
             check_allreduce::<T>(&c.with_algo(algo), 13, 1000, op, false, what);
         }
         let count = 100;
@@ -388,7 +406,7 @@ fn random_link_delays_do_not_change_results() {
             for t in ts {
                 sc.spawn(move || {
                     let c = Comm::new(tutti_runtime::Group::new(Arc::new(t)));
-                    for &algo in Coll::Allreduce.algos() {
+                    for algo in allreduce_algos(&c) {
                         check_allreduce::<f32>(
                             &c.with_algo(algo),
                             31,

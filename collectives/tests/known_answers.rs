@@ -7,12 +7,12 @@ mod common;
 
 use common::*;
 use half::{bf16, f16};
-use tutti_collectives::{Coll, Comm, Element, ReduceOp};
+use tutti_collectives::{Comm, Element, ReduceOp};
 
 /// Every rank contributes `inputs[rank]` (one element); every algorithm must produce `want`.
 fn case<T: Element + std::fmt::Debug>(inputs: &[T], op: ReduceOp, want: T, what: &str) {
     world(inputs.len(), 256, |c: Comm| {
-        for &algo in Coll::Allreduce.algos() {
+        for algo in allreduce_algos(&c) {
             let mut b = vec![inputs[c.rank()]; 3];
             c.with_algo(algo).allreduce(&mut b, op).unwrap();
             assert!(same_bits(&b, &[want; 3]), "{what} {op} {algo}: {:?}, want {want:?}", b[0]);

@@ -3,7 +3,8 @@
 //! with two ranks per host, every collective exact over TCP and QUIC (QUIC off loopback: path MTU
 //! discovery and segmentation offload); IPv6 only; the interface chosen by route, by NCCL syntax
 //! and, with a file store, with no master address — never loopback, the decoy or docker0; a host
-//! whose link goes down mid-job named by every survivor within `TUTTI_DEAD_AFTER` + 1 s.
+//! whose link goes down mid-job named by every survivor within `TUTTI_DEAD_AFTER` + 1 s; ranks
+//! sharing a host found, and on shaped links the cost model's choice (two-level), exact.
 //!
 //! Needs root and network namespaces (CI runs as root). Where the machine forbids them, each test
 //! prints why and returns; that is the only skip.
@@ -180,6 +181,32 @@ fn every_collective_across_hosts_over_tcp_and_quic() {
     for line in text(&outs).lines().filter_map(|l| l.split("ADDR ").nth(1)) {
         let addr = line.split_whitespace().nth(1).unwrap_or("");
         assert!(addr.starts_with("[fd77::"), "an IPv6 job advertised {addr}");
+    }
+}
+
+/// Ranks sharing a host are found (3 hosts × 2 ranks), and on links much slower than loopback
+/// (shaped to 200 Mbit/s) the choice follows the cost model: a 4 MiB allreduce goes two-level
+/// (each host link carries 2(h−1)/h·S instead of the ring's 2(n−1)/n·S), exact on every rank.
+#[test]
+fn hosts_are_found_and_slow_links_choose_from_the_model() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(c) = Cluster::up(3, Some("200mbit")) else { return };
+    let outs = c.job(2, "10.77.0.1", &["topology"], &[]);
+    all_ok(&outs, 6, "topology");
+    let t = text(&outs);
+    for r in 0..6 {
+        let line = t
+            .lines()
+            .find(|l| l.contains(&format!("TOPO {r} ")))
+            .unwrap_or_else(|| panic!("rank {r} printed no topology:\n{t}"));
+        assert!(line.contains("hosts 3 per_host Some(2) host_of 0,0,1,1,2,2"), "rank {r}: {line}");
+        let scale: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        assert!(scale >= 4.0, "rank {r}: 200 Mbit/s links measured as loopback: {line}");
+        let algos: Vec<&str> = t
+            .lines()
+            .filter_map(|l| l.split_once(&format!("ALGO {r} ")).map(|(_, a)| a.trim()))
+            .collect();
+        assert_eq!(algos, ["twolevel", "twolevel"], "rank {r}:\n{t}");
     }
 }
 

@@ -12,6 +12,30 @@ pub mod linear;
 pub mod recursive_doubling;
 pub mod ring;
 pub mod tree;
+pub mod two_level;
+
+use crate::plan::Plan;
+use crate::topo::Topology;
+
+/// A ring algorithm's plan on `topo`'s ring order (host by host): `build` gets this rank's
+/// position in that order as its rank and the blocks in that order; the peers of the plan it
+/// returns are mapped back to group ranks. When ranks are already placed host by host this is
+/// `build(sh, blocks)`. `blocks` may be empty (allreduce splits by position itself).
+pub fn on_ring(
+    sh: &PlanCtx,
+    topo: &Topology,
+    blocks: &[(usize, usize)],
+    build: impl FnOnce(&PlanCtx, &[(usize, usize)]) -> Plan,
+) -> Plan {
+    if topo.size() != sh.n || topo.ring_is_identity() {
+        return build(sh, blocks);
+    }
+    let order = topo.ring();
+    let pos = order.iter().position(|r| *r == sh.rank).unwrap_or(sh.rank);
+    let ordered: Vec<(usize, usize)> =
+        if blocks.is_empty() { Vec::new() } else { order.iter().map(|r| blocks[*r]).collect() };
+    build(&PlanCtx { rank: pos, ..*sh }, &ordered).relabel(&order)
+}
 
 /// Receives kept posted ahead of the one being processed in pipelined algorithms.
 pub const LOOKAHEAD: usize = 4;

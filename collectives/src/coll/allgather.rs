@@ -6,6 +6,7 @@ use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::Result;
 use crate::plan::{blocks_from_counts, Plan};
 use crate::select::Algo;
+use crate::topo::Topology;
 
 use super::Coll;
 
@@ -111,19 +112,25 @@ impl Comm {
             input: input.map(as_bytes),
         };
         let _rank = self.rank();
-        self.run(req, |ctx, algo| plan(ctx, algo, &blocks))
+        self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks, topo))
     }
 }
 
 /// The algorithms that implement allgather.
 pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveDoubling, Algo::Bruck];
 
-/// The schedule `algo` runs for an allgather of `blocks` (byte offset and length per rank).
-pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, blocks: &[(usize, usize)]) -> Result<Plan> {
+/// The schedule `algo` runs for an allgather of `blocks` (byte offset and length per rank) on
+/// `topo` (the ring follows hosts).
+pub(crate) fn plan(
+    ctx: &PlanCtx,
+    algo: Algo,
+    blocks: &[(usize, usize)],
+    topo: &Topology,
+) -> Result<Plan> {
     let uniform = blocks.windows(2).all(|w| w[0].1 == w[1].1);
     super::check(ctx, Coll::Allgather, algo, uniform)?;
     Ok(match algo {
-        Algo::Ring => algo::ring::allgather(ctx, blocks),
+        Algo::Ring => algo::on_ring(ctx, topo, blocks, algo::ring::allgather),
         Algo::RecursiveDoubling => algo::recursive_doubling::allgather(ctx, blocks),
         Algo::Bruck => algo::bruck::allgather(ctx, blocks.first().map_or(0, |b| b.1)),
         Algo::Rabenseifner
@@ -133,6 +140,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, blocks: &[(usize, usize)]) -> Resu
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Linear
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::Allgather, algo)),
+        | Algo::Dissemination
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Allgather, algo)),
     })
 }

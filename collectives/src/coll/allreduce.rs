@@ -6,6 +6,7 @@ use crate::dtype::{as_bytes, as_bytes_mut, Element, ReduceOp};
 use crate::error::Result;
 use crate::plan::Plan;
 use crate::select::Algo;
+use crate::topo::Topology;
 
 use super::Coll;
 
@@ -29,7 +30,7 @@ impl Comm {
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
         };
-        let st = self.run(req, |ctx, algo| plan(ctx, algo, count))?;
+        let st = self.run(req, |ctx, algo, topo| plan(ctx, algo, count, topo))?;
         self.finish_avg(op, out);
         Ok(st)
     }
@@ -73,12 +74,26 @@ impl Comm {
 
 /// The algorithms that implement allreduce.
 pub(crate) const ALGOS: &[Algo] =
-    &[Algo::Ring, Algo::RecursiveDoubling, Algo::Rabenseifner, Algo::Tree];
+    &[Algo::Ring, Algo::RecursiveDoubling, Algo::Rabenseifner, Algo::Tree, Algo::TwoLevel];
 
-/// The schedule `algo` runs for an allreduce of `count` elements.
-pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, count: usize) -> Result<Plan> {
+/// The schedule `algo` runs for an allreduce of `count` elements on `topo` (which ranks share a
+/// host: the ring follows hosts; two-level needs the same number ≥ 2 of ranks on ≥ 2 hosts).
+pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, count: usize, topo: &Topology) -> Result<Plan> {
     Ok(match algo {
-        Algo::Ring => algo::ring::allreduce(ctx, count),
+        Algo::Ring => algo::on_ring(ctx, topo, &[], |c, _| algo::ring::allreduce(c, count)),
+        Algo::TwoLevel => algo::two_level::allreduce(ctx, count, topo).ok_or_else(|| {
+            crate::Error::Unsupported {
+                rank: ctx.rank,
+                op: Coll::Allreduce.name(),
+                algo: algo.name(),
+                detail: format!(
+                    "twolevel needs at least 2 hosts with the same number (at least 2) of \
+                     ranks on each; this group has {} ranks on {} hosts",
+                    ctx.n,
+                    topo.hosts()
+                ),
+            }
+        })?,
         Algo::RecursiveDoubling => algo::recursive_doubling::allreduce(ctx, count),
         Algo::Rabenseifner => algo::halving_doubling::allreduce(ctx, count),
         Algo::Tree => algo::tree::allreduce(ctx, count),

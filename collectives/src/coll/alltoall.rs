@@ -107,7 +107,7 @@ impl Comm {
             input: input.map(as_bytes),
         };
         let _in_place = input.is_none();
-        self.run(req, |ctx, algo| plan(ctx, algo, &send, &recv, total_bytes))
+        self.run(req, |ctx, algo, _| plan(ctx, algo, &send, &recv, total_bytes))
     }
 }
 
@@ -142,7 +142,8 @@ pub(crate) fn plan(
         | Algo::Chain
         | Algo::Bruck
         | Algo::Linear
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::AllToAll, algo)),
+        | Algo::Dissemination
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::AllToAll, algo)),
     }
     Ok(p)
 }

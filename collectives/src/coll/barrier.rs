@@ -31,7 +31,7 @@ impl Comm {
                 data: &mut none,
                 input: None,
             };
-            self.run(req, plan)
+            self.run(req, |ctx, algo, _| plan(ctx, algo))
         })
     }
 }
@@ -52,6 +52,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo) -> Result<Plan> {
         | Algo::Bruck
         | Algo::Pairwise
         | Algo::PostAll
-        | Algo::Linear => return Err(super::refuse(ctx, Coll::Barrier, algo)),
+        | Algo::Linear
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Barrier, algo)),
     })
 }

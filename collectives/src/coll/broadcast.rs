@@ -6,6 +6,7 @@ use crate::dtype::{as_bytes, as_bytes_mut, Element};
 use crate::error::Result;
 use crate::plan::Plan;
 use crate::select::Algo;
+use crate::topo::Topology;
 
 use super::Coll;
 
@@ -66,18 +67,33 @@ impl Comm {
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
         };
-        self.run(req, |ctx, algo| plan(ctx, algo, len, root))
+        self.run(req, |ctx, algo, topo| plan(ctx, algo, len, root, topo))
     }
 }
 
 /// The algorithms that implement broadcast.
 pub(crate) const ALGOS: &[Algo] = &[Algo::Tree, Algo::Chain];
 
-/// The schedule `algo` runs for a broadcast of `len` bytes from `root`.
-pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, len: usize, root: usize) -> Result<Plan> {
+/// The schedule `algo` runs for a broadcast of `len` bytes from `root` on `topo` (the chain
+/// follows hosts).
+pub(crate) fn plan(
+    ctx: &PlanCtx,
+    algo: Algo,
+    len: usize,
+    root: usize,
+    topo: &Topology,
+) -> Result<Plan> {
     Ok(match algo {
         Algo::Tree => algo::tree::broadcast(ctx, len, root),
-        Algo::Chain => algo::chain::broadcast(ctx, len, root),
+        Algo::Chain => {
+            // The chain starts at the root and walks the ring order from there.
+            let at = if topo.size() == ctx.n && !topo.ring_is_identity() {
+                topo.ring().iter().position(|r| *r == root).unwrap_or(root)
+            } else {
+                root
+            };
+            algo::on_ring(ctx, topo, &[], |c, _| algo::chain::broadcast(c, len, at))
+        }
         Algo::Ring
         | Algo::RecursiveDoubling
         | Algo::Rabenseifner
@@ -86,6 +102,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, len: usize, root: usize) -> Result
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Linear
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::Broadcast, algo)),
+        | Algo::Dissemination
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Broadcast, algo)),
     })
 }

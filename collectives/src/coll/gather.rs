@@ -56,6 +56,7 @@ pub(crate) fn plan(
         | Algo::Bruck
         | Algo::Pairwise
         | Algo::PostAll
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::Gather, algo)),
+        | Algo::Dissemination
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Gather, algo)),
     })
 }

@@ -11,6 +11,7 @@ use crate::algo::PlanCtx;
 use crate::error::Error;
 use crate::plan::{blocks_from_counts, Plan};
 use crate::select::Algo;
+use crate::topo::Topology;
 
 pub(crate) mod allgather;
 pub(crate) mod allreduce;
@@ -140,6 +141,23 @@ impl Coll {
         counts: &[usize],
         root: usize,
     ) -> Result<Plan, Error> {
+        self.plan_on(algo, ctx, counts, root, &Topology::flat(ctx.n))
+    }
+
+    /// [`Coll::plan`] on a group whose ranks sit on hosts as `topo` says: the ring and chain
+    /// follow hosts, and two-level allreduce applies.
+    ///
+    /// # Errors
+    /// As [`Coll::plan`]; [`Error::Unsupported`] for two-level on a topology without at least
+    /// 2 hosts of the same number (at least 2) of ranks.
+    pub fn plan_on(
+        self,
+        algo: Algo,
+        ctx: &PlanCtx,
+        counts: &[usize],
+        root: usize,
+        topo: &Topology,
+    ) -> Result<Plan, Error> {
         if counts.len() != ctx.n || root >= ctx.n.max(1) {
             return Err(Error::InvalidArgument {
                 rank: ctx.rank,
@@ -150,11 +168,11 @@ impl Coll {
         let whole = counts.first().copied().unwrap_or(0);
         let blocks = blocks_from_counts(counts, ctx.esize);
         match self {
-            Coll::Allreduce => allreduce::plan(ctx, algo, whole),
-            Coll::Broadcast => broadcast::plan(ctx, algo, whole * ctx.esize, root),
+            Coll::Allreduce => allreduce::plan(ctx, algo, whole, topo),
+            Coll::Broadcast => broadcast::plan(ctx, algo, whole * ctx.esize, root, topo),
             Coll::Reduce => reduce::plan(ctx, algo, whole * ctx.esize, root),
-            Coll::Allgather => allgather::plan(ctx, algo, &blocks),
-            Coll::ReduceScatter => reduce_scatter::plan(ctx, algo, &blocks),
+            Coll::Allgather => allgather::plan(ctx, algo, &blocks, topo),
+            Coll::ReduceScatter => reduce_scatter::plan(ctx, algo, &blocks, topo),
             Coll::AllToAll => {
                 let mine = counts.get(ctx.rank).copied().unwrap_or(0);
                 let send = blocks_from_counts(&vec![mine; ctx.n], ctx.esize);

@@ -68,7 +68,7 @@ impl Comm {
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
         };
-        let st = self.run(req, |ctx, algo| plan(ctx, algo, len, root))?;
+        let st = self.run(req, |ctx, algo, _| plan(ctx, algo, len, root))?;
         if self.rank() == root {
             self.finish_avg(op, out);
         }
@@ -92,6 +92,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, len: usize, root: usize) -> Result
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Linear
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::Reduce, algo)),
+        | Algo::Dissemination
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Reduce, algo)),
     })
 }

@@ -6,6 +6,7 @@ use crate::dtype::{as_bytes, as_bytes_mut, Element, ReduceOp};
 use crate::error::Result;
 use crate::plan::{blocks_from_counts, Plan};
 use crate::select::Algo;
+use crate::topo::Topology;
 
 use super::Coll;
 
@@ -119,7 +120,7 @@ impl Comm {
             input: input.map(as_bytes),
         };
         let in_place = input.is_none();
-        let st = self.run(req, |ctx, algo| plan(ctx, algo, &blocks))?;
+        let st = self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks, topo))?;
         if in_place {
             let c = counts[rank];
             let off: usize = counts[..rank].iter().sum();
@@ -134,11 +135,17 @@ impl Comm {
 /// The algorithms that implement reduce-scatter.
 pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveHalving];
 
-/// The schedule `algo` runs for a reduce-scatter of `blocks` (byte offset and length per rank).
-pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, blocks: &[(usize, usize)]) -> Result<Plan> {
+/// The schedule `algo` runs for a reduce-scatter of `blocks` (byte offset and length per rank)
+/// on `topo` (the ring follows hosts).
+pub(crate) fn plan(
+    ctx: &PlanCtx,
+    algo: Algo,
+    blocks: &[(usize, usize)],
+    topo: &Topology,
+) -> Result<Plan> {
     super::check(ctx, Coll::ReduceScatter, algo, true)?;
     Ok(match algo {
-        Algo::Ring => algo::ring::reduce_scatter(ctx, blocks),
+        Algo::Ring => algo::on_ring(ctx, topo, blocks, algo::ring::reduce_scatter),
         Algo::RecursiveHalving => algo::halving_doubling::reduce_scatter(ctx, blocks),
         Algo::RecursiveDoubling
         | Algo::Rabenseifner
@@ -148,6 +155,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, blocks: &[(usize, usize)]) -> Resu
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Linear
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::ReduceScatter, algo)),
+        | Algo::Dissemination
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::ReduceScatter, algo)),
     })
 }

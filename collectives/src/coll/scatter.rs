@@ -57,6 +57,7 @@ pub(crate) fn plan(
         | Algo::Bruck
         | Algo::Pairwise
         | Algo::PostAll
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::Scatter, algo)),
+        | Algo::Dissemination
+        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Scatter, algo)),
     })
 }

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-use tutti_collectives::{Comm, Config, Element};
+use tutti_collectives::{Algo, Coll, Comm, Config, Element};
 
 #[allow(unused_imports)]
 pub(crate) use tutti_collectives::verify::{input, reduced};
@@ -34,6 +34,24 @@ pub(crate) fn world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
         }
     });
 }
+
+/// The allreduce algorithms that can run on `c`: all of them, less two-level unless `c`'s ranks
+/// sit on at least 2 hosts with the same number (at least 2) on each.
+pub(crate) fn allreduce_algos(c: &Comm) -> Vec<Algo> {
+    let t = c.topology().unwrap();
+    let two_level = t.hosts() >= 2 && t.per_host().is_some_and(|l| l >= 2);
+    Coll::Allreduce.algos().iter().copied().filter(|a| *a != Algo::TwoLevel || two_level).collect()
+}
+
+/// Host placements to run the grids on: (hosts of each rank, what it is).
+pub(crate) const PLACEMENTS: [(&[usize], &str); 6] = [
+    (&[0, 0, 1, 1], "2 hosts x 2, by host"),
+    (&[0, 1, 0, 1], "2 hosts x 2, round-robin"),
+    (&[0, 1, 2, 0, 1, 2], "3 hosts x 2, round-robin"),
+    (&[0, 0, 1, 1, 2, 2, 3, 3], "4 hosts x 2, by host"),
+    (&[2, 2, 2, 0, 0, 0, 1, 1, 1], "3 hosts x 3, hosts numbered out of order"),
+    (&[0, 0, 0, 1, 2], "uneven hosts (no two-level)"),
+];
 
 /// The element counts of the grid for world `n`.
 pub(crate) fn counts(n: usize) -> Vec<usize> {

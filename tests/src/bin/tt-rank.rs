@@ -134,6 +134,35 @@ fn loop_until_error(c: &Comm) -> Result<(), String> {
     }
 }
 
+/// `topology`: which host each rank is on and the link probe's verdict, then a 4 MiB allreduce
+/// by the automatic choice and one forced two-level, both checked element by element.
+fn topology(comm: &Comm) -> Result<(), String> {
+    let e = |e: tutti_collectives::Error| e.to_string();
+    let topo = comm.topology().map_err(e)?;
+    let hosts: Vec<String> = (0..comm.size()).map(|r| topo.host_of(r).to_string()).collect();
+    println!(
+        "TOPO {} hosts {} per_host {:?} host_of {} scale {:.1}",
+        comm.rank(),
+        topo.hosts(),
+        topo.per_host(),
+        hosts.join(","),
+        comm.link_scale().map_err(e)?
+    );
+    let count = 1 << 20;
+    for forced in [None, Some(tutti_collectives::Algo::TwoLevel)] {
+        let c = forced.map_or_else(|| comm.clone(), |a| comm.with_algo(a));
+        let mut x: Vec<f32> = (0..count).map(|i| ((i % 1000) * (comm.rank() + 1)) as f32).collect();
+        let st = c.allreduce(&mut x, ReduceOp::Sum).map_err(e)?;
+        let n = comm.size();
+        let k = (n * (n + 1) / 2) as f32;
+        if let Some(i) = (0..count).find(|&i| x[i] != (i % 1000) as f32 * k) {
+            return Err(format!("{} allreduce: element {i} is {}", st.algo, x[i]));
+        }
+        println!("ALGO {} {}", comm.rank(), st.algo);
+    }
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let scenario = args.first().map(String::as_str).unwrap_or("p2p");
@@ -223,6 +252,7 @@ fn main() {
             println!("ADDR {} {addr}", comm.rank());
             collectives(&comm)
         }
+        "topology" => topology(&comm),
         "loop" => loop_until_error(&comm),
         "orphan" => {
             // `orphan WHO`: rank WHO forks a child that keeps its sockets open (for up to 30 s,

@@ -170,6 +170,9 @@ impl Bench {
         }
         let me = self.comm.rank();
         let n = self.comm.size();
+        // Hosts and links (the probe runs here, before any timing, on multi-host groups).
+        let topo = self.comm.topology()?;
+        let model = self.comm.link_model();
         let a = &self.s.args;
         if me == 0 {
             let step = match a.stepfactor {
@@ -195,7 +198,25 @@ impl Bench {
                     "host" => "cpu".to_string(),
                     d => format!("{d}, staged through host memory"),
                 };
-                println!("#  Rank {r:>2} Group  0 on {:>10} device {:>2} [{kind}]", host.trim(), r);
+                let on = if topo.hosts() > 1 {
+                    format!("host {}", topo.host_of(r))
+                } else {
+                    host.trim().to_string()
+                };
+                println!("#  Rank {r:>2} Group  0 on {on:>10} device {:>2} [{kind}]", r);
+            }
+            match model {
+                Some(m) => println!(
+                    "# Links: {} hosts; measured {:.1} us per message, {:.3} GB/s per host link, {:.2} ns per byte reduced: automatic choice by the cost model",
+                    topo.hosts(),
+                    m.alpha * 1e6,
+                    1e-9 / m.beta,
+                    m.gamma * 1e9
+                ),
+                None => println!(
+                    "# Links: {} host(s), loopback-class: automatic choice by the built-in table",
+                    topo.hosts()
+                ),
             }
         }
         let mut runs = Vec::new();
