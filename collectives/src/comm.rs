@@ -116,6 +116,14 @@ impl std::fmt::Debug for Comm {
     }
 }
 
+/// Allreduces of at most this many bytes choose from the table even on slow links: there the
+/// per-message CPU cost of ranks that share cores decides, as on loopback, more than the link,
+/// and the tree, with fewer ranks busy at once, wins. Measured on 1 Gbit/s links (4 hosts × 1
+/// and 2 ranks): at 4 KiB the tree took 0.4–0.5 of the model's choice, at 16 KiB 0.5 with 2
+/// ranks per host; at 64 KiB the model's choice was the best. (Broadcast, all-gather and
+/// reduce-scatter follow the model at every size: it picked their best there.)
+pub(crate) const MODEL_FROM: usize = 16 << 10;
+
 /// What the link probe found.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Link {
@@ -334,8 +342,8 @@ impl Comm {
     /// (the link's per-byte cost β: the faster), and 3 local reductions of 8 MiB (the per-byte
     /// reduction cost γ); the slowest rank's times, agreed by an allreduce, are every rank's.
     /// On links at least 4 times slower than the reference the choice follows the cost model
-    /// built from them (`model.rs`); under that it counts as 1 (noise on a loaded host must
-    /// not move the loopback choices).
+    /// built from them (`model.rs`; for allreduce above 16 KiB); under that it counts as 1
+    /// (noise on a loaded host must not move the loopback choices).
     ///
     /// # Collective contract
     /// The first call on a multi-host group is collective: every rank of the group makes it
@@ -354,6 +362,7 @@ impl Comm {
         }
         let remote = self.group.local_addr().filter(|a| !a.ip().is_loopback());
         let Some(addr) = remote.filter(|_| self.size() >= 2) else {
+            let _ = self.topo.set(Arc::new(Topology::flat(self.size())));
             return Ok(self.link.get_or_init(|| Link::LOCAL).scale);
         };
         PROBING.with(|p| p.set(true));
@@ -423,15 +432,16 @@ impl Comm {
     fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
         let model = self.link.get().and_then(|l| l.model);
         let auto = || {
-            // On links slower than loopback, the cost model; it covers the collectives whose
-            // choice trades steps against bytes. All-to-all's choice is about message counts.
+            // On links slower than loopback, the cost model, above MODEL_FROM; it covers the
+            // collectives whose choice trades steps against bytes. All-to-all's choice is
+            // about message counts.
             let modelled = matches!(
                 coll,
                 Coll::Allreduce | Coll::Broadcast | Coll::Allgather | Coll::ReduceScatter
             );
             let n = self.size();
             model
-                .filter(|_| modelled)
+                .filter(|_| modelled && (coll != Coll::Allreduce || bytes > MODEL_FROM))
                 .and_then(|m| {
                     let algos = coll
                         .algos()
@@ -743,8 +753,13 @@ mod link_tests {
         assert!((one.link_scale().unwrap() - 8.0).abs() < 1e-9);
         let ar = |c: &Comm, b: usize| c.algo_for(Coll::Allreduce, b, true);
         assert_eq!(ar(&one, 64 << 20), Algo::Ring);
-        assert!(matches!(ar(&one, 8), Algo::Tree | Algo::RecursiveDoubling), "{}", ar(&one, 8));
+        // Small calls keep the table (tree beyond 2 ranks).
+        assert_eq!(ar(&one, 8), Algo::Tree);
+        assert_eq!(ar(&one, MODEL_FROM), Algo::Tree);
         assert_eq!(one.algo_for(Coll::Broadcast, 16 << 20, true), Algo::Chain);
+        // Back to back, the chain's calls overlap: it wins small broadcasts on these links too
+        // (the table keeps the tree up to 256 KiB).
+        assert_eq!(one.algo_for(Coll::Broadcast, 4 << 10, true), Algo::Chain);
         assert_eq!(one.algo_for(Coll::Allgather, 16 << 20, true), Algo::Ring);
         // Four ranks on each of two hosts: large allreduces go two-level, and recursive doubling
         // (whose far partners all cross the host's link) is not chosen for middle sizes.

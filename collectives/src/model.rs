@@ -12,8 +12,8 @@
 //! link probe (see `Comm::link_scale`); `β_local` is [`LOCAL_BETA`].
 //!
 //! The model prices calls made back to back, as collbench times them (and as training loops
-//! make them): a pipeline's fill overlaps the next call, so the chain costs its hops' latency
-//! and one pass of `S` over the slowest link. It chooses among the algorithms a call can run;
+//! make them): a pipeline's fill overlaps the next call, so the chain costs one receive and one
+//! send per rank (`2α`) and one pass of `S` over the slowest link; its `n − 1` hops are fill. It chooses among the algorithms a call can run;
 //! `docs/scaling.md` compares its predictions with collbench on shaped links.
 
 use crate::coll::Coll;
@@ -22,12 +22,16 @@ use crate::select::Algo;
 use crate::topo::Topology;
 
 /// How much more per byte a whole-block exchange (recursive doubling and halving, Bruck, the
-/// fold) pays on a host link than the pipelined ring or chain does. Fitted on links shaped to
-/// 1 Gbit/s (4 hosts × 1 and 2 ranks, TCP): measured over predicted without it, such exchanges
-/// ran 1.1–2.9 times slower (median about 1.5; worst around 1 MiB), while the ring, the chain
-/// and the tree ran within 5–10 % of their α-β time. The cause is not isolated: every rank sends
-/// a whole block and receives one on the same link at once, unpipelined.
+/// fold) pays on a host link than the pipelined ring or chain does, for the bytes of each
+/// message past [`EXCHANGE_FREE`]. Fitted on links shaped to 1 Gbit/s (4 hosts × 1 and 2 ranks,
+/// TCP): measured over predicted without it, such exchanges ran 1.1–2.9 times slower from
+/// 256 KiB up (median about 1.5; worst around 1 MiB) and not slower at 64 KiB, while the ring,
+/// the chain and the tree ran within 5–10 % of their α-β time. The cause is not isolated:
+/// every rank sends a whole block and receives one on the same link at once, unpipelined.
 pub const EXCHANGE: f64 = 1.5;
+
+/// The bytes of each exchanged message that run at the link's rate ([`EXCHANGE`]).
+pub const EXCHANGE_FREE: f64 = 65536.0;
 
 /// How much more per byte two-level's `L` concurrent rings across hosts pay than one ring:
 /// they share every host link, and each runs at its slowest edge's momentary share. Fitted on
@@ -57,10 +61,11 @@ fn ceil_log2(n: usize) -> usize {
 }
 
 impl Model {
-    /// Per-byte cost of a whole-block exchange step in which every rank `r` sends to
-    /// `partner(r)` at once: the busiest host link's flows times `β` times [`EXCHANGE`], or
-    /// `β_local` when nothing leaves a host.
-    fn step_beta(&self, topo: &Topology, partner: impl Fn(usize) -> Option<usize>) -> f64 {
+    /// Cost of one whole-block exchange step of `m` bytes per rank in which every rank `r`
+    /// sends to `partner(r)` at once: the busiest host link's flows times `β` per byte (and
+    /// [`EXCHANGE`] times that past [`EXCHANGE_FREE`] bytes), or `β_local` per byte when
+    /// nothing leaves a host; plus α.
+    fn step(&self, topo: &Topology, m: f64, partner: impl Fn(usize) -> Option<usize>) -> f64 {
         let mut out = vec![0usize; topo.hosts()];
         for r in 0..topo.size() {
             if let Some(q) = partner(r) {
@@ -69,10 +74,14 @@ impl Model {
                 }
             }
         }
-        match out.into_iter().max().unwrap_or(0) {
-            0 => self.beta_local,
-            f => f as f64 * self.beta * EXCHANGE,
-        }
+        self.alpha
+            + match out.into_iter().max().unwrap_or(0) {
+                0 => m * self.beta_local,
+                f => {
+                    let b = f as f64 * self.beta;
+                    m * b + (m - EXCHANGE_FREE).max(0.0) * b * (EXCHANGE - 1.0)
+                }
+            }
     }
 
     /// Per-byte cost of a ring over `topo` ordered host by host: one edge per host link.
@@ -98,9 +107,9 @@ impl Model {
     ) -> f64 {
         ds.iter()
             .map(|&d| {
-                let b = self.step_beta(topo, |r| (r < p && (r ^ d) < p).then_some(r ^ d));
                 let m = s * frac(d);
-                self.alpha + m * b + if reduce { m * self.gamma } else { 0.0 }
+                self.step(topo, m, |r| (r < p && (r ^ d) < p).then_some(r ^ d))
+                    + if reduce { m * self.gamma } else { 0.0 }
             })
             .sum()
     }
@@ -111,8 +120,8 @@ impl Model {
         if n == p {
             return 0.0;
         }
-        let b = self.step_beta(topo, |r| (r >= p).then_some(r - p));
-        2.0 * (self.alpha + s * b) + if reduce { s * self.gamma } else { 0.0 }
+        2.0 * self.step(topo, s, |r| (r >= p).then_some(r - p))
+            + if reduce { s * self.gamma } else { 0.0 }
     }
 
     /// Predicted seconds for `coll` with `algo` over `topo` (`s`: nccl-tests' S in bytes), or
@@ -164,7 +173,9 @@ impl Model {
                     + 2.0 * (hf - 1.0) / hf * s * self.beta * SHARED_RINGS
             }
             (Coll::Broadcast, Algo::Tree) => lg as f64 * a + s * tree_beta(),
-            (Coll::Broadcast, Algo::Chain) => (nf - 1.0) * a + s * br,
+            // Back to back, a chain's calls overlap: each rank receives and forwards once
+            // per call, and the n − 1 hops are the pipeline's fill.
+            (Coll::Broadcast, Algo::Chain) => 2.0 * a + s * br,
             (Coll::Allgather | Coll::ReduceScatter, Algo::Ring) => {
                 (nf - 1.0) * (a + s / nf * br)
                     + if coll == Coll::ReduceScatter { s / nf * g } else { 0.0 }
@@ -179,8 +190,7 @@ impl Model {
                 (0..lg)
                     .map(|k| {
                         let d = 1usize << k;
-                        let b = self.step_beta(topo, |r| Some((r + n - d) % n));
-                        a + s * (d.min(n - d) as f64) / nf * b
+                        self.step(topo, s * (d.min(n - d) as f64) / nf, |r| Some((r + n - d) % n))
                     })
                     .sum::<f64>()
                     + s * g
@@ -257,7 +267,8 @@ mod tests {
         assert_eq!(a, Some(Algo::Ring));
         let b = GBIT.best(Coll::Broadcast, [Algo::Tree, Algo::Chain], s, &t);
         assert_eq!(b, Some(Algo::Chain));
+        // Back to back, the chain's hops overlap: it wins small broadcasts across hosts too.
         let b = GBIT.best(Coll::Broadcast, [Algo::Tree, Algo::Chain], 1024.0, &t);
-        assert_eq!(b, Some(Algo::Tree));
+        assert_eq!(b, Some(Algo::Chain));
     }
 }

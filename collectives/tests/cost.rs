@@ -223,6 +223,26 @@ fn every_plan_matches_at_every_world() {
 }
 
 #[test]
+fn two_level_cost() {
+    // Each rank sends 2(L-1)/L·S within its host and 2(h-1)/h·S/L across hosts, in
+    // 2(L-1) + 2(h-1) steps.
+    for (h, l) in [(2usize, 2usize), (3, 2), (2, 4), (4, 2), (3, 3)] {
+        let n = h * l;
+        let hosts: Vec<usize> = (0..n).map(|r| r / l).collect();
+        let topo = Topology::from_hosts(&hosts);
+        let count = 1024 * n;
+        let s = (count * 4) as u64;
+        let r = sim(n, |sh| algo::two_level::allreduce(sh, count, &topo).unwrap(), BIG_SEG);
+        let (h64, l64) = (h as u64, l as u64);
+        let want = 2 * (l64 - 1) * s / l64 + 2 * (h64 - 1) * s / l64 / h64;
+        for b in &r.bytes_sent {
+            assert_eq!(*b, want, "{h} hosts x {l}");
+        }
+        assert_eq!(r.critical_steps, 2 * (l64 - 1) + 2 * (h64 - 1), "{h} hosts x {l}");
+    }
+}
+
+#[test]
 fn host_placements_match() {
     // The ring and the chain reordered host by host, and two-level, on placements by host and
     // round-robin, even and uneven counts, tiny and whole segments.
