@@ -62,7 +62,8 @@ pub struct Options {
     /// Transport (`TUTTI_TRANSPORT`: `tcp` or `quic`). Default `tcp`.
     pub transport: TransportKind,
     /// Settings of both transports (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
-    /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`).
+    /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`,
+    /// `TUTTI_TCP_CONGESTION`).
     pub link: LinkConfig,
     /// QUIC-only settings (`TUTTI_QUIC_MTU`, `TUTTI_QUIC_GSO`).
     pub quic: QuicConfig,
@@ -117,8 +118,8 @@ impl std::fmt::Debug for Options {
 impl Options {
     /// Read `TUTTI_TOKEN` or `TUTTI_TOKEN_FILE`, `TUTTI_INSECURE`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
     /// `TUTTI_TRANSPORT`, `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER`, `TUTTI_QUIC_MTU`,
-    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US` and `TUTTI_WINDOW_BYTES`; an empty variable counts as
-    /// unset.
+    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES` and `TUTTI_TCP_CONGESTION`; an
+    /// empty variable counts as unset.
     ///
     /// # Errors
     /// [`Error::Config`] naming a malformed variable.
@@ -204,6 +205,18 @@ impl Options {
             o.link.window = v.trim().parse::<u64>().ok().filter(|w| *w > 0).ok_or_else(|| {
                 Error::Config(format!("TUTTI_WINDOW_BYTES={v:?} is not a positive byte count"))
             })?;
+        }
+        if let Some(v) = get("TUTTI_TCP_CONGESTION") {
+            let v = v.trim();
+            if v.is_empty()
+                || v.len() > 15
+                || !v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            {
+                return Err(Error::Config(format!(
+                    "TUTTI_TCP_CONGESTION={v:?} is not an algorithm name (e.g. cubic, reno, bbr) or `system`"
+                )));
+            }
+            o.link.tcp_congestion = (v != "system").then(|| v.to_string());
         }
         if let Some(v) = get("TUTTI_SPIN_US") {
             let us: u64 = v.trim().parse().map_err(|_| {
@@ -493,6 +506,8 @@ mod tests {
             ("TUTTI_SPIN_US", "1.5"),
             ("TUTTI_WINDOW_BYTES", "0"),
             ("TUTTI_WINDOW_BYTES", "16M"),
+            ("TUTTI_TCP_CONGESTION", "cu bic"),
+            ("TUTTI_TCP_CONGESTION", "a-very-long-algorithm-name"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{k}={v}: {e}");
@@ -501,5 +516,10 @@ mod tests {
         assert_eq!(o.timeout, Duration::from_millis(2500));
         assert_eq!(o.transport, TransportKind::Quic);
         assert_eq!(with(&[("TUTTI_WINDOW_BYTES", "4096")]).unwrap().link.window, 4096);
+        // Cubic unless told otherwise; `system` keeps the kernel's default.
+        assert_eq!(with(&[]).unwrap().link.tcp_congestion.as_deref(), Some("cubic"));
+        let cc = |v| with(&[("TUTTI_TCP_CONGESTION", v)]).unwrap().link.tcp_congestion;
+        assert_eq!(cc("reno").as_deref(), Some("reno"));
+        assert_eq!(cc("system"), None);
     }
 }

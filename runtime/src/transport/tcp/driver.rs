@@ -41,6 +41,29 @@ pub(crate) struct TcpDriver {
     sink: Vec<u8>,
 }
 
+/// Choose the socket's congestion control (`LinkConfig::tcp_congestion`); the system's default
+/// stays when the kernel lacks the algorithm.
+fn set_congestion(stream: &TcpStream, cc: &str, peer: usize) {
+    // SAFETY: setsockopt on our own socket with a byte string and its length.
+    let r = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            cc.as_ptr().cast(),
+            cc.len() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::debug!(
+            peer,
+            cc,
+            "TCP congestion control not set, the system's default stays: {e}"
+        );
+    }
+}
+
 fn io_fail(e: &std::io::Error) -> LinkFail {
     LinkFail::Lost(format!("connection error: {e}"))
 }
@@ -51,6 +74,7 @@ impl TcpDriver {
         streams: Vec<Option<TcpStream>>,
         core: &mut Core,
         now: Instant,
+        congestion: Option<&str>,
     ) -> std::io::Result<TcpDriver> {
         let mut conns = Vec::with_capacity(streams.len());
         for (peer, s) in streams.into_iter().enumerate() {
@@ -59,6 +83,9 @@ impl TcpDriver {
                 Some(stream) => {
                     stream.set_nonblocking(true)?;
                     stream.set_nodelay(true)?;
+                    if let Some(cc) = congestion {
+                        set_congestion(&stream, cc, peer);
+                    }
                     core.link_up(peer, now);
                     Some(Conn {
                         fd: stream.as_raw_fd(),
@@ -367,5 +394,40 @@ impl Conn {
             }
             return Ok(r);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn congestion_of(s: &TcpStream) -> String {
+        let mut buf = [0u8; 16];
+        let mut len = buf.len() as libc::socklen_t;
+        // SAFETY: getsockopt into a 16-byte buffer whose length we pass.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_CONGESTION,
+                buf.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        String::from_utf8_lossy(&buf[..len as usize]).trim_end_matches('\0').to_string()
+    }
+
+    #[test]
+    fn congestion_control_is_set_and_a_missing_one_is_skipped() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let before = congestion_of(&s);
+        // Reno is built into every Linux kernel.
+        set_congestion(&s, "reno", 1);
+        assert_eq!(congestion_of(&s), "reno");
+        set_congestion(&s, "no-such-cc", 1);
+        assert_eq!(congestion_of(&s), "reno", "a missing algorithm leaves the socket as it was");
+        assert!(!before.is_empty());
     }
 }

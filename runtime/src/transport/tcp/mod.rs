@@ -183,7 +183,7 @@ impl TcpTransport {
             },
             now,
         );
-        let engine = TcpDriver::new(streams, &mut core, now)
+        let engine = TcpDriver::new(streams, &mut core, now, cfg.tcp_congestion.as_deref())
             .and_then(|d| Engine::new(core, d, cfg.spin))
             .map_err(|e| Error::io(rank, "configuring connections", &e))?;
         let wire = Running::start(engine, format!("tutti-tcp-{rank}"))

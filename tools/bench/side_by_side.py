@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""tutti's collbench and Open MPI over TCP, side by side, interleaved, on this machine.
+
+    python3 tools/bench/side_by_side.py [--rounds 3] [--colls allreduce,broadcast]
+                                        [--worlds 2,4] [--sizes 8,2M,64M] [--seconds 0.3]
+
+Installs Open MPI from the distribution's packages when `mpicc` is missing (Debian/Ubuntu:
+openmpi-bin, libopenmpi-dev; needs root), builds `tools/bench/mpi/mpibench.c` into
+target/mpibench and `collbench` (release) unless present, then runs every point (collective ×
+world × size) for both in every round, alternating which goes first, and prints per point the
+median over rounds of the mean time per call averaged over ranks (the statistic both harnesses
+report: collbench's `time` column, mpibench's mean), busbw by nccl-tests' formulas, and the
+ratio tutti / Open MPI of busbw (above 1: tutti faster). Open MPI is forced onto TCP (`--mca btl
+tcp,self`), as tutti is. Both run for about the same time per point.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FACTOR = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
+}
+
+
+def size_of(s):
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+
+
+def ensure_mpi():
+    if shutil.which("mpicc") and shutil.which("mpirun"):
+        return
+    if os.geteuid() != 0:
+        sys.exit("side_by_side: mpicc is missing; install Open MPI (openmpi-bin, libopenmpi-dev)")
+    subprocess.run(["apt-get", "update"], check=False, stdout=subprocess.DEVNULL)
+    subprocess.run(["apt-get", "install", "-y", "openmpi-bin", "libopenmpi-dev"], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def build():
+    ensure_mpi()
+    os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
+    mb = os.path.join(ROOT, "target", "mpibench")
+    src = os.path.join(ROOT, "tools", "bench", "mpi", "mpibench.c")
+    if not os.path.exists(mb) or os.path.getmtime(mb) < os.path.getmtime(src):
+        subprocess.run(["mpicc", "-O2", "-o", mb, src], check=True)
+    cb = os.path.join(ROOT, "target", "release", "collbench")
+    if not os.path.exists(cb):
+        subprocess.run(["cargo", "build", "--release", "-p", "tutti-tools", "--bin", "collbench"],
+                       cwd=ROOT, check=True)
+    return mb, cb
+
+
+def run_mpi(mb, coll, n, size, secs):
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    out = subprocess.run(["mpirun", *root, "-np", str(n), "--mca", "btl", "tcp,self",
+                          "--oversubscribe", mb, coll, str(size), str(size), str(secs)],
+                         capture_output=True, text=True, timeout=600)
+    for line in out.stdout.splitlines():
+        v = line.split()
+        if v and v[0].isdigit():
+            if "WRONG" in line:
+                sys.exit(f"side_by_side: Open MPI {coll} n={n} {size} B gave a wrong result")
+            return int(v[0]), float(v[1]) * 1e-6
+    sys.exit(f"side_by_side: mpibench printed nothing:\n{out.stdout}\n{out.stderr}")
+
+
+def mpi_bytes(n, size):
+    """The bytes mpibench moves for S = `size`: whole floats, at least one per rank, a multiple
+    of n; collbench is given the same."""
+    count = max(size // 4, n)
+    return (count - count % n) * 4
+
+
+def run_tutti(cb, coll, n, size, secs, probe):
+    # As many timed iterations as fit in `secs`, from the time of one probe run.
+    iters = max(5, min(100000, int(secs / max(probe.get((coll, n, size), 1e-3), 1e-6))))
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        b = str(mpi_bytes(n, size))
+        out = subprocess.run([cb, coll, "-b", b, "-e", b, "-n", str(iters),
+                              "-w", "3", "-c", "0", "--np", str(n), "-J", f.name],
+                             capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            sys.exit(f"side_by_side: collbench failed:\n{out.stdout}\n{out.stderr}")
+        row = json.load(open(f.name))["runs"][0]["rows"][0]
+    t = row["oop"]["time_us"] * 1e-6
+    probe[(coll, n, size)] = t
+    return row["bytes"], t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--colls", default="allreduce,allgather,reduce_scatter,alltoall,broadcast")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--sizes", default="8,2M,64M")
+    ap.add_argument("--seconds", type=float, default=0.3)
+    a = ap.parse_args()
+    mb, cb = build()
+    colls = a.colls.split(",")
+    worlds = [int(x) for x in a.worlds.split(",")]
+    sizes = [size_of(x) for x in a.sizes.split(",")]
+    res = {}
+    probe = {}
+    for r in range(a.rounds):
+        for coll in colls:
+            for n in worlds:
+                for size in sizes:
+                    order = ["tutti", "mpi"] if r % 2 == 0 else ["mpi", "tutti"]
+                    for who in order:
+                        if who == "mpi":
+                            b, t = run_mpi(mb, coll, n, size, a.seconds)
+                        else:
+                            b, t = run_tutti(cb, coll, n, size, a.seconds, probe)
+                        res.setdefault((coll, n, size, who), []).append((b, t))
+        print(f"# round {r + 1} of {a.rounds} done", file=sys.stderr)
+    print(f"# {a.rounds} rounds interleaved; median time per call (mean over ranks), busbw GB/s")
+    print(f"# {'collective':<15} {'n':>2} {'bytes':>10} {'tutti_us':>10} {'mpi_us':>10} "
+          f"{'tutti_bw':>9} {'mpi_bw':>9} {'ratio':>6}")
+    for coll in colls:
+        for n in worlds:
+            for size in sizes:
+                row = []
+                for who in ("tutti", "mpi"):
+                    v = res[(coll, n, size, who)]
+                    t = statistics.median(x[1] for x in v)
+                    b = mpi_bytes(n, size)
+                    row.append((t, b / t * FACTOR[coll](n) / 1e9))
+                (tt, tb), (mt, mbw) = row
+                print(f"  {coll:<15} {n:>2} {size:>10} {tt * 1e6:>10.1f} {mt * 1e6:>10.1f} "
+                      f"{tb:>9.3f} {mbw:>9.3f} {mt / tt:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
