@@ -85,6 +85,9 @@ fn smoke(transport: &str, np: usize) {
                 assert_eq!(row[m]["wrong"].as_u64(), Some(0));
             }
             assert!(row["p50_us"].is_number() && row["p99_us"].is_number());
+            for m in ["oop", "ip"] {
+                assert!(row[m]["p50_us"].is_number() && row[m]["p99_us"].is_number(), "{row}");
+            }
         }
     }
     let svg = std::fs::read_to_string(&svg).unwrap();
@@ -100,6 +103,26 @@ fn collbench_all_tcp_three_ranks() {
 #[test]
 fn collbench_all_mem_four_ranks() {
     smoke("mem", 4);
+}
+
+#[test]
+fn every_nccl_tests_flag_is_accepted() {
+    // What cluster scripts pass to nccl-tests: accepted, the inert ones named in the header,
+    // and -N repeats the sweep.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["allreduce", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1", "-c", "1"]);
+    cmd.args(["-t", "1", "-g", "1", "-p", "1", "-z", "1", "-G", "1", "-C", "1", "-R", "1"]);
+    cmd.args(["-K", "1", "-M", "1", "-u", "1", "-S", "1", "-N", "2", "-a", "3", "-I", "1"]);
+    cmd.args(["-T", "30", "--np", "2", "--transport", "mem"]);
+    let (out, _) = run_with_deadline(cmd, Duration::from_secs(60));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let inert = text.lines().find(|l| l.contains("accepted without effect")).unwrap_or("");
+    for f in ["-p", "-z 1", "-G", "-C", "-R", "-K", "-M", "-u", "-S"] {
+        assert!(inert.contains(&format!("{f} (")), "{f} not explained: {inert}");
+    }
+    assert!(text.contains("# cycle 2 of 2"), "{text}");
+    assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 2, "{text}");
 }
 
 #[test]

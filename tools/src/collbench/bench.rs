@@ -219,34 +219,49 @@ impl Bench {
                 ),
             }
         }
+        let inert = self.s.args.inert_flags();
+        if me == 0 && !inert.is_empty() {
+            println!("# nccl-tests flags accepted without effect here: {}", inert.join(", "));
+        }
         let mut runs = Vec::new();
         let mut code = 0;
-        for coll in self.s.colls.clone() {
-            let run = match self.s.dtype {
-                DType::F32 => self.coll::<f32>(coll)?,
-                DType::F64 => self.coll::<f64>(coll)?,
-                DType::F16 => self.coll::<f16>(coll)?,
-                DType::BF16 => self.coll::<bf16>(coll)?,
-                DType::I8 => self.coll::<i8>(coll)?,
-                DType::U8 => self.coll::<u8>(coll)?,
-                DType::I32 => self.coll::<i32>(coll)?,
-                _ => self.coll::<i64>(coll)?,
-            };
-            if run.wrong() > 0 {
-                code = 1;
+        let cycles = self.s.args.run_cycles;
+        let mut cycle = 0u32;
+        while cycles == 0 || cycle < cycles {
+            cycle += 1;
+            if me == 0 && cycles != 1 {
+                println!(
+                    "# cycle {cycle}{}",
+                    if cycles == 0 { String::new() } else { format!(" of {cycles}") }
+                );
             }
-            if let Some(min) = self.s.args.min_bw {
-                if coll != "barrier" && run.avg_busbw() < min {
-                    if me == 0 {
-                        eprintln!(
+            for coll in self.s.colls.clone() {
+                let run = match self.s.dtype {
+                    DType::F32 => self.coll::<f32>(coll)?,
+                    DType::F64 => self.coll::<f64>(coll)?,
+                    DType::F16 => self.coll::<f16>(coll)?,
+                    DType::BF16 => self.coll::<bf16>(coll)?,
+                    DType::I8 => self.coll::<i8>(coll)?,
+                    DType::U8 => self.coll::<u8>(coll)?,
+                    DType::I32 => self.coll::<i32>(coll)?,
+                    _ => self.coll::<i64>(coll)?,
+                };
+                if run.wrong() > 0 {
+                    code = 1;
+                }
+                if let Some(min) = self.s.args.min_bw {
+                    if coll != "barrier" && run.avg_busbw() < min {
+                        if me == 0 {
+                            eprintln!(
                             "collbench: {coll}: average busbw {:.3} GB/s is below --min-bw {min}",
                             run.avg_busbw()
                         );
+                        }
+                        code = 1;
                     }
-                    code = 1;
                 }
+                runs.push(run);
             }
-            runs.push(run);
         }
         if me == 0 {
             if let Some(p) = &self.s.args.json {

@@ -124,9 +124,72 @@ pub struct Args {
     /// Exit non-zero when the average busbw of a collective is below this (GB/s).
     #[arg(long = "min-bw")]
     pub min_bw: Option<f64>,
+    /// Run the whole sweep this many times (nccl-tests' -N; 0: until stopped).
+    #[arg(short = 'N', long = "run_cycles", default_value_t = 1)]
+    pub run_cycles: u32,
+    /// nccl-tests' threads per process. Accepted; tutti runs one rank per process, so the
+    /// ranks come from the launcher or --np (noted in the header when not 1).
+    #[arg(short = 't', long = "nthreads", default_value_t = 1)]
+    pub nthreads: u32,
+    /// nccl-tests' GPUs per thread. Accepted; one device per rank here (noted when not 1).
+    #[arg(short = 'g', long = "ngpus", default_value_t = 1)]
+    pub ngpus: u32,
+    /// nccl-tests' parallel communicator init. Accepted; rendezvous is always concurrent.
+    #[arg(short = 'p', long = "parallel_init", default_value_t = 0)]
+    pub parallel_init: u32,
+    /// nccl-tests' blocking mode 0–3. Accepted; every collective here returns when it is done.
+    #[arg(short = 'z', long = "blocking", default_value_t = 0)]
+    pub blocking: u32,
+    /// nccl-tests' CUDA graph launches. Accepted; no graphs here.
+    #[arg(short = 'G', long = "cudagraph", default_value_t = 0)]
+    pub cudagraph: u32,
+    /// nccl-tests' CPU-time report. Accepted; times are wall-clock.
+    #[arg(short = 'C', long = "report_cputime", default_value_t = 0)]
+    pub report_cputime: u32,
+    /// nccl-tests' buffer registration. Accepted; buffers are used in place, nothing to register.
+    #[arg(short = 'R', long = "local_register", default_value_t = 0)]
+    pub local_register: u32,
+    /// nccl-tests' per-iteration skip. Accepted; warm-up iterations (-w) play that part.
+    #[arg(short = 'K', long = "per_iter_skip", default_value_t = 0)]
+    pub per_iter_skip: u32,
+    /// nccl-tests' memory report. Accepted; not reported.
+    #[arg(short = 'M', long = "memory_report", default_value_t = 0)]
+    pub memory_report: u32,
+    /// nccl-tests' unaligned buffers. Accepted; buffers are aligned.
+    #[arg(short = 'u', long = "unalign", default_value_t = 0)]
+    pub unalign: u32,
+    /// nccl-tests' timestamps. Accepted; not printed.
+    #[arg(short = 'S', long = "report_timestamps", default_value_t = 0)]
+    pub report_timestamps: u32,
 }
 
 impl Args {
+    /// The nccl-tests flags given that change nothing here, each with why (for the header).
+    pub fn inert_flags(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        let mut note = |set: bool, flag: String, why: &str| {
+            if set {
+                v.push(format!("{flag} ({why})"));
+            }
+        };
+        note(
+            self.nthreads != 1,
+            format!("-t {}", self.nthreads),
+            "one rank per process: ranks come from the launcher or --np",
+        );
+        note(self.ngpus != 1, format!("-g {}", self.ngpus), "one device per rank");
+        note(self.parallel_init != 0, "-p".into(), "rendezvous is always concurrent");
+        note(self.blocking != 0, format!("-z {}", self.blocking), "collectives block until done");
+        note(self.cudagraph != 0, "-G".into(), "no CUDA graphs");
+        note(self.report_cputime != 0, "-C".into(), "times are wall-clock");
+        note(self.local_register != 0, "-R".into(), "nothing to register");
+        note(self.per_iter_skip != 0, "-K".into(), "warm-up iterations (-w) skip instead");
+        note(self.memory_report != 0, "-M".into(), "no memory report");
+        note(self.unalign != 0, "-u".into(), "buffers are aligned");
+        note(self.report_timestamps != 0, "-S".into(), "no timestamps");
+        v
+    }
+
     /// The sizes of the sweep.
     pub fn sizes(&self) -> Vec<u64> {
         let mut v = Vec::new();

@@ -16,10 +16,8 @@ pub struct Mode {
     /// Wrong elements found by verification (summed over ranks).
     pub wrong: u64,
     /// Median per-iteration time (max over ranks), µs.
-    #[serde(skip)]
     pub p50_us: f64,
     /// 99th percentile per-iteration time (max over ranks), µs.
-    #[serde(skip)]
     pub p99_us: f64,
 }
 
