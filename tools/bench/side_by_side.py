@@ -9,7 +9,8 @@ openmpi-bin, libopenmpi-dev; needs root), builds `tools/bench/mpi/mpibench.c` in
 target/mpibench and `collbench` (release) unless present, then runs every point (collective ×
 world × size) for both in every round, alternating which goes first, and prints per point the
 median over rounds of the mean time per call averaged over ranks (the statistic both harnesses
-report: collbench's `time` column, mpibench's mean), busbw by nccl-tests' formulas, and the
+report: collbench's `time` column — in place for broadcast, as MPI_Bcast is, out of place
+otherwise — and mpibench's mean), busbw by nccl-tests' formulas, and the
 ratio tutti / Open MPI of busbw (above 1: tutti faster). Open MPI is forced onto TCP (`--mca btl
 tcp,self`), as tutti is. Both run for about the same time per point.
 """
@@ -95,7 +96,8 @@ def run_tutti(cb, coll, n, size, secs, probe):
         if out.returncode != 0:
             sys.exit(f"side_by_side: collbench failed:\n{out.stdout}\n{out.stderr}")
         row = json.load(open(f.name))["runs"][0]["rows"][0]
-    t = row["oop"]["time_us"] * 1e-6
+    # MPI_Bcast works in place; the other MPI calls have separate send and receive buffers.
+    t = row["ip" if coll == "broadcast" else "oop"]["time_us"] * 1e-6
     probe[(coll, n, size)] = t
     return row["bytes"], t
 
