@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""tutti's collbench and Open MPI over TCP, side by side, interleaved, on this machine.
+"""tutti's collbench, Open MPI over TCP and torch's gloo, side by side, interleaved.
 
     python3 tools/bench/side_by_side.py [--rounds 3] [--colls allreduce,broadcast]
                                         [--worlds 2,4] [--sizes 8,2M,64M] [--seconds 0.3]
+                                        [--gloo PYTHON|none]
 
 Installs Open MPI from the distribution's packages when `mpicc` is missing (Debian/Ubuntu:
 openmpi-bin, libopenmpi-dev; needs root), builds `tools/bench/mpi/mpibench.c` into
@@ -11,8 +12,11 @@ world × size) for both in every round, alternating which goes first, and prints
 median over rounds of the mean time per call averaged over ranks (the statistic both harnesses
 report: collbench's `time` column — in place for broadcast, as MPI_Bcast is, out of place
 otherwise — and mpibench's mean), busbw by nccl-tests' formulas, and the
-ratio tutti / Open MPI of busbw (above 1: tutti faster). Open MPI is forced onto TCP (`--mca btl
-tcp,self`), as tutti is. Both run for about the same time per point.
+ratio of tutti's busbw to the best peer's (above 1: tutti faster). Open MPI is forced onto TCP
+(`--mca btl tcp,self`), as tutti is. gloo (torch.distributed, CPU tensors, `gloo_bench.py`)
+runs where a Python with torch is found (`--gloo`, else $TUTTI_TORCH_PYTHON, else
+~/.cache/tutti/venv-torch, as CI makes it) and for the collectives gloo has on CPU (allreduce,
+allgather, broadcast). All run for about the same time per point.
 """
 import argparse
 import json
@@ -85,6 +89,33 @@ def mpi_bytes(n, size):
     return (count - count % n) * 4
 
 
+GLOO_COLLS = ("allreduce", "allgather", "broadcast")
+
+
+def find_gloo(arg):
+    if arg == "none":
+        return None
+    cands = [arg, os.environ.get("TUTTI_TORCH_PYTHON"),
+             os.path.expanduser("~/.cache/tutti/venv-torch/bin/python")]
+    for c in cands:
+        if c and os.path.exists(c):
+            ok = subprocess.run([c, "-c", "import torch.distributed"], capture_output=True)
+            if ok.returncode == 0:
+                return c
+    print("# gloo: no Python with torch found; gloo not measured", file=sys.stderr)
+    return None
+
+
+def run_gloo(py, coll, n, size, secs):
+    script = os.path.join(ROOT, "tools", "bench", "gloo_bench.py")
+    out = subprocess.run([py, script, coll, str(n), str(size), str(secs)],
+                         capture_output=True, text=True, timeout=600)
+    v = out.stdout.split()
+    if out.returncode != 0 or len(v) < 2:
+        sys.exit(f"side_by_side: gloo_bench failed:\n{out.stdout}\n{out.stderr}")
+    return int(v[-2]), float(v[-1]) * 1e-6
+
+
 def run_tutti(cb, coll, n, size, secs, probe):
     # As many timed iterations as fit in `secs`, from the time of one probe run.
     iters = max(5, min(100000, int(secs / max(probe.get((coll, n, size), 1e-3), 1e-6))))
@@ -109,8 +140,10 @@ def main():
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--sizes", default="8,2M,64M")
     ap.add_argument("--seconds", type=float, default=0.3)
+    ap.add_argument("--gloo", default="", help="Python with torch for gloo, or none")
     a = ap.parse_args()
     mb, cb = build()
+    gloo = find_gloo(a.gloo)
     colls = a.colls.split(",")
     worlds = [int(x) for x in a.worlds.split(",")]
     sizes = [size_of(x) for x in a.sizes.split(",")]
@@ -120,29 +153,38 @@ def main():
         for coll in colls:
             for n in worlds:
                 for size in sizes:
-                    order = ["tutti", "mpi"] if r % 2 == 0 else ["mpi", "tutti"]
+                    order = ["tutti", "mpi"] + (["gloo"] if gloo and coll in GLOO_COLLS else [])
+                    if r % 2 == 1:
+                        order.reverse()
                     for who in order:
                         if who == "mpi":
                             b, t = run_mpi(mb, coll, n, size, a.seconds)
+                        elif who == "gloo":
+                            b, t = run_gloo(gloo, coll, n, size, a.seconds)
                         else:
                             b, t = run_tutti(cb, coll, n, size, a.seconds, probe)
                         res.setdefault((coll, n, size, who), []).append((b, t))
         print(f"# round {r + 1} of {a.rounds} done", file=sys.stderr)
     print(f"# {a.rounds} rounds interleaved; median time per call (mean over ranks), busbw GB/s")
     print(f"# {'collective':<15} {'n':>2} {'bytes':>10} {'tutti_us':>10} {'mpi_us':>10} "
-          f"{'tutti_bw':>9} {'mpi_bw':>9} {'ratio':>6}")
+          f"{'gloo_us':>10} {'tutti_bw':>9} {'mpi_bw':>9} {'gloo_bw':>9} {'ratio':>6}")
     for coll in colls:
         for n in worlds:
             for size in sizes:
-                row = []
-                for who in ("tutti", "mpi"):
-                    v = res[(coll, n, size, who)]
-                    t = statistics.median(x[1] for x in v)
-                    b = mpi_bytes(n, size)
-                    row.append((t, b / t * FACTOR[coll](n) / 1e9))
-                (tt, tb), (mt, mbw) = row
-                print(f"  {coll:<15} {n:>2} {size:>10} {tt * 1e6:>10.1f} {mt * 1e6:>10.1f} "
-                      f"{tb:>9.3f} {mbw:>9.3f} {mt / tt:>6.2f}")
+                t = {}
+                for who in ("tutti", "mpi", "gloo"):
+                    v = res.get((coll, n, size, who))
+                    if v:
+                        t[who] = statistics.median(x[1] for x in v)
+                b = mpi_bytes(n, size)
+                bw = {w: b / x * FACTOR[coll](n) / 1e9 for w, x in t.items()}
+                best_peer = min(x for w, x in t.items() if w != "tutti")
+                cell = lambda w, f: f.format(t[w] * 1e6) if w in t else f"{'-':>10}"
+                bcell = lambda w: f"{bw[w]:>9.3f}" if w in bw else f"{'-':>9}"
+                print(f"  {coll:<15} {n:>2} {size:>10} {cell('tutti', '{:>10.1f}')} "
+                      f"{cell('mpi', '{:>10.1f}')} {cell('gloo', '{:>10.1f}')} "
+                      f"{bcell('tutti')} {bcell('mpi')} {bcell('gloo')} "
+                      f"{best_peer / t['tutti']:>6.2f}")
 
 
 if __name__ == "__main__":
