@@ -103,16 +103,22 @@ pub fn reduce_scatter_phase(
 }
 
 /// Append a ring allgather over `blocks` of the data buffer. Rank `r`'s own block is read from
-/// `own` (its place in the data buffer, or the input buffer). Returns the first unused tag.
+/// `own` (its place in the data buffer, or the input buffer). `copy`, if any, runs once the
+/// first receives and sends are posted, so that it overlaps their transfer (the out-of-place
+/// copy of the own block into place). Returns the first unused tag.
 pub fn allgather_phase(
     p: &mut Plan,
     sh: &PlanCtx,
     blocks: &[(usize, usize)],
     own: Region,
+    copy: Option<(Region, Region)>,
     tag0: u32,
 ) -> u32 {
     let n = sh.n;
     if n == 1 {
+        if let Some((dst, src)) = copy {
+            p.copy(dst, src);
+        }
         return tag0;
     }
     let (r, right, left) = (sh.rank, sh.right(1), sh.left(1));
@@ -133,6 +139,9 @@ pub fn allgather_phase(
     }
     for (k, &(off, len)) in segs[sb(0)].iter().enumerate() {
         p.send(right, tag(0, k), own.sub(off, len));
+    }
+    if let Some((dst, src)) = copy {
+        p.copy(dst, src);
     }
     for (i, &(s, k)) in units.iter().enumerate() {
         let (off, len) = segs[rb(s)][k];
@@ -163,7 +172,7 @@ pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
     let t = reduce_scatter_phase(&mut p, sh, &blocks, Acc::InPlace, 0);
     p.wait_all();
     let (off, len) = blocks[sh.rank];
-    allgather_phase(&mut p, sh, &blocks, Region::new(Buf::Data, off, len), t);
+    allgather_phase(&mut p, sh, &blocks, Region::new(Buf::Data, off, len), None, t);
     p
 }
 
@@ -194,7 +203,7 @@ pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     } else {
         Region::new(Buf::Input, 0, len)
     };
-    allgather_phase(&mut p, sh, blocks, own, 0);
-    p.copy(Region::new(Buf::Data, off, len), own);
+    // Out of place, the own block's copy into place overlaps the first transfers.
+    allgather_phase(&mut p, sh, blocks, own, Some((Region::new(Buf::Data, off, len), own)), 0);
     p
 }

@@ -60,6 +60,7 @@ pub fn allreduce(sh: &PlanCtx, count: usize, topo: &Topology) -> Option<Plan> {
         &PlanCtx { in_place: true, ..local },
         &blocks,
         Region::new(Buf::Data, off, blen),
+        None,
         0,
     );
     tree::append_shifted(&mut p, q.relabel(&hosts[j]), t1 + width);
