@@ -97,8 +97,9 @@ pub struct Comm {
     tuner: Arc<crate::tune::Tuner>,
     /// Which ranks share a host, once known (see [`Comm::topology`]).
     topo: Arc<std::sync::OnceLock<Arc<Topology>>>,
-    /// The links, once measured (see [`Comm::link_scale`]).
-    link: Arc<std::sync::OnceLock<Link>>,
+    /// The links, once measured (see [`Comm::link_scale`]): the cost model on links at least
+    /// [`LINK_SLOW`] times slower than loopback, `None` otherwise.
+    link: Arc<std::sync::OnceLock<Option<Model>>>,
     scratch: Arc<Mutex<Scratch>>,
     /// The background worker that runs non-blocking calls in program order (started lazily,
     /// shared by clones).
@@ -123,19 +124,6 @@ impl std::fmt::Debug for Comm {
 /// ranks per host; at 64 KiB the model's choice was the best. (Broadcast, all-gather and
 /// reduce-scatter follow the model at every size: it picked their best there.)
 pub(crate) const MODEL_FROM: usize = 16 << 10;
-
-/// What the link probe found.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Link {
-    /// How many times slower per byte than the reference loopback (1 when not slower).
-    scale: f64,
-    /// The cost model the choice follows, on links measured [`LINK_SLOW`] times slower.
-    model: Option<Model>,
-}
-
-impl Link {
-    const LOCAL: Link = Link { scale: 1.0, model: None };
-}
 
 /// Messages of the probe's latency measurement.
 const LINK_PROBE_SMALL: usize = 5;
@@ -291,20 +279,15 @@ impl Comm {
             ));
         }
         let topo = std::sync::OnceLock::from(Arc::new(Topology::from_hosts(hosts)));
-        let link = self.link.get().copied().unwrap_or(Link::LOCAL);
-        Ok(Comm {
-            topo: Arc::new(topo),
-            link: Arc::new(std::sync::OnceLock::from(link)),
-            ..self.clone()
-        })
+        let link = std::sync::OnceLock::from(self.link_model());
+        Ok(Comm { topo: Arc::new(topo), link: Arc::new(link), ..self.clone() })
     }
 
     /// The same communicator choosing from `model` (as if the link probe had measured it):
     /// what a job whose links are known can set instead of probing, and how tests check the
     /// choice on slow links.
     pub fn with_model(&self, model: Model) -> Comm {
-        let link = Link { scale: model.beta * REFERENCE_BW, model: Some(model) };
-        Comm { link: Arc::new(std::sync::OnceLock::from(link)), ..self.clone() }
+        Comm { link: Arc::new(std::sync::OnceLock::from(Some(model))), ..self.clone() }
     }
 
     /// Which host each rank is on: over memory and on a loopback address, one host; otherwise
@@ -325,7 +308,7 @@ impl Comm {
     /// 4 times slower than loopback (or [`Comm::with_model`] set one); `None` before the first
     /// collective and on loopback-class links.
     pub fn link_model(&self) -> Option<Model> {
-        self.link.get().and_then(|l| l.model)
+        self.link.get().copied().flatten()
     }
 
     /// The topology known so far (one host before the probe).
@@ -353,8 +336,10 @@ impl Comm {
     /// # Errors
     /// The probe's collectives' errors (a peer lost during it, named).
     pub fn link_scale(&self) -> Result<f64> {
+        // The scale is the model's β against the reference; without a model, 1.
+        let scale = |m: &Option<Model>| m.map_or(1.0, |m| m.beta * REFERENCE_BW);
         if let Some(l) = self.link.get() {
-            return Ok(l.scale);
+            return Ok(scale(l));
         }
         if PROBING.with(|p| p.get()) {
             // The probe's own collectives.
@@ -363,17 +348,17 @@ impl Comm {
         let remote = self.group.local_addr().filter(|a| !a.ip().is_loopback());
         let Some(addr) = remote.filter(|_| self.size() >= 2) else {
             let _ = self.topo.set(Arc::new(Topology::flat(self.size())));
-            return Ok(self.link.get_or_init(|| Link::LOCAL).scale);
+            return Ok(scale(self.link.get_or_init(|| None)));
         };
         PROBING.with(|p| p.set(true));
         let r = self.probe(addr.ip());
         PROBING.with(|p| p.set(false));
         let l = r?;
-        Ok(self.link.get_or_init(|| l).scale)
+        Ok(scale(self.link.get_or_init(|| l)))
     }
 
     /// The link probe (see [`Comm::link_scale`]).
-    fn probe(&self, ip: std::net::IpAddr) -> Result<Link> {
+    fn probe(&self, ip: std::net::IpAddr) -> Result<Option<Model>> {
         let n = self.size();
         let key = match ip {
             std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
@@ -385,7 +370,7 @@ impl Comm {
         let hosts = topo.hosts();
         let _ = self.topo.set(Arc::new(topo));
         if hosts < 2 {
-            return Ok(Link::LOCAL);
+            return Ok(None);
         }
         let tree = self.with_algo(Algo::Tree);
         let mut small = f64::MAX;
@@ -416,7 +401,7 @@ impl Comm {
         let mut worst = [small, big, reduce];
         tree.allreduce(&mut worst, ReduceOp::Max)?;
         let [small, big, reduce] = worst;
-        let steps = 2 * (usize::BITS - (n - 1).leading_zeros()) as usize;
+        let steps = 2 * crate::model::ceil_log2(n);
         let bw = (n - 1) as f64 * block as f64 / big.max(1e-9);
         let model = Model {
             alpha: small / steps as f64,
@@ -426,11 +411,11 @@ impl Comm {
         };
         let scale = REFERENCE_BW / bw;
         debug!(bw, scale, ?model, hosts, "link probe");
-        Ok(if scale >= LINK_SLOW { Link { scale, model: Some(model) } } else { Link::LOCAL })
+        Ok((scale >= LINK_SLOW).then_some(model))
     }
 
     fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
-        let model = self.link.get().and_then(|l| l.model);
+        let model = self.link_model();
         let auto = || {
             // On links slower than loopback, the cost model, above MODEL_FROM; it covers the
             // collectives whose choice trades steps against bytes. All-to-all's choice is

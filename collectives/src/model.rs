@@ -56,7 +56,8 @@ pub struct Model {
     pub gamma: f64,
 }
 
-fn ceil_log2(n: usize) -> usize {
+/// ⌈log2 n⌉ (0 for n ≤ 1): the binomial tree's depth.
+pub(crate) fn ceil_log2(n: usize) -> usize {
     (usize::BITS - (n.max(1) - 1).leading_zeros()) as usize
 }
 
@@ -161,10 +162,7 @@ impl Model {
                 2.0 * lg as f64 * a + 2.0 * s * tree_beta() + lg as f64 * s * g
             }
             (Coll::Allreduce, Algo::TwoLevel) => {
-                let (h, l) = (topo.hosts(), topo.per_host()?);
-                if h < 2 || l < 2 {
-                    return None;
-                }
+                let (h, l) = topo.two_level()?;
                 let (hf, lf) = (h as f64, l as f64);
                 2.0 * (lf - 1.0) * a
                     + 2.0 * (lf - 1.0) / lf * s * self.beta_local

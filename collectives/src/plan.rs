@@ -198,19 +198,6 @@ impl Plan {
         self
     }
 
-    /// One more than the largest tag the plan uses (0 for a plan without messages): the tag
-    /// base of a plan appended after it.
-    pub fn tag_end(&self) -> u32 {
-        self.steps
-            .iter()
-            .filter_map(|s| match s {
-                Step::Send { tag, .. } | Step::Recv { tag, .. } => Some(tag + 1),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
     /// Total bytes this plan sends.
     pub fn bytes_sent(&self) -> u64 {
         self.steps

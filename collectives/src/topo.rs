@@ -72,6 +72,13 @@ impl Topology {
         (0..h).all(|i| self.host.iter().filter(|x| **x == i).count() == l).then_some(l)
     }
 
+    /// `(hosts, ranks per host)` when two-level schedules apply: at least 2 hosts with the same
+    /// number, at least 2, of ranks on each.
+    pub fn two_level(&self) -> Option<(usize, usize)> {
+        let (h, l) = (self.hosts(), self.per_host()?);
+        (h >= 2 && l >= 2).then_some((h, l))
+    }
+
     /// The ring order: position → rank, host by host, ranks ascending within a host.
     pub fn ring(&self) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.host.len()).collect();
@@ -98,6 +105,7 @@ mod tests {
         assert_eq!(t.members(1), [1, 4]);
         assert_eq!(t.per_host(), Some(2));
         assert_eq!(t.ring(), [0, 3, 1, 4, 2, 5]);
+        assert_eq!(t.two_level(), Some((3, 2)));
         assert!(!t.ring_is_identity());
         // Block placement: the identity.
         let b = Topology::from_hosts(&[7, 7, 3, 3]);
@@ -106,6 +114,8 @@ mod tests {
         // Uneven hosts.
         let u = Topology::from_hosts(&[0, 0, 0, 1]);
         assert_eq!(u.per_host(), None);
+        assert_eq!(u.two_level(), None);
+        assert_eq!(Topology::from_hosts(&[0, 1, 2]).two_level(), None);
         assert_eq!(Topology::flat(3).hosts(), 1);
         assert_eq!(Topology::flat(3).per_host(), Some(3));
     }

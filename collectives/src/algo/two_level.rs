@@ -24,24 +24,18 @@ use crate::topo::Topology;
 /// The two-level allreduce of `count` elements on `topo`, or `None` when the group is not
 /// spread over ≥ 2 hosts with the same number ≥ 2 of ranks on each.
 pub fn allreduce(sh: &PlanCtx, count: usize, topo: &Topology) -> Option<Plan> {
-    let h = topo.hosts();
-    let l = topo.per_host()?;
-    if h < 2 || l < 2 || topo.size() != sh.n {
-        return None;
-    }
+    let (h, l) = topo.two_level().filter(|_| topo.size() == sh.n)?;
     let hosts: Vec<Vec<usize>> = (0..h).map(|j| topo.members(j)).collect();
     let j = topo.host_of(sh.rank);
     let i = hosts[j].iter().position(|r| *r == sh.rank)?;
-    let len = count * sh.esize;
     let blocks = split(count, l, sh.esize);
 
     // 1. Reduce-scatter within the host (reads the input directly when out of place).
-    let mut p = Plan::new();
     let local = PlanCtx { rank: i, n: l, ..*sh };
-    let mut q = Plan::new();
-    let t1 = ring::reduce_scatter_phase(&mut q, &local, &blocks, Acc::InPlace, 0);
-    q.wait_all();
-    tree::append_shifted(&mut p, q.relabel(&hosts[j]), 0);
+    let mut p = Plan::new();
+    let t1 = ring::reduce_scatter_phase(&mut p, &local, &blocks, Acc::InPlace, 0);
+    p.wait_all();
+    let mut p = p.relabel(&hosts[j]);
 
     // 2. Allreduce of block i across hosts, among local rank i of every host.
     let (off, blen) = blocks[i];
@@ -64,7 +58,6 @@ pub fn allreduce(sh: &PlanCtx, count: usize, topo: &Topology) -> Option<Plan> {
         0,
     );
     tree::append_shifted(&mut p, q.relabel(&hosts[j]), t1 + width);
-    debug_assert!(len >= off + blen);
     Some(p)
 }
 

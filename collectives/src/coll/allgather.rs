@@ -130,7 +130,7 @@ pub(crate) fn plan(
     let uniform = blocks.windows(2).all(|w| w[0].1 == w[1].1);
     super::check(ctx, Coll::Allgather, algo, uniform)?;
     Ok(match algo {
-        Algo::Ring => algo::on_ring(ctx, topo, blocks, algo::ring::allgather),
+        Algo::Ring => algo::on_ring(ctx, topo, blocks, |c, b, _| algo::ring::allgather(c, b)),
         Algo::RecursiveDoubling => algo::recursive_doubling::allgather(ctx, blocks),
         Algo::Bruck => algo::bruck::allgather(ctx, blocks.first().map_or(0, |b| b.1)),
         Algo::Rabenseifner

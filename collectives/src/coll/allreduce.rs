@@ -80,7 +80,7 @@ pub(crate) const ALGOS: &[Algo] =
 /// host: the ring follows hosts; two-level needs the same number ≥ 2 of ranks on ≥ 2 hosts).
 pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, count: usize, topo: &Topology) -> Result<Plan> {
     Ok(match algo {
-        Algo::Ring => algo::on_ring(ctx, topo, &[], |c, _| algo::ring::allreduce(c, count)),
+        Algo::Ring => algo::on_ring(ctx, topo, &[], |c, _, _| algo::ring::allreduce(c, count)),
         Algo::TwoLevel => algo::two_level::allreduce(ctx, count, topo).ok_or_else(|| {
             crate::Error::Unsupported {
                 rank: ctx.rank,

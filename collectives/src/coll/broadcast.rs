@@ -85,15 +85,11 @@ pub(crate) fn plan(
 ) -> Result<Plan> {
     Ok(match algo {
         Algo::Tree => algo::tree::broadcast(ctx, len, root),
-        Algo::Chain => {
-            // The chain starts at the root and walks the ring order from there.
-            let at = if topo.size() == ctx.n && !topo.ring_is_identity() {
-                topo.ring().iter().position(|r| *r == root).unwrap_or(root)
-            } else {
-                root
-            };
-            algo::on_ring(ctx, topo, &[], |c, _| algo::chain::broadcast(c, len, at))
-        }
+        // The chain starts at the root and walks the ring order from there.
+        Algo::Chain => algo::on_ring(ctx, topo, &[], |c, _, order| {
+            let at = order.iter().position(|r| *r == root).unwrap_or(root);
+            algo::chain::broadcast(c, len, at)
+        }),
         Algo::Ring
         | Algo::RecursiveDoubling
         | Algo::Rabenseifner

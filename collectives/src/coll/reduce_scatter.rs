@@ -145,7 +145,7 @@ pub(crate) fn plan(
 ) -> Result<Plan> {
     super::check(ctx, Coll::ReduceScatter, algo, true)?;
     Ok(match algo {
-        Algo::Ring => algo::on_ring(ctx, topo, blocks, algo::ring::reduce_scatter),
+        Algo::Ring => algo::on_ring(ctx, topo, blocks, |c, b, _| algo::ring::reduce_scatter(c, b)),
         Algo::RecursiveHalving => algo::halving_doubling::reduce_scatter(ctx, blocks),
         Algo::RecursiveDoubling
         | Algo::Rabenseifner

@@ -38,8 +38,7 @@ pub(crate) fn world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
 /// The allreduce algorithms that can run on `c`: all of them, less two-level unless `c`'s ranks
 /// sit on at least 2 hosts with the same number (at least 2) on each.
 pub(crate) fn allreduce_algos(c: &Comm) -> Vec<Algo> {
-    let t = c.topology().unwrap();
-    let two_level = t.hosts() >= 2 && t.per_host().is_some_and(|l| l >= 2);
+    let two_level = c.topology().unwrap().two_level().is_some();
     Coll::Allreduce.algos().iter().copied().filter(|a| *a != Algo::TwoLevel || two_level).collect()
 }
 
