@@ -19,24 +19,23 @@ use crate::topo::Topology;
 
 /// A ring algorithm's plan on `topo`'s ring order (host by host): `build` gets this rank's
 /// position in that order as its rank, the blocks in that order, and the order itself
-/// (position → rank); the peers of the plan it returns are mapped back to group ranks. When
-/// ranks are already placed host by host this is `build(sh, blocks, identity)`. `blocks` may be
-/// empty (allreduce splits by position itself).
+/// (position → rank; `None` for rank order); the peers of the plan it returns are mapped back to
+/// group ranks. When ranks are already placed host by host this is `build(sh, blocks, None)`.
+/// `blocks` may be empty (allreduce splits by position itself).
 pub fn on_ring(
     sh: &PlanCtx,
     topo: &Topology,
     blocks: &[(usize, usize)],
-    build: impl FnOnce(&PlanCtx, &[(usize, usize)], &[usize]) -> Plan,
+    build: impl FnOnce(&PlanCtx, &[(usize, usize)], Option<&[usize]>) -> Plan,
 ) -> Plan {
     if topo.size() != sh.n || topo.ring_is_identity() {
-        let identity: Vec<usize> = (0..sh.n).collect();
-        return build(sh, blocks, &identity);
+        return build(sh, blocks, None);
     }
     let order = topo.ring();
     let pos = order.iter().position(|r| *r == sh.rank).unwrap_or(sh.rank);
     let ordered: Vec<(usize, usize)> =
         if blocks.is_empty() { Vec::new() } else { order.iter().map(|r| blocks[*r]).collect() };
-    build(&PlanCtx { rank: pos, ..*sh }, &ordered, &order).relabel(&order)
+    build(&PlanCtx { rank: pos, ..*sh }, &ordered, Some(&order)).relabel(&order)
 }
 
 /// Receives kept posted ahead of the one being processed in pipelined algorithms.

@@ -87,7 +87,7 @@ pub(crate) fn plan(
         Algo::Tree => algo::tree::broadcast(ctx, len, root),
         // The chain starts at the root and walks the ring order from there.
         Algo::Chain => algo::on_ring(ctx, topo, &[], |c, _, order| {
-            let at = order.iter().position(|r| *r == root).unwrap_or(root);
+            let at = order.and_then(|o| o.iter().position(|r| *r == root)).unwrap_or(root);
             algo::chain::broadcast(c, len, at)
         }),
         Algo::Ring
