@@ -157,6 +157,8 @@ pub(crate) struct Req<'a> {
     pub(crate) uniform: bool,
     pub(crate) data: &'a mut [u8],
     pub(crate) input: Option<&'a [u8]>,
+    /// A transform of the result the executor applies (allreduce's `Avg` and scale).
+    pub(crate) finish: Option<crate::kernel::Finish>,
 }
 
 /// The settings every rank must share for a call, folded into 16 bits of its fingerprint: the
@@ -520,6 +522,7 @@ impl Comm {
             fp,
             dtype: req.dtype,
             redop: req.redop.unwrap_or(ReduceOp::Sum),
+            finish: req.finish,
         };
         let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let bytes_sent = exec::execute(&call, seq, &plan, req.data, req.input, &mut scratch)?;
@@ -575,6 +578,7 @@ impl Comm {
                 uniform: true,
                 data: as_bytes_mut(output),
                 input: Some(as_bytes(input)),
+                finish: None,
             };
             self.run(req, |ctx, algo, _| plan(ctx, algo, &blocks, root))
         })
@@ -608,6 +612,7 @@ impl Comm {
                 uniform: true,
                 data: as_bytes_mut(buf),
                 input: None,
+                finish: None,
             };
             self.run(req, |ctx, algo, _| plan(ctx, algo, &blocks, root))
         })

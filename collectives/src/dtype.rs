@@ -75,6 +75,8 @@ pub trait Element: Copy + Send + Sync + PartialOrd + Default + 'static + sealed:
     fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
     /// Divide by the group size (for `Avg`).
     fn div_n(self, n: usize) -> Self;
+    /// Multiply by `k` (a scaled allreduce; floats only: integers truncate toward zero).
+    fn mul_f64(self, k: f64) -> Self;
     /// Convert a small integer exactly (test data).
     fn from_i64(v: i64) -> Self;
 }
@@ -95,6 +97,9 @@ macro_rules! int_element {
             }
             fn div_n(self, n: usize) -> Self {
                 (self as i64 / n as i64) as $t
+            }
+            fn mul_f64(self, k: f64) -> Self {
+                (self as f64 * k) as $t
             }
             fn from_i64(v: i64) -> Self {
                 v as $t
@@ -124,6 +129,9 @@ macro_rules! float_element {
             fn div_n(self, n: usize) -> Self {
                 self / n as $t
             }
+            fn mul_f64(self, k: f64) -> Self {
+                (f64::from(self) * k) as $t
+            }
             fn from_i64(v: i64) -> Self {
                 v as $t
             }
@@ -151,6 +159,9 @@ macro_rules! half_element {
             }
             fn div_n(self, n: usize) -> Self {
                 <$t>::from_f32(self.to_f32() / n as f32)
+            }
+            fn mul_f64(self, k: f64) -> Self {
+                <$t>::from_f64(self.to_f64() * k)
             }
             fn from_i64(v: i64) -> Self {
                 <$t>::from_f32(v as f32)

@@ -22,6 +22,9 @@ pub(crate) struct Call<'g> {
     pub(crate) fp: Fingerprint,
     pub(crate) dtype: DType,
     pub(crate) redop: ReduceOp,
+    /// Applied to the result where the plan says ([`Step::Finish`]), or to all of it after a
+    /// plan that does not.
+    pub(crate) finish: Option<kernel::Finish>,
 }
 
 struct Posted {
@@ -79,7 +82,10 @@ pub(crate) fn execute(
         deadline: call.group.deadline(),
         sent: 0,
     };
-    let r = ex.run(plan);
+    let mut r = ex.run(plan);
+    if let (Ok(()), Some(f), false) = (&r, call.finish, plan.finishes) {
+        r = ex.finish(f, &Region::new(Buf::Data, 0, ex.data_len));
+    }
     if r.is_err() {
         for i in std::mem::take(&mut ex.outstanding) {
             if let Some(p) = &ex.handles[i] {
@@ -106,6 +112,20 @@ struct Exec<'a> {
 }
 
 impl Exec<'_> {
+    /// Apply `f` to `region` of the data buffer.
+    fn finish(&mut self, f: kernel::Finish, region: &Region) -> Result<()> {
+        if region.buf != Buf::Data || region.len % self.call.dtype.size() != 0 {
+            return Err(self.internal(format!("finish of {region:?}")));
+        }
+        let d = self.resolve(region, true)?;
+        self.check_free(region, true)?;
+        // SAFETY: the region is inside the data buffer (checked), whole elements of its dtype
+        // at an element boundary (the buffer is a slice of that dtype), untouched by any
+        // outstanding post (checked).
+        unsafe { kernel::finish_raw(self.call.dtype, f, d, region.len) };
+        Ok(())
+    }
+
     fn internal(&self, detail: String) -> Error {
         Error::Internal {
             rank: self.call.group.rank(),
@@ -246,6 +266,11 @@ impl Exec<'_> {
                     unsafe {
                         kernel::reduce_raw(self.call.dtype, self.call.redop, d, pa, pb, dst.len)
                     };
+                }
+                Step::Finish(region) => {
+                    if let Some(f) = self.call.finish {
+                        self.finish(f, region)?;
+                    }
                 }
                 Step::Copy { dst, src } => {
                     if src.len != dst.len || src.overlaps(dst) {

@@ -769,3 +769,42 @@ mod tests {
         assert_eq!(got, [2.5, 3.5, 4.5, 5.5]);
     }
 }
+
+/// A transform of a reduction's result, applied once per element after the reduction.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Finish {
+    /// `Avg`: divide by the group size.
+    DivN(usize),
+    /// A scaled allreduce: multiply by the factor.
+    Mul(f64),
+}
+
+/// Apply `f` to `bytes` bytes of `dtype` elements at `dst`.
+///
+/// # Safety
+/// `dst` is valid for reads and writes of `bytes` bytes, aligned for `dtype`, and `bytes` is a
+/// multiple of its size; nothing else accesses the range meanwhile.
+pub(crate) unsafe fn finish_raw(dtype: DType, f: Finish, dst: *mut u8, bytes: usize) {
+    unsafe fn go<T: Element>(f: Finish, dst: *mut u8, bytes: usize) {
+        // SAFETY: forwarded contract.
+        let s = unsafe { std::slice::from_raw_parts_mut(dst.cast::<T>(), bytes / size_of::<T>()) };
+        match f {
+            Finish::DivN(n) => s.iter_mut().for_each(|x| *x = x.div_n(n)),
+            Finish::Mul(k) => s.iter_mut().for_each(|x| *x = x.mul_f64(k)),
+        }
+    }
+    // SAFETY: forwarded contract, with the element type of `dtype`.
+    unsafe {
+        match dtype {
+            DType::F32 => go::<f32>(f, dst, bytes),
+            DType::F64 => go::<f64>(f, dst, bytes),
+            DType::F16 => go::<f16>(f, dst, bytes),
+            DType::BF16 => go::<bf16>(f, dst, bytes),
+            DType::I8 => go::<i8>(f, dst, bytes),
+            DType::U8 => go::<u8>(f, dst, bytes),
+            DType::I32 => go::<i32>(f, dst, bytes),
+            DType::I64 => go::<i64>(f, dst, bytes),
+            _ => {}
+        }
+    }
+}

@@ -42,7 +42,7 @@ pub use coll::Coll;
 pub use comm::{Comm, Config, Stats, DEFAULT_SEGMENT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
-pub use nonblocking::Pending;
+pub use nonblocking::{Lent, Pending, Scope};
 pub use select::Algo;
 pub use topo::Topology;
 pub use tutti_runtime::{Group, Transport};

@@ -121,8 +121,7 @@ impl Model {
         if n == p {
             return 0.0;
         }
-        2.0 * self.step(topo, s, |r| (r >= p).then_some(r - p))
-            + if reduce { s * self.gamma } else { 0.0 }
+        2.0 * self.step(topo, s, |r| r.checked_sub(p)) + if reduce { s * self.gamma } else { 0.0 }
     }
 
     /// Predicted seconds for `coll` with `algo` over `topo` (`s`: nccl-tests' S in bytes), or

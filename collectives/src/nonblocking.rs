@@ -1,11 +1,18 @@
 //! Non-blocking collectives: submit now, overlap with compute, wait later.
 //!
-//! Each `i…` call moves its buffers into a job for the communicator's worker thread and returns a
-//! [`Pending`] handle; `wait` gives the buffers back with the result. Jobs run one at a time in
-//! submission order, and a blocking call on the same communicator first waits for every job
-//! submitted before it, so every rank issues its collectives in the same program order however
-//! blocking and non-blocking calls are mixed.
+//! Two forms. Each `Comm::i…` call moves its buffers into a job for the communicator's worker
+//! thread and returns a [`Pending`] handle; `wait` gives the buffers back with the result.
+//! Inside [`Comm::scope`], the [`Scope`]'s `i…` calls *lend* the caller's slices instead (no
+//! copy, no move): the [`Lent`] handle borrows them, and the scope does not return before every
+//! job it started has finished, so a borrowed buffer is never touched after its borrow ends —
+//! the guarantee `std::thread::scope` gives, and for the same reason it holds even when a
+//! handle is leaked.
+//!
+//! Jobs run one at a time in submission order, and a blocking call on the same communicator
+//! first waits for every job submitted before it, so every rank issues its collectives in the
+//! same program order however blocking and non-blocking calls are mixed.
 
+use std::marker::PhantomData;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -133,31 +140,97 @@ impl Comm {
         f: impl FnOnce(&Comm) -> Result<R> + Send + 'static,
     ) -> Pending<R> {
         let (tx, rx) = mpsc::sync_channel(1);
-        let rank = self.rank();
-        match self.worker() {
-            Ok(w) => {
-                let job: Job = Box::new(move |c: &Comm| {
-                    let _ = tx.send(f(c));
-                });
-                {
-                    let (m, _) = &*w.pending;
-                    *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let answer = tx.clone();
+        if let Err(e) = self.enqueue(Box::new(move |c: &Comm| {
+            let _ = tx.send(f(c));
+        })) {
+            let _ = answer.send(Err(e));
+        }
+        Pending { rx, rank: self.rank() }
+    }
+
+    /// Put `job` on the worker's queue. On error (no worker could be started) the job has been
+    /// dropped without running; a job the queue refuses (the worker is gone) is dropped too.
+    fn enqueue(&self, job: Job) -> Result<()> {
+        let w = self.worker()?;
+        {
+            let (m, _) = &*w.pending;
+            *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        }
+        let sent = match &*w.tx.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(tx) => tx.send(job).is_ok(),
+            None => false,
+        };
+        if !sent {
+            let (m, cv) = &*w.pending;
+            *m.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+            cv.notify_all();
+        }
+        Ok(())
+    }
+
+    /// Run `f` with a [`Scope`] whose non-blocking calls borrow the caller's buffers instead of
+    /// taking them: no copy in, no copy out. Returns `f`'s result after every job started in the
+    /// scope has finished (each is bounded by the group's timeout), whether or not its handle
+    /// was waited for — so the borrows end with the scope, as with `std::thread::scope`.
+    ///
+    /// ```no_run
+    /// # fn demo(comm: &tutti_collectives::Comm) -> tutti_collectives::Result<()> {
+    /// use tutti_collectives::ReduceOp;
+    /// let (mut a, mut b) = (vec![1f32; 1 << 20], vec![2f32; 1 << 20]);
+    /// comm.scope(|s| {
+    ///     let ha = s.iallreduce(&mut a, ReduceOp::Sum);
+    ///     // … compute while `a` is on the wire …
+    ///     let hb = s.iallreduce(&mut b, ReduceOp::Sum);
+    ///     ha.wait()?;
+    ///     hb.wait()?;
+    ///     Ok::<_, tutti_collectives::Error>(())
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A lent buffer cannot be touched until its job is over:
+    ///
+    /// ```compile_fail
+    /// # fn demo(comm: &tutti_collectives::Comm) {
+    /// let mut a = vec![1f32; 8];
+    /// comm.scope(|s| {
+    ///     let h = s.iallreduce(&mut a, tutti_collectives::ReduceOp::Sum);
+    ///     a[0] = 2.0; // error: `a` is lent to the collective
+    ///     h.wait()
+    /// });
+    /// # }
+    /// ```
+    ///
+    /// # Collective contract
+    /// Every rank starts the same jobs in the same order (as with the owned `i…` calls).
+    pub fn scope<'env, R>(
+        &self,
+        f: impl for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> R,
+    ) -> R {
+        let scope = Scope {
+            comm: self,
+            live: Arc::new((Mutex::new(0), Condvar::new())),
+            _scope: PhantomData,
+            _env: PhantomData,
+        };
+        // Wait for the jobs even when `f` panics: they hold borrows that end here.
+        struct WaitAll<'a>(&'a (Mutex<usize>, Condvar));
+        impl Drop for WaitAll<'_> {
+            fn drop(&mut self) {
+                let (m, cv) = self.0;
+                let mut n = m.lock().unwrap_or_else(|e| e.into_inner());
+                while *n > 0 {
+                    n = cv
+                        .wait_timeout(n, Duration::from_millis(500))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
-                let sent = match &*w.tx.lock().unwrap_or_else(|e| e.into_inner()) {
-                    Some(tx) => tx.send(job).is_ok(),
-                    None => false,
-                };
-                if !sent {
-                    let (m, cv) = &*w.pending;
-                    *m.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-                    cv.notify_all();
-                }
-            }
-            Err(e) => {
-                let _ = tx.send(Err(e));
             }
         }
-        Pending { rx, rank }
+        let live = scope.live.clone();
+        let _wait = WaitAll(&live);
+        f(&scope)
     }
 
     /// Wait until every submitted non-blocking call has finished (each is bounded by the
@@ -238,5 +311,158 @@ impl Comm {
     /// As [`Comm::barrier`].
     pub fn ibarrier(&self) -> Pending<Stats> {
         self.submit(|c| c.barrier())
+    }
+}
+
+/// Where non-blocking calls may borrow buffers: see [`Comm::scope`].
+pub struct Scope<'scope, 'env: 'scope> {
+    comm: &'scope Comm,
+    /// Jobs of this scope not yet finished or dropped.
+    live: Arc<(Mutex<usize>, Condvar)>,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+impl std::fmt::Debug for Scope<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scope").field("rank", &self.comm.rank()).finish_non_exhaustive()
+    }
+}
+
+/// A collective in flight that borrows its buffers until the end of its [`Scope`].
+#[must_use = "wait for it to see its result (the scope waits for it either way)"]
+#[derive(Debug)]
+pub struct Lent<'scope, R> {
+    inner: Pending<R>,
+    _scope: PhantomData<&'scope ()>,
+}
+
+impl<R> Lent<'_, R> {
+    /// As [`Pending::wait`].
+    ///
+    /// # Errors
+    /// The collective's error.
+    pub fn wait(self) -> Result<R> {
+        self.inner.wait()
+    }
+
+    /// As [`Pending::test`].
+    pub fn test(&mut self) -> Option<Result<R>> {
+        self.inner.test()
+    }
+}
+
+/// A scoped job: runs `f` once; counts itself out of its scope only after `f` and everything
+/// it borrowed are gone (fields drop in declaration order, run or not).
+struct ScopedJob<F> {
+    f: Option<F>,
+    _live: LiveGuard,
+}
+
+struct LiveGuard(Arc<(Mutex<usize>, Condvar)>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        let (m, cv) = &*self.0;
+        let mut n = m.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        cv.notify_all();
+    }
+}
+
+impl<'scope> Scope<'scope, '_> {
+    /// The general form: run `f`, which may borrow anything that outlives the scope, on the
+    /// worker after every job submitted before it.
+    ///
+    /// # Collective contract
+    /// As [`Comm::submit`].
+    pub fn submit<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Comm) -> Result<R> + Send + 'scope,
+    ) -> Lent<'scope, R> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let answer = tx.clone();
+        {
+            let (m, _) = &*self.live;
+            *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        }
+        let mut job = ScopedJob {
+            f: Some(move |c: &Comm| {
+                let _ = tx.send(f(c));
+            }),
+            _live: LiveGuard(self.live.clone()),
+        };
+        let run: Box<dyn FnOnce(&Comm) + Send + 'scope> = Box::new(move |c: &Comm| {
+            if let Some(f) = job.f.take() {
+                f(c);
+            }
+            drop(job);
+        });
+        // SAFETY: the job borrows only what outlives 'scope, and `Comm::scope` does not return
+        // (nor unwind past its frame) before the job's `LiveGuard` is dropped — which happens
+        // after the job ran or was dropped unrun, with every borrow it held released first.
+        let run: Job =
+            unsafe { std::mem::transmute::<Box<dyn FnOnce(&Comm) + Send + 'scope>, Job>(run) };
+        if let Err(e) = self.comm.enqueue(run) {
+            let _ = answer.send(Err(e));
+        }
+        Lent { inner: Pending { rx, rank: self.comm.rank() }, _scope: PhantomData }
+    }
+
+    /// Non-blocking [`Comm::allreduce`] on a borrowed buffer.
+    ///
+    /// # Collective contract
+    /// As [`Comm::allreduce`], in the same order relative to the other collectives on every rank.
+    pub fn iallreduce<T: Element>(
+        &self,
+        buf: &'scope mut [T],
+        op: ReduceOp,
+    ) -> Lent<'scope, Stats> {
+        self.submit(move |c| c.allreduce(buf, op))
+    }
+
+    /// Non-blocking [`Comm::broadcast`] on a borrowed buffer.
+    ///
+    /// # Collective contract
+    /// As [`Comm::broadcast`].
+    pub fn ibroadcast<T: Element>(&self, buf: &'scope mut [T], root: usize) -> Lent<'scope, Stats> {
+        self.submit(move |c| c.broadcast(buf, root))
+    }
+
+    /// Non-blocking [`Comm::allgather`] between borrowed buffers.
+    ///
+    /// # Collective contract
+    /// As [`Comm::allgather`].
+    pub fn iallgather<T: Element>(
+        &self,
+        input: &'scope [T],
+        output: &'scope mut [T],
+    ) -> Lent<'scope, Stats> {
+        self.submit(move |c| c.allgather(input, output))
+    }
+
+    /// Non-blocking [`Comm::reduce_scatter`] between borrowed buffers.
+    ///
+    /// # Collective contract
+    /// As [`Comm::reduce_scatter`].
+    pub fn ireduce_scatter<T: Element>(
+        &self,
+        input: &'scope [T],
+        output: &'scope mut [T],
+        op: ReduceOp,
+    ) -> Lent<'scope, Stats> {
+        self.submit(move |c| c.reduce_scatter(input, output, op))
+    }
+
+    /// Non-blocking [`Comm::all_to_all`] between borrowed buffers.
+    ///
+    /// # Collective contract
+    /// As [`Comm::all_to_all`].
+    pub fn iall_to_all<T: Element>(
+        &self,
+        input: &'scope [T],
+        output: &'scope mut [T],
+    ) -> Lent<'scope, Stats> {
+        self.submit(move |c| c.all_to_all(input, output))
     }
 }

@@ -87,6 +87,12 @@ pub enum Step {
         /// Source.
         src: Region,
     },
+    /// Apply the call's finishing transform (the division of `Avg`, the factor of a scaled
+    /// allreduce) to a region whose reduction is complete: an algorithm that owns each block of
+    /// the result once (the ring, between its reduce-scatter and its all-gather) finishes only
+    /// that block, and the all-gather spreads it. Plans without one are finished whole after
+    /// they ran.
+    Finish(Region),
 }
 
 /// A schedule for one rank.
@@ -98,6 +104,8 @@ pub struct Plan {
     pub scratch: Vec<usize>,
     /// Number of posts (sends plus receives) = number of handles.
     pub posts: usize,
+    /// Whether the plan finishes the result itself ([`Step::Finish`]).
+    pub finishes: bool,
 }
 
 impl Plan {
@@ -158,6 +166,14 @@ impl Plan {
         }
     }
 
+    /// Finish `region` (see [`Step::Finish`]); the plan then finishes the result itself.
+    pub fn finish(&mut self, region: Region) {
+        self.finishes = true;
+        if region.len > 0 {
+            self.steps.push(Step::Finish(region));
+        }
+    }
+
     /// The plan with every peer `v` replaced by `map[v]`: a plan built for position `v` of a
     /// sub-group or of a reordered ring, run by the group ranks `map` names.
     ///
@@ -192,6 +208,7 @@ impl Plan {
                     mv(dst);
                     mv(src);
                 }
+                Step::Finish(region) => mv(region),
                 Step::Wait(_) | Step::WaitAll => {}
             }
         }
@@ -351,7 +368,7 @@ pub fn simulate(plans: &[Plan]) -> Result<SimResult, String> {
                         }
                         all
                     }
-                    Step::Reduce { .. } | Step::Copy { .. } => true,
+                    Step::Reduce { .. } | Step::Copy { .. } | Step::Finish(_) => true,
                 };
                 if !advanced {
                     break;

@@ -49,6 +49,39 @@ fn check_allreduce<T: Element>(
     );
 }
 
+/// A scaled allreduce: the exact sum times the factor, rounded once (f32 by 1/3, through
+/// f64, as the contract says), and bf16 by 0.25 (exact); in place or out of place.
+fn check_scaled(c: &Comm, seed: u64, count: usize, in_place: bool, what: &str) {
+    let n = c.size();
+    let run = |inp: Vec<f32>, k: f64| {
+        if in_place {
+            let mut b = inp;
+            c.allreduce_scaled(&mut b, k).unwrap();
+            b
+        } else {
+            let mut b = vec![0.0; count];
+            c.allreduce_scaled_from(&inp, &mut b, k).unwrap();
+            b
+        }
+    };
+    let out = run(input::<f32>(seed, c.rank(), count, ReduceOp::Sum), 1.0 / 3.0);
+    let want: Vec<f32> = (0..count)
+        .map(|i| (f64::from(reduced::<f32>(seed, n, i, ReduceOp::Sum)) * (1.0 / 3.0)) as f32)
+        .collect();
+    assert!(same_bits(&out, &want), "{what}: scaled allreduce n={n} count={count}");
+    let inp = input::<bf16>(seed, c.rank(), count, ReduceOp::Sum);
+    let mut b = if in_place { inp.clone() } else { vec![bf16::ZERO; count] };
+    if in_place {
+        c.allreduce_scaled(&mut b, 0.25).unwrap();
+    } else {
+        c.allreduce_scaled_from(&inp, &mut b, 0.25).unwrap();
+    }
+    let want: Vec<bf16> = (0..count)
+        .map(|i| bf16::from_f32(reduced::<bf16>(seed, n, i, ReduceOp::Sum).to_f32() * 0.25))
+        .collect();
+    assert!(same_bits(&b, &want), "{what}: scaled bf16 allreduce n={n} count={count}");
+}
+
 fn allreduce_grid(c: &Comm, seg_note: &str) {
     let n = c.size();
     for &count in &counts(n) {
@@ -63,9 +96,11 @@ fn allreduce_grid(c: &Comm, seg_note: &str) {
                     in_place,
                     &format!("{algo} {seg_note}"),
                 );
+                check_scaled(&ca, 4, count, in_place, &format!("{algo} {seg_note}"));
             }
         }
         check_allreduce::<f32>(c, 2, count, ReduceOp::Sum, true, "auto");
+        check_scaled(c, 5, count, false, "auto");
     }
 }
 

@@ -72,3 +72,71 @@ fn errors_reach_the_handle() {
         assert!(e.contains("count 10") && e.contains("count 11"), "{e}");
     });
 }
+
+#[test]
+fn lent_buffers_are_reduced_in_place_and_the_scope_waits() {
+    for n in [1, 2, 3, 4, 7] {
+        world(n, 4096, |c: Comm| {
+            let (r, n) = (c.rank(), c.size());
+            let mut a = input::<f32>(1, r, 50_000, ReduceOp::Sum);
+            let mut b = input::<i64>(2, r, 777, ReduceOp::Max);
+            let mut root =
+                if r == n - 1 { input::<f64>(3, r, 301, ReduceOp::Sum) } else { vec![0.0; 301] };
+            let mine = input::<i32>(4, r, 5, ReduceOp::Sum);
+            let mut all = vec![0i32; 5 * n];
+            let mut leaked = input::<u8>(5, r, 9_999, ReduceOp::Max);
+            let seqs = c.scope(|s| {
+                let ha = s.iallreduce(&mut a, ReduceOp::Sum);
+                let hb = s.iallreduce(&mut b, ReduceOp::Max);
+                let hc = s.ibroadcast(&mut root, n - 1);
+                let hd = s.iallgather(&mine, &mut all);
+                // Never waited for: the scope must still wait before `leaked` is readable.
+                std::mem::forget(s.iallreduce(&mut leaked, ReduceOp::Max));
+                [
+                    hd.wait().unwrap().seq,
+                    hc.wait().unwrap().seq,
+                    hb.wait().unwrap().seq,
+                    ha.wait().unwrap().seq,
+                ]
+            });
+            assert_eq!(seqs, [3, 2, 1, 0], "submission order is sequence order");
+            let want = |k: u64, len: usize, op| (0..len).map(move |i| (k, i, op));
+            assert!(same_bits(
+                &a,
+                &want(1, a.len(), ReduceOp::Sum)
+                    .map(|(k, i, op)| reduced::<f32>(k, n, i, op))
+                    .collect::<Vec<_>>()
+            ));
+            assert_eq!(
+                b,
+                want(2, b.len(), ReduceOp::Max)
+                    .map(|(k, i, op)| reduced::<i64>(k, n, i, op))
+                    .collect::<Vec<_>>()
+            );
+            assert!(same_bits(&root, &input::<f64>(3, n - 1, 301, ReduceOp::Sum)));
+            assert_eq!(
+                all,
+                (0..n).flat_map(|q| input::<i32>(4, q, 5, ReduceOp::Sum)).collect::<Vec<_>>()
+            );
+            assert_eq!(
+                leaked,
+                want(5, leaked.len(), ReduceOp::Max)
+                    .map(|(k, i, op)| reduced::<u8>(k, n, i, op))
+                    .collect::<Vec<_>>()
+            );
+            // The communicator goes on with blocking calls after the scope.
+            let mut x = [r as i32];
+            c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x[0] as usize, n * (n - 1) / 2);
+        });
+    }
+}
+
+#[test]
+fn a_lent_error_reaches_its_handle_and_the_scope_still_returns() {
+    world(2, 4096, |c: Comm| {
+        let mut v = vec![1.0f32; if c.rank() == 0 { 10 } else { 11 }];
+        let e = c.scope(|s| s.iallreduce(&mut v, ReduceOp::Sum).wait()).unwrap_err().to_string();
+        assert!(e.contains("count 10") && e.contains("count 11"), "{e}");
+    });
+}

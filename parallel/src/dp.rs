@@ -2,7 +2,9 @@
 
 use std::ops::Range;
 
-use candle_core::{backprop::GradStore, DType, Tensor, Var};
+use std::cell::RefCell;
+
+use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp1, Tensor, Var};
 use tutti_collectives::{Comm, ReduceOp};
 
 use crate::error::{Error, Result};
@@ -39,7 +41,9 @@ pub struct Synced {
 
 struct Accum {
     store: GradStore,
-    grads: Vec<Option<Tensor>>,
+    /// Per parameter: the gradient so far and the factor it is still to be multiplied by (the
+    /// samples of a lone micro-batch, applied while packing; 1 once micro-batches were summed).
+    grads: Vec<Option<(Tensor, f64)>>,
     samples: u64,
     loss_sum: f64,
 }
@@ -53,9 +57,12 @@ struct Accum {
 /// average of the ranks' gradients would weight the smaller shards too much).
 ///
 /// Gradients travel in buckets (first [`DpConfig::first_bucket_bytes`], then
-/// [`DpConfig::bucket_bytes`]), taken from the last parameter backwards as in PyTorch DDP; each
-/// bucket's allreduce is started non-blocking before the next bucket is packed, so packing
-/// overlaps the network.
+/// [`DpConfig::bucket_bytes`]), taken from the last parameter backwards as in PyTorch DDP. Each
+/// bucket is one flat tensor that lives as long as the `DataParallel` and is reused every step:
+/// [`DataParallel::sync`] packs the gradients into it (scaled, in one pass), lends it to a
+/// non-blocking allreduce ([`Comm::scope`]: no copy in or out) and packs the next bucket while
+/// it is on the wire. The averaged gradients it returns are views of these buckets, as PyTorch's
+/// `gradient_as_bucket_view`: the next `sync` overwrites them, so copy any you want to keep.
 ///
 /// # Collective contract
 /// Every rank constructs it with the same parameter shapes and calls [`DataParallel::sync`]
@@ -64,6 +71,8 @@ pub struct DataParallel {
     comm: Comm,
     vars: Vec<Var>,
     buckets: Vec<Range<usize>>,
+    /// One flat CPU tensor per bucket, reused every step.
+    flat: Vec<Tensor>,
     acc: Option<Accum>,
 }
 
@@ -104,7 +113,15 @@ impl DataParallel {
     /// # Errors
     /// [`Error::ReplicaMismatch`] when shapes or dtypes differ between ranks; collective errors.
     pub fn new(comm: Comm, vars: Vec<Var>, cfg: DpConfig) -> Result<DataParallel> {
-        let dp = DataParallel { buckets: Self::plan(&vars, cfg), comm, vars, acc: None };
+        let buckets = Self::plan(&vars, cfg);
+        let flat = buckets
+            .iter()
+            .map(|b| {
+                let len = b.clone().map(|i| vars[i].elem_count()).sum();
+                warm_zeros(vars[b.start].dtype(), len)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let dp = DataParallel { buckets, flat, comm, vars, acc: None };
         dp.compare(false)?;
         for v in &dp.vars {
             let t = ops::broadcast(v.as_tensor(), &dp.comm, 0)?;
@@ -205,13 +222,8 @@ impl DataParallel {
         let store = loss.backward()?;
         let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let w = samples as f64;
-        let mut grads = Vec::with_capacity(self.vars.len());
-        for v in &self.vars {
-            grads.push(match store.get(v.as_tensor()) {
-                Some(g) => Some((g * w)?),
-                None => None,
-            });
-        }
+        let grads: Vec<Option<(Tensor, f64)>> =
+            self.vars.iter().map(|v| store.get(v.as_tensor()).map(|g| (g.clone(), w))).collect();
         match &mut self.acc {
             None => {
                 self.acc =
@@ -220,7 +232,9 @@ impl DataParallel {
             Some(acc) => {
                 for (a, g) in acc.grads.iter_mut().zip(grads) {
                     *a = match (a.take(), g) {
-                        (Some(a), Some(g)) => Some((a + g)?),
+                        (Some((a, fa)), Some((g, fg))) => {
+                            Some(((a.affine(fa, 0.0)? + g.affine(fg, 0.0)?)?, 1.0))
+                        }
                         (a, g) => a.or(g),
                     };
                 }
@@ -260,19 +274,28 @@ impl DataParallel {
                 detail: "no rank had any sample this step".into(),
             });
         }
-        let mut pending = Vec::with_capacity(self.buckets.len());
-        for b in &self.buckets {
-            let parts: Vec<(Option<&Tensor>, usize)> =
-                b.clone().map(|i| (acc.grads[i].as_ref(), self.vars[i].elem_count())).collect();
-            pending.push(submit(&self.comm, self.vars[b.start].dtype(), &parts, n)?);
-        }
+        let parts: Vec<Vec<Part<'_>>> = self
+            .buckets
+            .iter()
+            .map(|b| {
+                b.clone()
+                    .map(|i| {
+                        (acc.grads[i].as_ref().map(|(g, f)| (g, f / n)), self.vars[i].elem_count())
+                    })
+                    .collect()
+            })
+            .collect();
+        exchange(&self.comm, &self.flat, &parts)?;
+        drop(parts);
         let mut store = acc.store;
-        for (b, p) in self.buckets.iter().zip(pending) {
-            let flat = p()?;
+        for (b, flat) in self.buckets.iter().zip(&self.flat) {
             let mut off = 0;
             for i in b.clone() {
                 let v = &self.vars[i];
-                let g = flat.narrow(0, off, v.elem_count())?.reshape(v.dims())?;
+                let mut g = flat.narrow(0, off, v.elem_count())?.reshape(v.dims())?;
+                if !v.device().same_device(g.device()) {
+                    g = g.to_device(v.device())?;
+                }
                 off += v.elem_count();
                 store.insert(v.as_tensor(), g);
             }
@@ -281,42 +304,159 @@ impl DataParallel {
     }
 }
 
-/// Waits for a bucket's allreduce: the averaged flat bucket.
-type Waiter = Box<dyn FnOnce() -> Result<Tensor>>;
+/// One parameter of a bucket: its gradient with the factor to multiply it by (none: zeros),
+/// and its element count.
+type Part<'a> = (Option<(&'a Tensor, f64)>, usize);
 
-/// Copy the gradients (zeros for `None`) one after the other into a new vector, each element
-/// through `f` (the division by the global sample count): one pass, straight from each tensor's
-/// storage when it is contiguous.
-fn pack<T: candle_core::WithDType>(
-    parts: &[(Option<&Tensor>, usize)],
-    f: impl Fn(T) -> T,
-) -> Result<Vec<T>> {
-    let total = parts.iter().map(|(_, n)| n).sum();
-    let mut out = huge_vec::<T>(total);
+/// A float dtype a bucket can hold.
+trait BucketElem: candle_core::WithDType + tutti_collectives::Element {
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>>;
+    fn scaled(x: Self, f: f64) -> Self;
+}
+
+macro_rules! bucket_elem {
+    ($t:ty, $v:ident, $x:ident, $f:ident, $e:expr) => {
+        impl BucketElem for $t {
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>> {
+                match s {
+                    CpuStorage::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+            #[inline(always)]
+            fn scaled($x: Self, $f: f64) -> Self {
+                $e
+            }
+        }
+    };
+}
+bucket_elem!(f32, F32, x, f, x * f as f32);
+bucket_elem!(f64, F64, x, f, x * f);
+bucket_elem!(half::bf16, BF16, x, f, half::bf16::from_f64(x.to_f64() * f));
+bucket_elem!(half::f16, F16, x, f, half::f16::from_f64(x.to_f64() * f));
+
+/// Run `f` on the storage of the CPU tensor `t`, mutably (candle's in-place custom op is the
+/// one door to it); `f`'s own result comes back.
+fn with_storage_mut<R>(
+    t: &Tensor,
+    f: impl FnOnce(&mut CpuStorage, &candle_core::Layout) -> Result<R>,
+) -> Result<R> {
+    struct Op<F, R> {
+        f: RefCell<Option<F>>,
+        out: RefCell<Option<Result<R>>>,
+    }
+    impl<F: FnOnce(&mut CpuStorage, &candle_core::Layout) -> Result<R>, R> InplaceOp1 for Op<F, R> {
+        fn name(&self) -> &'static str {
+            "tutti-dp-bucket"
+        }
+        fn cpu_fwd(&self, s: &mut CpuStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
+            if let Some(f) = self.f.borrow_mut().take() {
+                *self.out.borrow_mut() = Some(f(s, l));
+            }
+            Ok(())
+        }
+    }
+    let op = Op { f: RefCell::new(Some(f)), out: RefCell::new(None) };
+    t.inplace_op1(&op)?;
+    op.out.into_inner().unwrap_or_else(|| {
+        Err(candle_core::Error::Msg("a DataParallel bucket is not in CPU memory".into()).into())
+    })
+}
+
+/// Pack, reduce and wait for every bucket: bucket 0 is packed and lent to a non-blocking
+/// allreduce, then bucket 1 is packed (recursively) while it is on the wire, and so on; each
+/// level waits for its own bucket after the later ones were started.
+fn exchange(comm: &Comm, flat: &[Tensor], parts: &[Vec<Part<'_>>]) -> Result<()> {
+    let (Some((bucket, flat)), Some((mine, parts))) = (flat.split_first(), parts.split_first())
+    else {
+        return Ok(());
+    };
+    macro_rules! go {
+        ($t:ty) => {
+            with_storage_mut(bucket, |s, _| {
+                let dst = <$t>::slice_mut(s).ok_or_else(|| Error::Shape {
+                    rank: comm.rank(),
+                    layer: "DataParallel",
+                    detail: "a bucket changed dtype".into(),
+                })?;
+                pack::<$t>(dst, mine)?;
+                comm.scope(|sc| {
+                    let h = sc.iallreduce(dst, ReduceOp::Sum);
+                    let later = exchange(comm, flat, parts);
+                    h.wait()?;
+                    later
+                })
+            })
+        };
+    }
+    match bucket.dtype() {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        d => Err(Error::Shape {
+            rank: comm.rank(),
+            layer: "DataParallel",
+            detail: format!("parameters of dtype {d:?} cannot be averaged (use a float dtype)"),
+        }),
+    }
+}
+
+/// Write the gradients (zeros for `None`) one after the other into `dst`, each multiplied by
+/// its factor: one pass, straight from each tensor's storage when it is contiguous.
+fn pack<T: BucketElem>(dst: &mut [T], parts: &[Part<'_>]) -> Result<()> {
+    let mut off = 0;
     for (t, n) in parts {
+        let out = &mut dst[off..off + n];
+        off += n;
         match t {
-            Some(t) => {
+            Some((t, f)) => {
                 let (st, layout) = t.storage_and_layout();
                 match (&*st, layout.contiguous_offsets()) {
                     (candle_core::Storage::Cpu(cs), Some((a, b))) => {
-                        out.extend(cs.as_slice::<T>()?[a..b].iter().map(|x| f(*x)))
+                        for (o, x) in out.iter_mut().zip(&cs.as_slice::<T>()?[a..b]) {
+                            *o = T::scaled(*x, *f);
+                        }
                     }
                     _ => {
                         drop(st);
-                        out.extend(t.flatten_all()?.to_vec1::<T>()?.into_iter().map(&f))
+                        let v = t
+                            .flatten_all()?
+                            .to_device(&candle_core::Device::Cpu)?
+                            .to_vec1::<T>()?;
+                        for (o, x) in out.iter_mut().zip(v) {
+                            *o = T::scaled(x, *f);
+                        }
                     }
                 }
             }
-            None => out.resize(out.len() + n, T::zero()),
+            None => out.fill(T::zero()),
         }
     }
-    Ok(out)
+    Ok(())
+}
+
+/// A flat CPU tensor of `len` zeros of `dtype`, its pages already touched (and, when large,
+/// backed by huge pages where the kernel allows), so the first step does not pay for them.
+fn warm_zeros(dtype: DType, len: usize) -> Result<Tensor> {
+    fn make<T: candle_core::WithDType>(len: usize) -> Result<Tensor> {
+        let mut v = huge_vec::<T>(len);
+        v.resize(len, T::zero());
+        Ok(Tensor::from_vec(v, len, &candle_core::Device::Cpu)?)
+    }
+    match dtype {
+        DType::F32 => make::<f32>(len),
+        DType::F64 => make::<f64>(len),
+        DType::BF16 => make::<half::bf16>(len),
+        DType::F16 => make::<half::f16>(len),
+        // Refused at the first sync, with the dtype named.
+        d => Ok(Tensor::zeros(len, d, &candle_core::Device::Cpu)?),
+    }
 }
 
 /// An empty vector with room for `n` elements whose memory the kernel is asked to back with
-/// 2 MiB pages (Linux transparent huge pages, `madvise` mode): a bucket is new memory every
-/// step, and faulting it in 4 KiB pages cost more than the copy (45.9 MiB of gradients: ~11,700
-/// faults, 35–40 ms of a 60 ms sync on the 2-core VM). Best effort: without THP nothing changes.
+/// 2 MiB pages (Linux transparent huge pages, `madvise` mode): fewer faults when the bucket is
+/// first touched and fewer TLB misses on every pass. Best effort: without THP nothing changes.
 fn huge_vec<T>(n: usize) -> Vec<T> {
     let v = Vec::<T>::with_capacity(n);
     let bytes = n * size_of::<T>();
@@ -332,37 +472,4 @@ fn huge_vec<T>(n: usize) -> Vec<T> {
         }
     }
     v
-}
-
-/// Pack a bucket, each rank's gradients divided by the global sample count `n`, and start its
-/// allreduce (sum) on the communicator's worker.
-fn submit(comm: &Comm, dtype: DType, parts: &[(Option<&Tensor>, usize)], n: f64) -> Result<Waiter> {
-    let device = parts
-        .iter()
-        .find_map(|(t, _)| t.map(|t| t.device().clone()))
-        .unwrap_or(candle_core::Device::Cpu);
-    macro_rules! go {
-        ($t:ty, $div:expr) => {{
-            let div = $div;
-            let p = comm.iallreduce(pack::<$t>(parts, |x| div(x, n))?, ReduceOp::Sum);
-            Ok(Box::new(move || {
-                let (v, _) = p.wait()?;
-                let len = v.len();
-                Ok(Tensor::from_vec(v, len, &device)?)
-            }) as Waiter)
-        }};
-    }
-    match dtype {
-        DType::F32 => go!(f32, |x: f32, n: f64| x / n as f32),
-        DType::F64 => go!(f64, |x: f64, n: f64| x / n),
-        DType::BF16 => {
-            go!(half::bf16, |x: half::bf16, n: f64| half::bf16::from_f64(x.to_f64() / n))
-        }
-        DType::F16 => go!(half::f16, |x: half::f16, n: f64| half::f16::from_f64(x.to_f64() / n)),
-        d => Err(Error::Shape {
-            rank: comm.rank(),
-            layer: "DataParallel",
-            detail: format!("parameters of dtype {d:?} cannot be averaged (use a float dtype)"),
-        }),
-    }
 }

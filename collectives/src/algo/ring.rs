@@ -172,6 +172,8 @@ pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
     let t = reduce_scatter_phase(&mut p, sh, &blocks, Acc::InPlace, 0);
     p.wait_all();
     let (off, len) = blocks[sh.rank];
+    // This rank's block is complete and nobody else reduces it: finish it once, here.
+    p.finish(Region::new(Buf::Data, off, len));
     allgather_phase(&mut p, sh, &blocks, Region::new(Buf::Data, off, len), None, t);
     p
 }

@@ -141,9 +141,11 @@ pub fn append_shifted(p: &mut Plan, q: Plan, tag_base: u32) {
             Step::WaitAll => Step::WaitAll,
             Step::Reduce { dst, a, b } => Step::Reduce { dst: fix(dst), a: fix(a), b: fix(b) },
             Step::Copy { dst, src } => Step::Copy { dst: fix(dst), src: fix(src) },
+            Step::Finish(region) => Step::Finish(fix(region)),
         });
     }
     p.posts += q.posts;
+    p.finishes |= q.finishes;
     p.scratch.extend(q.scratch);
 }
 

@@ -110,6 +110,7 @@ impl Comm {
             uniform,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
+            finish: None,
         };
         let _rank = self.rank();
         self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks, topo))

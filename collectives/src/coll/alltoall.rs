@@ -105,6 +105,7 @@ impl Comm {
             uniform,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
+            finish: None,
         };
         let _in_place = input.is_none();
         self.run(req, |ctx, algo, _| plan(ctx, algo, &send, &recv, total_bytes))

@@ -30,6 +30,7 @@ impl Comm {
                 uniform: true,
                 data: &mut none,
                 input: None,
+                finish: None,
             };
             self.run(req, |ctx, algo, _| plan(ctx, algo))
         })

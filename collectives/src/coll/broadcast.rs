@@ -66,6 +66,7 @@ impl Comm {
             uniform: true,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
+            finish: None,
         };
         self.run(req, |ctx, algo, topo| plan(ctx, algo, len, root, topo))
     }

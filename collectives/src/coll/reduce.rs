@@ -67,6 +67,7 @@ impl Comm {
             uniform: true,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
+            finish: None,
         };
         let st = self.run(req, |ctx, algo, _| plan(ctx, algo, len, root))?;
         if self.rank() == root {

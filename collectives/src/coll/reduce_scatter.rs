@@ -118,6 +118,7 @@ impl Comm {
             uniform,
             data: as_bytes_mut(out),
             input: input.map(as_bytes),
+            finish: None,
         };
         let in_place = input.is_none();
         let st = self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks, topo))?;
