@@ -114,7 +114,7 @@ struct Exec<'a> {
 impl Exec<'_> {
     /// Apply `f` to `region` of the data buffer.
     fn finish(&mut self, f: kernel::Finish, region: &Region) -> Result<()> {
-        if region.buf != Buf::Data || region.len % self.call.dtype.size() != 0 {
+        if region.buf != Buf::Data || !region.len.is_multiple_of(self.call.dtype.size()) {
             return Err(self.internal(format!("finish of {region:?}")));
         }
         let d = self.resolve(region, true)?;
