@@ -37,6 +37,10 @@ pub struct Synced {
     pub samples: u64,
     /// Buckets reduced.
     pub buckets: usize,
+    /// Whether the large gradients went on the wire straight from candle's tensors (every rank
+    /// had one factor for every gradient, as with even shards of one micro-batch each) rather
+    /// than packed into the buckets first.
+    pub direct: bool,
 }
 
 struct Accum {
@@ -71,9 +75,27 @@ pub struct DataParallel {
     comm: Comm,
     vars: Vec<Var>,
     buckets: Vec<Range<usize>>,
-    /// One flat CPU tensor per bucket, reused every step.
-    flat: Vec<Tensor>,
+    /// Where each bucket's gradients live, reused every step.
+    bufs: Vec<Bucket>,
     acc: Option<Accum>,
+}
+
+/// Gradients of at least this many bytes are reduced straight from candle's gradient tensor
+/// into the bucket (out of place) when every rank can; smaller ones are packed together first.
+const DIRECT_BYTES: usize = 256 << 10;
+
+/// One bucket's memory: a flat CPU tensor holding its parameters' gradients, the large ones
+/// first in parameter order, then the small ones packed together.
+struct Bucket {
+    /// Element offset of each parameter of the bucket (in the bucket's parameter order).
+    offs: Vec<usize>,
+    /// Element count of each parameter.
+    lens: Vec<usize>,
+    /// Whether each parameter is large ([`DIRECT_BYTES`]).
+    large: Vec<bool>,
+    /// Where the small parameters start.
+    small: usize,
+    flat: Tensor,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -114,14 +136,35 @@ impl DataParallel {
     /// [`Error::ReplicaMismatch`] when shapes or dtypes differ between ranks; collective errors.
     pub fn new(comm: Comm, vars: Vec<Var>, cfg: DpConfig) -> Result<DataParallel> {
         let buckets = Self::plan(&vars, cfg);
-        let flat = buckets
+        let bufs = buckets
             .iter()
             .map(|b| {
-                let len = b.clone().map(|i| vars[i].elem_count()).sum();
-                warm_zeros(vars[b.start].dtype(), len)
+                let dtype = vars[b.start].dtype();
+                let large: Vec<bool> = b
+                    .clone()
+                    .map(|i| vars[i].elem_count() * dtype.size_in_bytes() >= DIRECT_BYTES)
+                    .collect();
+                let mut offs = vec![0; b.len()];
+                let mut off = 0;
+                for want in [true, false] {
+                    for (j, i) in b.clone().enumerate() {
+                        if large[j] == want {
+                            offs[j] = off;
+                            off += vars[i].elem_count();
+                        }
+                    }
+                }
+                let small = b
+                    .clone()
+                    .zip(&large)
+                    .filter(|(_, l)| **l)
+                    .map(|(i, _)| vars[i].elem_count())
+                    .sum();
+                let lens = b.clone().map(|i| vars[i].elem_count()).collect();
+                Ok(Bucket { offs, lens, large, small, flat: warm_zeros(dtype, off)? })
             })
             .collect::<Result<Vec<_>>>()?;
-        let dp = DataParallel { buckets, flat, comm, vars, acc: None };
+        let dp = DataParallel { buckets, bufs, comm, vars, acc: None };
         dp.compare(false)?;
         for v in &dp.vars {
             let t = ops::broadcast(v.as_tensor(), &dp.comm, 0)?;
@@ -197,6 +240,21 @@ impl DataParallel {
         Ok(())
     }
 
+    /// This rank's factor if every gradient has the same one and every large gradient lies
+    /// contiguous in CPU memory; NaN otherwise.
+    fn direct_factor(&self, acc: &Accum) -> f64 {
+        let mut f = None;
+        for (b, buf) in self.buckets.iter().zip(&self.bufs) {
+            for (i, large) in b.clone().zip(&buf.large) {
+                let Some((g, k)) = &acc.grads[i] else { return f64::NAN };
+                if *f.get_or_insert(*k) != *k || (*large && contiguous_cpu(g).is_none()) {
+                    return f64::NAN;
+                }
+            }
+        }
+        f.unwrap_or(f64::NAN)
+    }
+
     /// The parameters, in the order given to [`DataParallel::new`].
     pub fn vars(&self) -> &[Var] {
         &self.vars
@@ -262,9 +320,13 @@ impl DataParallel {
                 Accum { store, grads: vec![None; self.vars.len()], samples: 0, loss_sum: 0.0 }
             }
         };
-        // The global sample count first (one tiny allreduce): each rank then divides its
-        // contribution by it while packing, and no pass over the reduced buckets is needed.
-        let mut sv = [acc.samples as f64, acc.loss_sum];
+        // One tiny allreduce first: the global sample count, by which each rank divides its
+        // contribution while packing (no pass over the reduced buckets), and whether every rank
+        // can reduce its large gradients straight from candle's tensors — the same factor on
+        // every rank for every gradient ((Σf)² = n·Σf² holds only for equal f), each large one
+        // contiguous in CPU memory.
+        let f = self.direct_factor(&acc);
+        let mut sv = [acc.samples as f64, acc.loss_sum, f, f * f];
         self.comm.allreduce(&mut sv, ReduceOp::Sum)?;
         let n = sv[0];
         if n == 0.0 {
@@ -274,39 +336,46 @@ impl DataParallel {
                 detail: "no rank had any sample this step".into(),
             });
         }
+        let direct = sv[2].is_finite() && sv[2] * sv[2] == self.comm.size() as f64 * sv[3];
         let parts: Vec<Vec<Part<'_>>> = self
             .buckets
             .iter()
-            .map(|b| {
-                b.clone()
-                    .map(|i| {
-                        (acc.grads[i].as_ref().map(|(g, f)| (g, f / n)), self.vars[i].elem_count())
-                    })
-                    .collect()
-            })
+            .map(|b| b.clone().map(|i| acc.grads[i].as_ref().map(|(g, f)| (g, f / n))).collect())
             .collect();
-        exchange(&self.comm, &self.flat, &parts)?;
+        exchange(&self.comm, &self.bufs, &parts, direct)?;
         drop(parts);
         let mut store = acc.store;
-        for (b, flat) in self.buckets.iter().zip(&self.flat) {
-            let mut off = 0;
-            for i in b.clone() {
+        for (b, buf) in self.buckets.iter().zip(&self.bufs) {
+            for (i, off) in b.clone().zip(&buf.offs) {
                 let v = &self.vars[i];
-                let mut g = flat.narrow(0, off, v.elem_count())?.reshape(v.dims())?;
+                let mut g = buf.flat.narrow(0, *off, v.elem_count())?.reshape(v.dims())?;
                 if !v.device().same_device(g.device()) {
                     g = g.to_device(v.device())?;
                 }
-                off += v.elem_count();
                 store.insert(v.as_tensor(), g);
             }
         }
-        Ok(Synced { grads: store, loss: sv[1] / n, samples: n as u64, buckets: self.buckets.len() })
+        Ok(Synced {
+            grads: store,
+            loss: sv[1] / n,
+            samples: n as u64,
+            buckets: self.buckets.len(),
+            direct,
+        })
     }
 }
 
-/// One parameter of a bucket: its gradient with the factor to multiply it by (none: zeros),
-/// and its element count.
-type Part<'a> = (Option<(&'a Tensor, f64)>, usize);
+/// One parameter of a bucket: its gradient with the factor to multiply it by (none: zeros).
+type Part<'a> = Option<(&'a Tensor, f64)>;
+
+/// The element range of `t` in its CPU storage, when it is contiguous there.
+fn contiguous_cpu(t: &Tensor) -> Option<(usize, usize)> {
+    let (st, layout) = t.storage_and_layout();
+    match &*st {
+        candle_core::Storage::Cpu(_) => layout.contiguous_offsets(),
+        _ => None,
+    }
+}
 
 /// A float dtype a bucket can hold.
 trait BucketElem: candle_core::WithDType + tutti_collectives::Element {
@@ -363,33 +432,95 @@ fn with_storage_mut<R>(
     })
 }
 
-/// Pack, reduce and wait for every bucket: bucket 0 is packed and lent to a non-blocking
-/// allreduce, then bucket 1 is packed (recursively) while it is on the wire, and so on; each
-/// level waits for its own bucket after the later ones were started.
-fn exchange(comm: &Comm, flat: &[Tensor], parts: &[Vec<Part<'_>>]) -> Result<()> {
-    let (Some((bucket, flat)), Some((mine, parts))) = (flat.split_first(), parts.split_first())
-    else {
+/// Pack, reduce and wait for every bucket: bucket 0 is packed and lent to non-blocking
+/// allreduces, then bucket 1 is packed (recursively) while it is on the wire, and so on; each
+/// level waits for its own bucket after the later ones were started. With `direct` (agreed by
+/// every rank), large gradients skip the packing: a scaled out-of-place allreduce reads them
+/// where candle left them and writes the bucket.
+fn exchange(comm: &Comm, bufs: &[Bucket], parts: &[Vec<Part<'_>>], direct: bool) -> Result<()> {
+    let (Some((b, bufs)), Some((mine, parts))) = (bufs.split_first(), parts.split_first()) else {
         return Ok(());
     };
     macro_rules! go {
         ($t:ty) => {
-            with_storage_mut(bucket, |s, _| {
+            with_storage_mut(&b.flat, |s, _| {
                 let dst = <$t>::slice_mut(s).ok_or_else(|| Error::Shape {
                     rank: comm.rank(),
                     layer: "DataParallel",
                     detail: "a bucket changed dtype".into(),
                 })?;
-                pack::<$t>(dst, mine)?;
+                if !direct {
+                    let all: Vec<_> = mine
+                        .iter()
+                        .zip(&b.offs)
+                        .zip(&b.lens)
+                        .map(|((p, o), l)| (*p, *o, *l))
+                        .collect();
+                    pack::<$t>(dst, &all)?;
+                    return comm.scope(|sc| {
+                        let h = sc.iallreduce(dst, ReduceOp::Sum);
+                        let later = exchange(comm, bufs, parts, direct);
+                        h.wait()?;
+                        later
+                    });
+                }
+                let (large, small) = dst.split_at_mut(b.small);
+                let packed: Vec<_> = mine
+                    .iter()
+                    .zip(&b.offs)
+                    .zip(&b.lens)
+                    .zip(&b.large)
+                    .filter(|(_, l)| !**l)
+                    .map(|(((p, o), n), _)| (*p, o - b.small, *n))
+                    .collect();
+                pack::<$t>(small, &packed)?;
+                // The large gradients' storage stays locked for reading while it is on the wire.
+                let held: Vec<_> = mine
+                    .iter()
+                    .zip(&b.large)
+                    .filter(|(_, l)| **l)
+                    .filter_map(|(p, _)| p.map(|(g, k)| (g.storage_and_layout(), k)))
+                    .collect();
+                let mut inputs = Vec::with_capacity(held.len());
+                for ((st, layout), k) in &held {
+                    match (&**st, layout.contiguous_offsets()) {
+                        (candle_core::Storage::Cpu(cs), Some((a, e))) => {
+                            inputs.push((&cs.as_slice::<$t>()?[a..e], *k))
+                        }
+                        _ => {
+                            return Err(Error::Shape {
+                                rank: comm.rank(),
+                                layer: "DataParallel",
+                                detail: "a large gradient left CPU memory during sync".into(),
+                            })
+                        }
+                    }
+                }
                 comm.scope(|sc| {
-                    let h = sc.iallreduce(dst, ReduceOp::Sum);
-                    let later = exchange(comm, flat, parts);
-                    h.wait()?;
+                    let mut hs = Vec::with_capacity(inputs.len() + 1);
+                    let mut rest = large;
+                    for (inp, k) in inputs {
+                        let (out, r) = rest.split_at_mut(inp.len());
+                        rest = r;
+                        hs.push(sc.submit(move |c| c.allreduce_scaled_from(inp, out, k)));
+                    }
+                    if !small.is_empty() {
+                        hs.push(sc.iallreduce(small, ReduceOp::Sum));
+                    }
+                    let later = exchange(comm, bufs, parts, direct);
+                    let mut first = Ok(());
+                    for h in hs {
+                        if let (Err(e), Ok(())) = (h.wait(), &first) {
+                            first = Err(e);
+                        }
+                    }
+                    first?;
                     later
                 })
             })
         };
     }
-    match bucket.dtype() {
+    match b.flat.dtype() {
         DType::F32 => go!(f32),
         DType::F64 => go!(f64),
         DType::BF16 => go!(half::bf16),
@@ -402,13 +533,12 @@ fn exchange(comm: &Comm, flat: &[Tensor], parts: &[Vec<Part<'_>>]) -> Result<()>
     }
 }
 
-/// Write the gradients (zeros for `None`) one after the other into `dst`, each multiplied by
-/// its factor: one pass, straight from each tensor's storage when it is contiguous.
-fn pack<T: BucketElem>(dst: &mut [T], parts: &[Part<'_>]) -> Result<()> {
-    let mut off = 0;
-    for (t, n) in parts {
-        let out = &mut dst[off..off + n];
-        off += n;
+/// Write each gradient (zeros for `None`) at its element offset in `dst` (with its length),
+/// multiplied by its factor: one pass, straight from each tensor's storage when it is
+/// contiguous.
+fn pack<T: BucketElem>(dst: &mut [T], parts: &[(Part<'_>, usize, usize)]) -> Result<()> {
+    for (t, off, n) in parts {
+        let out = &mut dst[*off..off + n];
         match t {
             Some((t, f)) => {
                 let (st, layout) = t.storage_and_layout();

@@ -283,3 +283,77 @@ fn replicas_that_differ_are_named() {
     }
     let _ = DType::F32;
 }
+
+/// Large gradients (reduced straight from candle's tensors when every rank has one factor),
+/// small ones (packed), a parameter without a gradient on some steps (zeros, over the previous
+/// step's values in the reused bucket), uneven weights (everything packed): every step's
+/// average against the same sums in f64, over several steps of the reused buckets.
+/// Which steps a parameter appears in the loss; the samples of a rank on a step.
+type OnStep = fn(usize) -> bool;
+type Samples = fn(usize) -> usize;
+
+fn dp_reuse_case(kind: Kind, n: usize) {
+    // (elements, appears in the loss on step s)
+    let params: [(usize, OnStep); 5] = [
+        (70_000, |_| true),
+        (300, |_| true),
+        (90_001, |s| s != 2),
+        (5, |_| true),
+        (66_000, |_| true),
+    ];
+    on_world(kind, n, |c: Comm| {
+        let r = c.rank();
+        let vars: Vec<Var> = params
+            .iter()
+            .map(|(len, _)| Var::zeros(*len, DType::F32, &Device::Cpu).unwrap())
+            .collect();
+        // Buckets of ~600 KB: the large gradients share buckets with small ones.
+        let cfg = DpConfig { first_bucket_bytes: 300_000, bucket_bytes: 600_000 };
+        let mut dp = DataParallel::new(c.clone(), vars.clone(), cfg).unwrap();
+        // Gradient of parameter j at step s on rank r: the constant (r + 1)·(j + 1) + s.
+        let grad = |r: usize, j: usize, s: usize| ((r + 1) * (j + 1) + s) as f64;
+        let steps: [(Samples, bool); 4] =
+            [(|_| 2, true), (|r| r + 1, n == 1), (|_| 2, false), (|_| 3, true)];
+        for (s, (samples, want_direct)) in steps.into_iter().enumerate() {
+            let mut loss: Option<Tensor> = None;
+            for (j, (v, (_, on))) in vars.iter().zip(&params).enumerate() {
+                if on(s) {
+                    let t = (v.as_tensor().sum_all().unwrap() * grad(r, j, s)).unwrap();
+                    loss = Some(match loss {
+                        Some(l) => (l + t).unwrap(),
+                        None => t,
+                    });
+                }
+            }
+            dp.backward(&loss.unwrap(), samples(r)).unwrap();
+            let out = dp.sync().unwrap();
+            assert_eq!(out.direct, want_direct, "step {s} n={n}");
+            let total: usize = (0..n).map(samples).sum();
+            assert_eq!(out.samples, total as u64);
+            for (j, (v, (len, on))) in vars.iter().zip(&params).enumerate() {
+                let g = out.grads.get(v.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+                assert_eq!(g.len(), *len);
+                let want = if on(s) {
+                    (0..n).map(|q| samples(q) as f64 * grad(q, j, s)).sum::<f64>() / total as f64
+                } else {
+                    0.0
+                };
+                assert!(
+                    g.iter().all(|x| (f64::from(*x) - want).abs() <= 1e-6 * want.abs()),
+                    "step {s} n={n} param {j}: {} vs {want}",
+                    g[0]
+                );
+            }
+            SGD::new(vars.clone(), 0.01).unwrap().step(&out.grads).unwrap();
+            dp.check_replicas().unwrap();
+        }
+    });
+}
+
+#[test]
+fn data_parallel_reused_buckets_direct_and_packed() {
+    for n in [1, 2, 3, 4] {
+        dp_reuse_case(Kind::Mem, n);
+    }
+    dp_reuse_case(Kind::Tcp, 3);
+}
