@@ -8,13 +8,19 @@
 //! the guarantee `std::thread::scope` gives, and for the same reason it holds even when a
 //! handle is leaked.
 //!
+//! Both handles are futures too: the worker wakes the task when the job ends (no polling, any
+//! executor).
+//!
 //! Jobs run one at a time in submission order, and a blocking call on the same communicator
 //! first waits for every job submitted before it, so every rank issues its collectives in the
 //! same program order however blocking and non-blocking calls are mixed.
 
+use std::future::Future;
 use std::marker::PhantomData;
+use std::pin::Pin;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use crate::comm::{Comm, Stats};
@@ -45,10 +51,76 @@ impl Drop for Worker {
     }
 }
 
-/// A collective in flight. [`wait`](Pending::wait) returns its result (and buffers).
+/// Where a job leaves its result: the waiting side blocks on the condition variable, or, as a
+/// future, leaves a waker that the worker wakes — no polling either way.
+struct Slot<R> {
+    state: Mutex<SlotState<R>>,
+    cv: Condvar,
+}
+
+struct SlotState<R> {
+    result: Option<Result<R>>,
+    /// The job ended without a result (dropped unrun, or its thread panicked).
+    gone: bool,
+    waker: Option<Waker>,
+}
+
+impl<R> Slot<R> {
+    fn new() -> Arc<Slot<R>> {
+        Arc::new(Slot {
+            state: Mutex::new(SlotState { result: None, gone: false, waker: None }),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState<R>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Record the outcome and wake whoever waits.
+    fn settle(&self, f: impl FnOnce(&mut SlotState<R>)) {
+        let waker = {
+            let mut st = self.lock();
+            f(&mut st);
+            st.waker.take()
+        };
+        self.cv.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    fn deliver(&self, r: Result<R>) {
+        self.settle(|st| st.result = Some(r));
+    }
+}
+
+/// The job's end of a [`Slot`]: delivers the result once; dropped without delivering, it tells
+/// the waiter that the job is gone.
+struct Answer<R>(Option<Arc<Slot<R>>>);
+
+impl<R> Answer<R> {
+    fn send(mut self, r: Result<R>) {
+        if let Some(slot) = self.0.take() {
+            slot.deliver(r);
+        }
+    }
+}
+
+impl<R> Drop for Answer<R> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.0.take() {
+            slot.settle(|st| st.gone = true);
+        }
+    }
+}
+
+/// A collective in flight. [`wait`](Pending::wait) returns its result (and buffers); it is
+/// also a [`Future`] with the same output, woken by the worker thread when the collective
+/// ends (no polling, any executor).
 #[must_use = "a non-blocking collective must be waited for to get its buffers back"]
 pub struct Pending<R> {
-    rx: mpsc::Receiver<Result<R>>,
+    slot: Arc<Slot<R>>,
     rank: usize,
 }
 
@@ -72,23 +144,53 @@ impl<R> Pending<R> {
     /// # Errors
     /// The collective's error.
     pub fn wait(self) -> Result<R> {
+        let mut st = self.slot.lock();
         loop {
-            match self.rx.recv_timeout(Duration::from_millis(500)) {
-                Ok(r) => return r,
-                Err(mpsc::RecvTimeoutError::Timeout) => continue,
-                Err(mpsc::RecvTimeoutError::Disconnected) => return Err(worker_gone(self.rank)),
+            if let Some(r) = st.result.take() {
+                return r;
             }
+            if st.gone {
+                return Err(worker_gone(self.rank));
+            }
+            st = self
+                .slot
+                .cv
+                .wait_timeout(st, Duration::from_millis(500))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
     /// `Some(result)` when finished, `None` while still running. After `Some`, the handle is
     /// spent.
     pub fn test(&mut self) -> Option<Result<R>> {
-        match self.rx.try_recv() {
-            Ok(r) => Some(r),
-            Err(mpsc::TryRecvError::Empty) => None,
-            Err(mpsc::TryRecvError::Disconnected) => Some(Err(worker_gone(self.rank))),
+        let mut st = self.slot.lock();
+        match st.result.take() {
+            Some(r) => Some(r),
+            None if st.gone => Some(Err(worker_gone(self.rank))),
+            None => None,
         }
+    }
+}
+
+impl<R> Future for Pending<R> {
+    type Output = Result<R>;
+
+    /// Ready once the collective ended; until then the task's waker is kept, and the worker
+    /// wakes it when it finishes the job. Polling again after `Ready` reports the worker gone.
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<R>> {
+        let mut st = self.slot.lock();
+        if let Some(r) = st.result.take() {
+            return Poll::Ready(r);
+        }
+        if st.gone {
+            return Poll::Ready(Err(worker_gone(self.rank)));
+        }
+        match &mut st.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            w => *w = Some(cx.waker().clone()),
+        }
+        Poll::Pending
     }
 }
 
@@ -139,14 +241,12 @@ impl Comm {
         &self,
         f: impl FnOnce(&Comm) -> Result<R> + Send + 'static,
     ) -> Pending<R> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let answer = tx.clone();
-        if let Err(e) = self.enqueue(Box::new(move |c: &Comm| {
-            let _ = tx.send(f(c));
-        })) {
-            let _ = answer.send(Err(e));
+        let slot = Slot::new();
+        let answer = Answer(Some(slot.clone()));
+        if let Err(e) = self.enqueue(Box::new(move |c: &Comm| answer.send(f(c)))) {
+            slot.deliver(Err(e));
         }
-        Pending { rx, rank: self.rank() }
+        Pending { slot, rank: self.rank() }
     }
 
     /// Put `job` on the worker's queue. On error (no worker could be started) the job has been
@@ -337,6 +437,15 @@ pub struct Lent<'scope, R> {
     _scope: PhantomData<&'scope ()>,
 }
 
+impl<R> Future for Lent<'_, R> {
+    type Output = Result<R>;
+
+    /// As [`Pending`]'s `poll`.
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<R>> {
+        Pin::new(&mut self.inner).poll(cx)
+    }
+}
+
 impl<R> Lent<'_, R> {
     /// As [`Pending::wait`].
     ///
@@ -380,15 +489,15 @@ impl<'scope> Scope<'scope, '_> {
         &self,
         f: impl FnOnce(&Comm) -> Result<R> + Send + 'scope,
     ) -> Lent<'scope, R> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let answer = tx.clone();
+        let slot = Slot::new();
+        let answer = Answer(Some(slot.clone()));
         {
             let (m, _) = &*self.live;
             *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         }
         let mut job = ScopedJob {
             f: Some(move |c: &Comm| {
-                let _ = tx.send(f(c));
+                answer.send(f(c));
             }),
             _live: LiveGuard(self.live.clone()),
         };
@@ -404,9 +513,9 @@ impl<'scope> Scope<'scope, '_> {
         let run: Job =
             unsafe { std::mem::transmute::<Box<dyn FnOnce(&Comm) + Send + 'scope>, Job>(run) };
         if let Err(e) = self.comm.enqueue(run) {
-            let _ = answer.send(Err(e));
+            slot.deliver(Err(e));
         }
-        Lent { inner: Pending { rx, rank: self.comm.rank() }, _scope: PhantomData }
+        Lent { inner: Pending { slot, rank: self.comm.rank() }, _scope: PhantomData }
     }
 
     /// Non-blocking [`Comm::allreduce`] on a borrowed buffer.
