@@ -39,6 +39,6 @@ pub mod wire;
 
 pub use error::{Error, OpContext, Result};
 pub use group::Group;
-pub use rendezvous::{init, init_from_env, EnvInfo, Options};
+pub use rendezvous::{init, init_from_env, init_on_store, EnvInfo, Options, Secret};
 pub use transport::{Op, OpId, Transport, TransportExt};
 pub use wire::{DType, Fingerprint, MsgDesc, OpKind, Tag};

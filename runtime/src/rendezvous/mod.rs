@@ -328,37 +328,7 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         (StoreSpec::Torch { .. }, Some(addr)) => {
             let ts = TorchStore::connect(addr, &format!("tutti-{}", env.restart), deadline)?;
             if let (Some(path), Some(t)) = (&secret_file, &token) {
-                // The store cannot tell us that our secret file is an older job's (it checks
-                // nothing), so rank 0 publishes a digest of the secret it made, and the others
-                // read the file again until theirs matches.
-                if rank == 0 {
-                    ts.set("tutti/secret-id", &secret_digest(t))?;
-                } else {
-                    let want = crate::store::get_or(&ts, "tutti/secret-id", deadline, || {
-                        Error::Rendezvous {
-                            rank,
-                            detail: format!(
-                                "rank 0 did not join the torch store within {deadline:?}"
-                            ),
-                        }
-                    })?;
-                    let mut mine = t.clone();
-                    while secret_digest(&mine) != want {
-                        if Instant::now() >= until {
-                            return Err(Error::Rendezvous {
-                                rank,
-                                detail: format!(
-                                    "the job secret in {} is not the one rank 0 made (is rank 0 \
-                                     on this host, running as this user?)",
-                                    path.display()
-                                ),
-                            });
-                        }
-                        std::thread::sleep(Duration::from_millis(20));
-                        mine = secret::wait_local(path, rank, until)?;
-                    }
-                    token = Some(mine);
-                }
+                token = Some(agree_local_secret(&ts, rank, path, t.clone(), deadline, until)?);
             }
             let s: Arc<dyn Store> = match token.as_deref() {
                 Some(t) => Arc::new(SignedStore::new(ts, JobKey::from_token(t))),
@@ -396,6 +366,117 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
             return Err(Error::Config("a TCP store without an address (internal error)".into()))
         }
     };
+    connect(rank, world, store, token, master_ip, opts, env.launcher_fd, keep)
+}
+
+/// Where the job secret comes from when the ranks rendezvous on a store handed to them
+/// ([`init_on_store`]).
+#[derive(Debug, Clone)]
+pub enum Secret {
+    /// Every rank was given the same secret (`TUTTI_TOKEN`).
+    Given(String),
+    /// All ranks are on this host: rank 0 makes one in this private file, the others read it
+    /// (and check, through the store, that it is the one rank 0 made).
+    LocalFile(std::path::PathBuf),
+    /// Rank 0 makes one and publishes it in the store: whoever can read the store can join.
+    ThroughStore,
+}
+
+/// Rendezvous over a store someone else serves (for example the store torch hands to a
+/// process-group backend) and connect the full mesh: claim the rank, agree on the job, connect.
+/// The caller chooses how the ranks share a secret.
+///
+/// # Errors
+/// [`Error::Store`] and [`Error::Rendezvous`] naming the ranks that could not be reached or
+/// disagree; [`Error::Config`] for a malformed secret.
+pub fn init_on_store(
+    rank: usize,
+    world: usize,
+    store: Arc<dyn Store>,
+    secret: Secret,
+    master_ip: Option<IpAddr>,
+    opts: &Options,
+) -> Result<Group> {
+    let deadline = opts.link.connect_timeout;
+    let until = Instant::now() + deadline;
+    let mut keep: Vec<Arc<dyn std::any::Any + Send + Sync>> = Vec::new();
+    let token = match secret {
+        Secret::Given(t) => {
+            secret::check_token(&t, "the job secret")?;
+            Some(t)
+        }
+        Secret::ThroughStore => None,
+        Secret::LocalFile(path) => {
+            if let Some(dir) = path.parent() {
+                secret::private_dir(dir)?;
+            }
+            let t = if rank == 0 {
+                let (guard, t) = secret::LocalSecret::create(path.clone())?;
+                keep.push(Arc::new(guard));
+                t
+            } else {
+                secret::wait_local(&path, rank, until)?
+            };
+            Some(agree_local_secret(store.as_ref(), rank, &path, t, deadline, until)?)
+        }
+    };
+    let store: Arc<dyn Store> = match token.as_deref() {
+        Some(t) => Arc::new(SignedStore::new(store, JobKey::from_token(t))),
+        None => store,
+    };
+    connect(rank, world, store, token, master_ip, opts, None, keep)
+}
+
+/// A secret file may hold an older job's secret until rank 0 replaces it, and a store handed
+/// to us cannot tell: rank 0 publishes a digest of the secret it made, and the others read the
+/// file again until theirs matches.
+fn agree_local_secret(
+    store: &dyn Store,
+    rank: usize,
+    path: &std::path::Path,
+    mut mine: String,
+    deadline: Duration,
+    until: Instant,
+) -> Result<String> {
+    if rank == 0 {
+        store.set("tutti/secret-id", &secret_digest(&mine))?;
+        return Ok(mine);
+    }
+    let want = crate::store::get_or(store, "tutti/secret-id", deadline, || Error::Rendezvous {
+        rank,
+        detail: format!("rank 0 did not join the store within {deadline:?}"),
+    })?;
+    while secret_digest(&mine) != want {
+        if Instant::now() >= until {
+            return Err(Error::Rendezvous {
+                rank,
+                detail: format!(
+                    "the job secret in {} is not the one rank 0 made (is rank 0 on this host, \
+                     running as this user?)",
+                    path.display()
+                ),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        mine = secret::wait_local(path, rank, until)?;
+    }
+    Ok(mine)
+}
+
+/// The rendezvous after the store and the secret are settled: claim the rank, learn the job
+/// id (and, without a secret, the one rank 0 publishes), connect the transport.
+#[allow(clippy::too_many_arguments)]
+fn connect(
+    rank: usize,
+    world: usize,
+    store: Arc<dyn Store>,
+    token: Option<String>,
+    master_ip: Option<IpAddr>,
+    opts: &Options,
+    launcher_fd: Option<i32>,
+    keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+) -> Result<Group> {
+    let deadline = opts.link.connect_timeout;
     let claims = store.add(&format!("tutti/rank/{rank}"), 1)?;
     if claims > 1 {
         return Err(Error::Rendezvous {
@@ -457,7 +538,7 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
         #[cfg(not(feature = "quic"))]
         TransportKind::Quic => return Err(Error::NotCompiledWith("quic")),
     };
-    if let Some(fd) = env.launcher_fd {
+    if let Some(fd) = launcher_fd {
         launcher::watch(fd, &t);
     }
     let g = Group::with_keep(t, keep);
@@ -473,6 +554,42 @@ mod tests {
         let vars: Vec<(String, String)> =
             vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Options::from_lookup(|k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+    }
+
+    /// Ranks handed one store (a directory here, as torch hands a backend its store) connect
+    /// and exchange a message, with each way of sharing the secret; a rank with another secret
+    /// is refused.
+    #[test]
+    fn ranks_rendezvous_on_a_store_they_are_handed() {
+        let base = std::env::temp_dir().join(format!("tutti-onstore-{}", std::process::id()));
+        let secrets = [
+            Secret::Given("a-secret-of-enough-length".into()),
+            Secret::ThroughStore,
+            Secret::LocalFile(base.join("secret-dir").join("job.secret")),
+        ];
+        for (k, secret) in secrets.into_iter().enumerate() {
+            let dir = base.join(format!("store-{k}"));
+            let store: Arc<dyn Store> = Arc::new(FileStore::new(&dir).unwrap());
+            let opts = Options::from_lookup(|_| None).unwrap();
+            let n = 3;
+            let got: Vec<u8> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..n)
+                    .map(|r| {
+                        let (store, secret, opts) = (store.clone(), secret.clone(), opts.clone());
+                        s.spawn(move || {
+                            let g = init_on_store(r, n, store, secret, None, &opts).unwrap();
+                            let mut b = [0u8; 1];
+                            g.send((r + 1) % n, 7, &[r as u8 + 10]).unwrap();
+                            g.recv((r + n - 1) % n, 7, &mut b).unwrap();
+                            b[0]
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert_eq!(got, vec![12, 10, 11], "secret #{k}");
+        }
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]

@@ -76,6 +76,31 @@ pub trait Store: Send + Sync {
     fn describe(&self) -> String;
 }
 
+/// A shared store is a store.
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        (**self).set(key, value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        (**self).get(key, timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        (**self).add(key, delta)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        (**self).delete(key)
+    }
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        (**self).check(keys)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        (**self).wait(keys, timeout)
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
 /// `store.get(key, timeout)` where running out of time ([`Error::StoreTimeout`]) becomes
 /// `on_timeout()` (the caller names whoever never wrote the key) and any other failure — the
 /// store lost, say — is returned as it is, so a dead store is never reported as a slow rank.
