@@ -241,6 +241,23 @@ impl Comm {
         Ok(self.group.new_group(ranks)?.map(|g| Comm::with_config(g, (*self.cfg).clone())))
     }
 
+    /// A sub-communicator over `ranks` (sorted group ranks) named by `key`, made by its members
+    /// only (see [`Group::new_group_keyed`]): for frameworks that build a group only where it
+    /// has members.
+    ///
+    /// # Collective contract
+    /// Every member calls it with the same `ranks` and `key`; no two sub-groups of this
+    /// communicator share a key.
+    ///
+    /// # Errors
+    /// [`Error::Runtime`] for an empty, unsorted, duplicated or out-of-range list.
+    pub fn split_keyed(&self, ranks: &[usize], key: u64) -> Result<Option<Comm>> {
+        Ok(self
+            .group
+            .new_group_keyed(ranks, key)?
+            .map(|g| Comm::with_config(g, (*self.cfg).clone())))
+    }
+
     pub(crate) fn invalid(&self, op: &'static str, detail: String) -> Error {
         Error::InvalidArgument { rank: self.rank(), op, detail }
     }

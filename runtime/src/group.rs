@@ -214,6 +214,23 @@ impl Group {
     /// [`Error::InvalidArgument`] for an empty, unsorted, duplicated or out-of-range list.
     pub fn new_group(&self, ranks: &[usize]) -> Result<Option<Group>> {
         let n = self.inner.children.fetch_add(1, Ordering::Relaxed);
+        self.child(ranks, u64::from(n))
+    }
+
+    /// Make a sub-group of the given group ranks (sorted, distinct) named by `key`: only its
+    /// members call this, each with the same key, which no other sub-group of this group may
+    /// use (for example a hash of the name a framework gave the group). Non-members get `None`.
+    /// For frameworks that create a group only on its members (torch's `new_group` calls a
+    /// backend only there).
+    ///
+    /// # Errors
+    /// As [`Group::new_group`].
+    pub fn new_group_keyed(&self, ranks: &[usize], key: u64) -> Result<Option<Group>> {
+        // Keyed ids live apart from counted ones: the top bit of the mixed-in value.
+        self.child(ranks, key | 1 << 63)
+    }
+
+    fn child(&self, ranks: &[usize], n: u64) -> Result<Option<Group>> {
         let bad = |d: String| Error::InvalidArgument {
             rank: self.rank(),
             op: "new_group".into(),
@@ -237,7 +254,7 @@ impl Group {
             h ^= v;
             h = h.wrapping_mul(0x0100_0000_01b3);
         };
-        mix(u64::from(n));
+        mix(n);
         for r in ranks {
             mix(*r as u64);
         }

@@ -1,0 +1,265 @@
+"""tutti: collectives over TCP or QUIC for Python.
+
+Two ways in:
+
+* ``import tutti.torch`` registers the torch.distributed backend ``"tutti"``:
+  ``dist.init_process_group("tutti")`` under torchrun, tutti-run, srun or mpirun.
+* :class:`Comm` runs collectives on any writable buffer (numpy arrays, bytearrays, CPU torch
+  tensors) without torch: ``Comm.from_env()`` reads the same environment as torchrun sets.
+
+Buffers are used in place, never copied: contiguous, in host memory, of a dtype tutti reduces
+(float32, float64, float16, bfloat16, int8, uint8, int32, int64).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Optional, Sequence
+
+from . import _tutti
+from ._tutti import TuttiError, Work
+
+__all__ = ["Comm", "TuttiError", "Work"]
+
+_NUMPY_DTYPES = {
+    "f4": "float32",
+    "f8": "float64",
+    "f2": "float16",
+    "i1": "int8",
+    "u1": "uint8",
+    "i4": "int32",
+    "i8": "int64",
+}
+
+
+def _torch_dtype_name(t: Any) -> Optional[str]:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is optional
+        return None
+    if not isinstance(t, torch.Tensor):
+        return None
+    names = {
+        torch.float32: "float32",
+        torch.float64: "float64",
+        torch.float16: "float16",
+        torch.bfloat16: "bfloat16",
+        torch.int8: "int8",
+        torch.uint8: "uint8",
+        torch.int32: "int32",
+        torch.int64: "int64",
+    }
+    if t.dtype not in names:
+        raise TypeError(f"tutti cannot reduce {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"tutti works on CPU tensors; this one is on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("tutti needs a contiguous tensor (call .contiguous())")
+    return names[t.dtype]
+
+
+def buffer(x: Any, writable: bool = True) -> tuple[tuple[int, int], str]:
+    """``((address, element count), dtype name)`` of a contiguous host buffer, without a copy.
+
+    Accepts CPU torch tensors, objects with ``__array_interface__`` (numpy arrays) and writable
+    buffers (bytearray, writable memoryviews: uint8).
+    """
+    name = _torch_dtype_name(x)
+    if name is not None:
+        return (x.data_ptr(), x.numel()), name
+    ai = getattr(x, "__array_interface__", None)
+    if ai is not None:
+        if ai.get("strides") is not None:
+            raise ValueError("tutti needs a C-contiguous array")
+        addr, readonly = ai["data"]
+        if writable and readonly:
+            raise ValueError("tutti needs a writable array here")
+        typestr = ai["typestr"]
+        if typestr[0] not in "<|=" and typestr[1:] not in ("i1", "u1"):
+            raise ValueError(f"tutti needs native byte order, not {typestr}")
+        kind = _NUMPY_DTYPES.get(typestr[1:])
+        if kind is None:
+            raise TypeError(f"tutti cannot reduce arrays of {typestr}")
+        count = 1
+        for d in ai["shape"]:
+            count *= d
+        return (addr, count), kind
+    mv = memoryview(x)
+    if not mv.contiguous:
+        raise ValueError("tutti needs a contiguous buffer")
+    if mv.readonly:
+        if writable:
+            raise ValueError("tutti needs a writable buffer here")
+        mv = memoryview(bytearray(mv))
+    raw = mv.cast("B")
+    n = raw.nbytes
+    if n == 0:
+        return (0, 0), "uint8"
+    addr = ctypes.addressof((ctypes.c_char * n).from_buffer(raw))
+    return (addr, n), "uint8"
+
+
+class Comm:
+    """A communicator: this process's place in a group, and the group's connections.
+
+    Every collective is called by every rank of the group in the same order. With
+    ``async_op=True`` a call returns a :class:`Work` at once (``wait()`` releases the GIL);
+    keep the buffers untouched and alive until then. Errors raise :class:`TuttiError` naming
+    this rank, the peer and the operation; the communicator is unusable afterwards.
+    """
+
+    def __init__(self, native: "_tutti.Comm"):
+        self._c = native
+
+    @staticmethod
+    def from_env() -> "Comm":
+        """Rendezvous from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or TUTTI_STORE)."""
+        return Comm(_tutti.Comm.from_env())
+
+    @property
+    def rank(self) -> int:
+        return self._c.rank
+
+    @property
+    def size(self) -> int:
+        return self._c.size
+
+    def split(self, ranks: Sequence[int]) -> Optional["Comm"]:
+        """A sub-communicator over ``ranks`` (called by every rank; ``None`` outside it)."""
+        c = self._c.split(sorted(ranks))
+        return None if c is None else Comm(c)
+
+    def _run(self, kind, dtype, a=None, b=None, async_op=False, keep=(), **kw):
+        w = self._c.run(kind, dtype, a=a, b=b, async_op=async_op, **kw)
+        if w is None:
+            return None
+        return _Held(w, keep)
+
+    def allreduce(self, buf, op: str = "sum", async_op: bool = False):
+        """Reduce ``buf`` over the ranks in place (sum, prod, min, max, avg)."""
+        a, dt = buffer(buf)
+        return self._run("allreduce", dt, a=a, op=op, async_op=async_op, keep=(buf,))
+
+    def broadcast(self, buf, root: int = 0, async_op: bool = False):
+        """``root``'s ``buf`` to every rank, in place."""
+        a, dt = buffer(buf)
+        return self._run("broadcast", dt, a=a, root=root, async_op=async_op, keep=(buf,))
+
+    def reduce(self, buf, op: str = "sum", root: int = 0, async_op: bool = False):
+        """The reduction lands in ``root``'s ``buf``."""
+        a, dt = buffer(buf)
+        return self._run("reduce", dt, a=a, op=op, root=root, async_op=async_op, keep=(buf,))
+
+    def allgather(self, inp, out, async_op: bool = False):
+        """Every rank's ``inp`` concatenated in rank order into ``out`` (size × len(inp))."""
+        a, dt = buffer(inp, writable=False)
+        b, dt2 = buffer(out)
+        _same(dt, dt2)
+        return self._run("allgather", dt, a=a, b=b, async_op=async_op, keep=(inp, out))
+
+    def reduce_scatter(self, inp, out, op: str = "sum", async_op: bool = False):
+        """Reduce ``inp`` (size × len(out)) over the ranks; block ``rank`` lands in ``out``."""
+        a, dt = buffer(inp, writable=False)
+        b, dt2 = buffer(out)
+        _same(dt, dt2)
+        return self._run(
+            "reduce_scatter", dt, a=a, b=b, op=op, async_op=async_op, keep=(inp, out)
+        )
+
+    def all_to_all(self, inp, out, send_counts=None, recv_counts=None, async_op: bool = False):
+        """Block ``j`` of ``inp`` goes to rank ``j``; block ``i`` of ``out`` comes from rank ``i``.
+        Equal blocks unless counts (elements per rank) are given."""
+        a, dt = buffer(inp, writable=False)
+        b, dt2 = buffer(out)
+        _same(dt, dt2)
+        if send_counts is None and recv_counts is None:
+            return self._run("all_to_all", dt, a=a, b=b, async_op=async_op, keep=(inp, out))
+        return self._run(
+            "all_to_all_v",
+            dt,
+            a=a,
+            b=b,
+            counts=(list(send_counts), list(recv_counts)),
+            async_op=async_op,
+            keep=(inp, out),
+        )
+
+    def gather(self, inp, out=None, root: int = 0, async_op: bool = False):
+        """Every rank's ``inp`` into ``root``'s ``out`` (size × len(inp)); others pass none."""
+        a, dt = buffer(inp, writable=False)
+        b = (0, 0)
+        if out is not None:
+            b, dt2 = buffer(out)
+            _same(dt, dt2)
+        return self._run("gather", dt, a=a, b=b, root=root, async_op=async_op, keep=(inp, out))
+
+    def scatter(self, out, inp=None, root: int = 0, async_op: bool = False):
+        """Block ``rank`` of ``root``'s ``inp`` (size × len(out)) into every rank's ``out``."""
+        b, dt = buffer(out)
+        a = (0, 0)
+        if inp is not None:
+            a, dt2 = buffer(inp, writable=False)
+            _same(dt, dt2)
+        return self._run("scatter", dt, a=a, b=b, root=root, async_op=async_op, keep=(inp, out))
+
+    def barrier(self, async_op: bool = False):
+        """Return once every rank has called it."""
+        return self._run("barrier", "uint8", async_op=async_op)
+
+    def send(self, buf, dst: int, tag: int = 0, async_op: bool = False):
+        """Send ``buf`` to ``dst`` (which receives with the same tag)."""
+        return self.batch([(buf, dst, tag)], [], async_op=async_op)
+
+    def recv(self, buf, src: int, tag: int = 0, async_op: bool = False):
+        """Receive into ``buf`` from ``src``."""
+        return self.batch([], [(buf, src, tag)], async_op=async_op)
+
+    def batch(self, sends, recvs, async_op: bool = False):
+        """Post every ``(buf, peer, tag)`` send and receive at once; return when all are done
+        (no ordering deadlock between them)."""
+        s = [(peer, tag, _bytes(buf, False)) for buf, peer, tag in sends]
+        r = [(peer, tag, _bytes(buf, True)) for buf, peer, tag in recvs]
+        keep = tuple(b for b, _, _ in sends) + tuple(b for b, _, _ in recvs)
+        return self._run("batch", "uint8", sends=s, recvs=r, async_op=async_op, keep=keep)
+
+
+def _bytes(buf, writable: bool) -> tuple[int, int]:
+    (addr, count), dt = buffer(buf, writable=writable)
+    size = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}[dt]
+    return (addr, count * size)
+
+
+def _same(a: str, b: str) -> None:
+    if a != b:
+        raise TypeError(f"input is {a} but output is {b}")
+
+
+class _Held:
+    """A :class:`Work` that keeps its buffers alive until it was waited for."""
+
+    def __init__(self, work: Work, keep):
+        self._w = work
+        self._keep = keep
+
+    def wait(self) -> bool:
+        try:
+            return self._w.wait()
+        finally:
+            self._keep = None
+
+    def is_completed(self) -> bool:
+        return self._w.is_completed()
+
+    def __del__(self):
+        # Dropped unwaited: the job may still use the buffers, so wait before they can go.
+        if self._keep is not None:
+            try:
+                self._w.wait()
+            except Exception:
+                pass
+
+    def is_success(self) -> bool:
+        return self._w.is_success()
+
+    def exception(self):
+        return self._w.exception()

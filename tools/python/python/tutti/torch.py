@@ -1,0 +1,507 @@
+"""The torch.distributed backend ``"tutti"``.
+
+``import tutti.torch`` registers it; then ``dist.init_process_group("tutti")`` works wherever
+gloo does (torchrun, tutti-run, srun, mpirun; ``env://``, ``tcp://``, ``file://``): the backend
+rendezvouses through the store torch hands it, whatever kind it is.
+
+Construction: a Python subclass of ``torch.distributed.ProcessGroup`` returned by an
+``extended_api`` creator. torch routes every collective of a Python process group to its
+methods (``all_gather_into_tensor`` to ``all_gather_single``, ``reduce_scatter_tensor`` to
+``reduce_scatter_single``), and the extended creator hands over the new group's global ranks
+and name, so a sub-group (``new_group``) is carved out of the world's connections by its
+members alone. Batched point to point (``batch_isend_irecv``) is coalesced into one tutti
+batch through ``_start_coalescing``/``_end_coalescing``.
+
+Tensors are read and written in place when contiguous; a non-contiguous one goes through a
+contiguous copy. The list forms (``all_gather``, ``reduce_scatter``, ``all_to_all``,
+``gather``, ``scatter``) stage through one flat buffer, as gloo does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import os
+import socket
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from . import _tutti
+from ._tutti import TuttiError
+
+__all__ = ["ProcessGroupTutti", "TuttiError"]
+
+_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+_OPS = [
+    (dist.ReduceOp.SUM, "sum"),
+    (dist.ReduceOp.PRODUCT, "prod"),
+    (dist.ReduceOp.MIN, "min"),
+    (dist.ReduceOp.MAX, "max"),
+    (dist.ReduceOp.AVG, "avg"),
+]
+
+
+def _op(op) -> str:
+    for k, name in _OPS:
+        if op == k:
+            return name
+    raise ValueError(f"the tutti backend has no reduction {op} (SUM, AVG, PRODUCT, MIN, MAX)")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    if t.device.type != "cpu":
+        raise ValueError(f"the tutti backend works on CPU tensors; this one is on {t.device}")
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise TypeError(f"the tutti backend cannot reduce {t.dtype}") from None
+
+
+def _raw(t: torch.Tensor) -> tuple[int, int]:
+    return (t.data_ptr(), t.numel())
+
+
+class _Work(dist.Work):
+    """A tutti collective as torch sees it: ``wait()`` blocks without the GIL, then copies
+    staged results out; it keeps the tensors alive until then."""
+
+    def __init__(self, native, keep=(), after: Optional[Callable[[], None]] = None, result=None):
+        super().__init__()
+        self._native = native
+        self._keep = keep
+        self._after = after
+        self._result = result
+        self._done = native is None and after is None
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        if self._native is not None:
+            self._native.wait()
+        if self._after is not None:
+            self._after()
+        self._done = True
+        self._keep = ()
+        self._after = None
+
+    def wait(self, timeout=None) -> bool:
+        self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or (self._native is not None and self._native.is_completed())
+
+    def is_success(self) -> bool:
+        if not self.is_completed():
+            return False
+        return self._native is None or self._native.is_success()
+
+    def exception(self):
+        if self._native is not None:
+            msg = self._native.exception()
+            return TuttiError(msg) if msg else None
+        return None
+
+    def result(self):
+        return self._result
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        try:
+            self._finish()
+            fut.set_result(self._result)
+        except Exception as e:  # noqa: BLE001 - handed to the future's waiter
+            fut.set_exception(e)
+        return fut
+
+    def __del__(self):
+        # Dropped unwaited: wait, so the tensors outlive the job that uses them.
+        if not self._done:
+            try:
+                self._finish()
+            except Exception:
+                pass
+
+
+def _contig(t: torch.Tensor):
+    """``(contiguous tensor to hand over, copy back after)``."""
+    if t.is_contiguous():
+        return t, None
+    c = t.contiguous()
+    return c, (lambda: t.copy_(c))
+
+
+def _chain(*fs):
+    fs = [f for f in fs if f is not None]
+    if not fs:
+        return None
+
+    def run():
+        for f in fs:
+            f()
+
+    return run
+
+
+class ProcessGroupTutti(dist.ProcessGroup):
+    """A torch process group whose collectives run on a tutti communicator."""
+
+    supports_coalescing = True
+
+    def __init__(self, comm: "_tutti.Comm", rank: int, size: int):
+        super().__init__(rank, size)
+        self._comm = comm
+        self._coalescing: Optional[tuple[list, list, list]] = None
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "tutti"
+
+    @property
+    def comm(self) -> "_tutti.Comm":
+        return self._comm
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupTutti(rank={self.rank()}, size={self.size()})"
+
+    # torch asks a group for the backend of a device (batch_isend_irecv reads
+    # `supports_coalescing` from it); a Python group is its own backend.
+    def _get_backend(self, device=None):
+        return self
+
+    def _run(self, kind, dtype, keep, after=None, result=None, **kw) -> _Work:
+        w = self._comm.run(kind, dtype, async_op=True, **kw)
+        return _Work(w, keep, after, result)
+
+    # -- reductions ------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        op = _op(opts.reduceOp)
+        works = []
+        for t in tensors:
+            c, back = _contig(t)
+            works.append(self._run("allreduce", _dtype(c), (t, c), back, tensors, a=_raw(c), op=op))
+        return works[-1] if len(works) == 1 else _All(works, tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts or dist.AllreduceOptions())
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        t = tensors[opts.rootTensor if hasattr(opts, "rootTensor") else 0]
+        c, back = _contig(t)
+        return self._run(
+            "reduce", _dtype(c), (t, c), back, tensors, a=_raw(c), op=_op(opts.reduceOp),
+            root=opts.rootRank,
+        )
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        works = []
+        for t in tensors:
+            c, back = _contig(t)
+            works.append(
+                self._run("broadcast", _dtype(c), (t, c), back, tensors, a=_raw(c), root=opts.rootRank)
+            )
+        return works[-1] if len(works) == 1 else _All(works, tensors)
+
+    # -- gathers ---------------------------------------------------------------------------
+
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
+        o, back = _contig(output)
+        i = input.contiguous()
+        if o.numel() != i.numel() * self.size():
+            raise ValueError(
+                f"all_gather_into_tensor: output has {o.numel()} elements, expected "
+                f"{i.numel()} x {self.size()} ranks"
+            )
+        return self._run("allgather", _dtype(i), (output, o, i), back, output, a=_raw(i), b=_raw(o))
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        works = []
+        for outs, inp in zip(output_tensors, input_tensors):
+            i = inp.contiguous()
+            flat = torch.empty(i.numel() * self.size(), dtype=i.dtype)
+
+            def after(outs=outs, flat=flat, n=i.numel()):
+                for k, o in enumerate(outs):
+                    o.copy_(flat[k * n:(k + 1) * n].view_as(o))
+
+            works.append(self._run("allgather", _dtype(i), (outs, i, flat), after, output_tensors,
+                                   a=_raw(i), b=_raw(flat)))
+        return works[-1] if len(works) == 1 else _All(works, output_tensors)
+
+    def all_gather_single_coalesced(self, output_tensors, input_tensors, opts=None):
+        works = [self.all_gather_single(o, i) for o, i in zip(output_tensors, input_tensors)]
+        return _All(works, output_tensors)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        i = input_tensors[0].contiguous()
+        root = opts.rootRank
+        if self.rank() == root:
+            outs = output_tensors[0]
+            flat = torch.empty(i.numel() * self.size(), dtype=i.dtype)
+
+            def after(outs=outs, flat=flat, n=i.numel()):
+                for k, o in enumerate(outs):
+                    o.copy_(flat[k * n:(k + 1) * n].view_as(o))
+
+            return self._run("gather", _dtype(i), (outs, i, flat), after, output_tensors,
+                             a=_raw(i), b=_raw(flat), root=root)
+        return self._run("gather", _dtype(i), (i,), None, output_tensors, a=_raw(i), b=(0, 0), root=root)
+
+    # -- scatters --------------------------------------------------------------------------
+
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
+        opts = opts or dist.ReduceScatterOptions()
+        o, back = _contig(output)
+        i = input.contiguous()
+        if i.numel() != o.numel() * self.size():
+            raise ValueError(
+                f"reduce_scatter_tensor: input has {i.numel()} elements, expected "
+                f"{o.numel()} x {self.size()} ranks"
+            )
+        return self._run("reduce_scatter", _dtype(i), (output, o, i), back, output,
+                         a=_raw(i), b=_raw(o), op=_op(opts.reduceOp))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        works = []
+        for out, ins in zip(output_tensors, input_tensors):
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            o, back = _contig(out)
+            works.append(self._run("reduce_scatter", _dtype(flat), (out, o, flat), back,
+                                   output_tensors, a=_raw(flat), b=_raw(o), op=_op(opts.reduceOp)))
+        return works[-1] if len(works) == 1 else _All(works, output_tensors)
+
+    def reduce_scatter_single_coalesced(self, output_tensors, input_tensors, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(output_tensors, input_tensors)]
+        return _All(works, output_tensors)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        out = output_tensors[0]
+        o, back = _contig(out)
+        root = opts.rootRank
+        if self.rank() == root:
+            flat = torch.cat([t.reshape(-1) for t in input_tensors[0]])
+            return self._run("scatter", _dtype(o), (out, o, flat), back, output_tensors,
+                             a=_raw(flat), b=_raw(o), root=root)
+        return self._run("scatter", _dtype(o), (out, o), back, output_tensors,
+                         a=(0, 0), b=_raw(o), root=root)
+
+    # -- all-to-all ------------------------------------------------------------------------
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        o, back = _contig(output)
+        i = input.contiguous()
+        n = self.size()
+        if not output_split_sizes and not input_split_sizes:
+            return self._run("all_to_all", _dtype(i), (output, o, i), back, output, a=_raw(i), b=_raw(o))
+        row_in = i[0].numel() if i.dim() > 0 and i.shape[0] > 0 else 0
+        row_out = o[0].numel() if o.dim() > 0 and o.shape[0] > 0 else 0
+        ins = list(input_split_sizes) or [i.shape[0] // n] * n
+        outs = list(output_split_sizes) or [o.shape[0] // n] * n
+        send = [s * row_in for s in ins]
+        recv = [s * row_out for s in outs]
+        return self._run("all_to_all_v", _dtype(i), (output, o, i), back, output,
+                         a=_raw(i), b=_raw(o), counts=(send, recv))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
+        send = [t.numel() for t in input_tensors]
+        recv = [t.numel() for t in output_tensors]
+        flat_out = torch.empty(sum(recv), dtype=flat_in.dtype)
+
+        def after():
+            off = 0
+            for t, c in zip(output_tensors, recv):
+                t.copy_(flat_out[off:off + c].view_as(t))
+                off += c
+
+        return self._run("all_to_all_v", _dtype(flat_in), (output_tensors, flat_in, flat_out), after,
+                         output_tensors, a=_raw(flat_in), b=_raw(flat_out), counts=(send, recv))
+
+    # -- barrier and point to point --------------------------------------------------------
+
+    def barrier(self, opts=None):
+        return self._run("barrier", "uint8", ())
+
+    def _p2p(self, tensor: torch.Tensor, peer: int, tag: int, send: bool):
+        c = tensor if send else tensor
+        if not tensor.is_contiguous():
+            raise ValueError("the tutti backend sends and receives contiguous tensors")
+        _dtype(c)
+        entry = (peer, tag & 0x7FFFFFFF, (c.data_ptr(), c.numel() * c.element_size()))
+        if self._coalescing is not None:
+            sends, recvs, keep = self._coalescing
+            (sends if send else recvs).append(entry)
+            keep.append(tensor)
+            return _Work(None)
+        kw = {"sends": [entry]} if send else {"recvs": [entry]}
+        return self._run("batch", "uint8", (tensor,), None, [tensor], **kw)
+
+    def send(self, tensors, dst, tag=0):
+        return self._p2p(tensors[0], dst, tag, True)
+
+    def recv(self, tensors, src, tag=0):
+        return self._p2p(tensors[0], src, tag, False)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise RuntimeError("the tutti backend does not receive from any source: name the peer")
+
+    def _start_coalescing(self, device=None):
+        self._coalescing = ([], [], [])
+
+    def _end_coalescing(self, device=None):
+        if self._coalescing is None:
+            return _Work(None)
+        sends, recvs, keep = self._coalescing
+        self._coalescing = None
+        if not sends and not recvs:
+            return _Work(None)
+        return self._run("batch", "uint8", tuple(keep), None, keep, sends=sends, recvs=recvs)
+
+
+class _All(_Work):
+    """Several works as one."""
+
+    def __init__(self, works, result):
+        super().__init__(None, (), None, result)
+        self._works = works
+        self._done = False
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        for w in self._works:
+            w._finish()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+# -- rendezvous ------------------------------------------------------------------------------
+
+
+class _StoreAdapter:
+    """torch's store as the native half asks for it."""
+
+    def __init__(self, store):
+        self._s = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self._s.set(key, value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        try:
+            self._s.wait([key], datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                raise TimeoutError(str(e)) from e
+            raise
+        return bytes(self._s.get(key))
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self._s.add(key, delta))
+
+    def delete(self, key: str) -> bool:
+        return bool(self._s.delete_key(key))
+
+    def check(self, keys) -> bool:
+        return bool(self._s.check(list(keys)))
+
+
+_WORLD: Optional["_tutti.Comm"] = None
+
+
+def _loopback(host: Optional[str]) -> bool:
+    if not host:
+        return True
+    try:
+        return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def _secret(master: Optional[str]) -> tuple[str, Optional[str]]:
+    token = os.environ.get("TUTTI_TOKEN")
+    if token:
+        return "given", token
+    path = os.environ.get("TUTTI_TOKEN_FILE")
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return "given", f.read().strip()
+    if _loopback(master):
+        name = "torch-{}-{}.secret".format(
+            os.environ.get("MASTER_PORT", "0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        )
+        return "file", os.path.join(_tutti.local_secret_dir(), name)
+    if os.environ.get("TUTTI_INSECURE") == "1":
+        return "store", None
+    raise TuttiError(
+        "this job's store is reachable from other hosts and there is no job secret: set "
+        "TUTTI_TOKEN to the same random string on every rank (e.g. `export "
+        "TUTTI_TOKEN=$(openssl rand -hex 16)`); TUTTI_INSECURE=1 runs without one"
+    )
+
+
+def _master_ip(master: Optional[str]) -> Optional[str]:
+    if not master:
+        return None
+    try:
+        return socket.getaddrinfo(master, None)[0][4][0]
+    except OSError:
+        return None
+
+
+def _create(dist_opts, backend_opts=None):
+    """torch's backend creator (extended API)."""
+    global _WORLD
+    store = dist_opts.store
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout.total_seconds() if dist_opts.timeout else 0.0
+    ranks = list(getattr(dist_opts, "global_ranks_in_group", []) or [])
+    if _WORLD is None or not ranks:
+        # The default group (torch names no ranks for it): connect through torch's store.
+        master = os.environ.get("MASTER_ADDR")
+        kind, secret = _secret(master)
+        comm = _tutti.Comm.on_store(
+            rank, size, _StoreAdapter(store), "torch store", kind, secret, _master_ip(master), timeout
+        )
+        _WORLD = comm
+        return ProcessGroupTutti(comm, rank, size)
+    key = int.from_bytes(hashlib.sha256(str(dist_opts.group_id).encode()).digest()[:8], "little")
+    sub = _WORLD.split_keyed(sorted(ranks), key >> 1)
+    if sub is None:
+        return None
+    return ProcessGroupTutti(sub, rank, size)
+
+
+dist.Backend.register_backend("tutti", _create, extended_api=True, devices=["cpu"])

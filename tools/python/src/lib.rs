@@ -1,0 +1,568 @@
+//! `tutti._tutti`: the native half of the `tutti` Python package.
+//!
+//! Buffers cross as `(address, element count)` with a dtype name, taken by the Python half from
+//! a torch tensor (`data_ptr()`), a numpy array (`__array_interface__`) or any writable buffer
+//! (ctypes): no copy. The Python half keeps each buffer alive until its call returns or its
+//! [`Work`] is waited for; this half checks alignment and never frees or keeps a buffer. Every
+//! blocking wait releases the GIL.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tutti_collectives::{Comm as RComm, Element, Pending, ReduceOp};
+use tutti_runtime::store::Store;
+
+create_exception!(
+    _tutti,
+    TuttiError,
+    PyRuntimeError,
+    "A collective failed: the message names this rank, the peer and the operation. The group is unusable afterwards."
+);
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    TuttiError::new_err(e.to_string())
+}
+
+/// A caller's buffer: address and element count. The Python half guarantees it stays valid
+/// (and is not resized or freed) until the call that uses it has ended.
+#[derive(Clone, Copy, Debug)]
+struct Raw {
+    addr: usize,
+    count: usize,
+}
+
+impl Raw {
+    /// # Safety
+    /// The buffer is valid for `count` elements of `T` and nothing else uses it meanwhile.
+    unsafe fn slice<'a, T>(self) -> &'a mut [T] {
+        if self.count == 0 {
+            return &mut [];
+        }
+        // SAFETY: forwarded contract; alignment and non-null checked in `check`.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut T, self.count) }
+    }
+
+    fn bytes(self, esize: usize) -> std::ops::Range<usize> {
+        self.addr..self.addr + self.count * esize
+    }
+}
+
+fn overlaps(a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end && !a.is_empty() && !b.is_empty()
+}
+
+/// What to run: one collective over raw buffers.
+#[derive(Debug)]
+enum Job {
+    Allreduce {
+        buf: Raw,
+        op: ReduceOp,
+    },
+    Broadcast {
+        buf: Raw,
+        root: usize,
+    },
+    Reduce {
+        buf: Raw,
+        op: ReduceOp,
+        root: usize,
+    },
+    Allgather {
+        inp: Raw,
+        out: Raw,
+    },
+    ReduceScatter {
+        inp: Raw,
+        out: Raw,
+        op: ReduceOp,
+    },
+    AllToAll {
+        inp: Raw,
+        out: Raw,
+    },
+    AllToAllV {
+        inp: Raw,
+        send: Vec<usize>,
+        out: Raw,
+        recv: Vec<usize>,
+    },
+    Gather {
+        inp: Raw,
+        out: Raw,
+        root: usize,
+    },
+    Scatter {
+        inp: Raw,
+        out: Raw,
+        root: usize,
+    },
+    Barrier,
+    /// Point to point, in bytes: (peer, tag, buffer).
+    Batch {
+        sends: Vec<(usize, u32, Raw)>,
+        recvs: Vec<(usize, u32, Raw)>,
+    },
+}
+
+/// An element type by the name the Python half uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dt {
+    F32,
+    F64,
+    F16,
+    Bf16,
+    I8,
+    U8,
+    I32,
+    I64,
+}
+
+impl Dt {
+    fn parse(s: &str) -> PyResult<Dt> {
+        Ok(match s {
+            "float32" => Dt::F32,
+            "float64" => Dt::F64,
+            "float16" => Dt::F16,
+            "bfloat16" => Dt::Bf16,
+            "int8" => Dt::I8,
+            "uint8" => Dt::U8,
+            "int32" => Dt::I32,
+            "int64" => Dt::I64,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "tutti has no dtype {s:?} (float32, float64, float16, bfloat16, int8, uint8, int32, int64)"
+                )))
+            }
+        })
+    }
+
+    fn size(self) -> usize {
+        match self {
+            Dt::F32 | Dt::I32 => 4,
+            Dt::F64 | Dt::I64 => 8,
+            Dt::F16 | Dt::Bf16 => 2,
+            Dt::I8 | Dt::U8 => 1,
+        }
+    }
+}
+
+fn parse_op(s: &str) -> PyResult<ReduceOp> {
+    ReduceOp::parse(s).ok_or_else(|| {
+        PyValueError::new_err(format!("tutti has no reduction {s:?} (sum, prod, min, max, avg)"))
+    })
+}
+
+impl Job {
+    /// Every buffer of the job, with whether it is written.
+    fn buffers(&self) -> Vec<(Raw, bool)> {
+        match self {
+            Job::Allreduce { buf, .. } | Job::Broadcast { buf, .. } | Job::Reduce { buf, .. } => {
+                vec![(*buf, true)]
+            }
+            Job::Allgather { inp, out }
+            | Job::ReduceScatter { inp, out, .. }
+            | Job::AllToAll { inp, out }
+            | Job::AllToAllV { inp, out, .. }
+            | Job::Gather { inp, out, .. }
+            | Job::Scatter { inp, out, .. } => vec![(*inp, false), (*out, true)],
+            Job::Barrier => vec![],
+            Job::Batch { sends, recvs } => sends
+                .iter()
+                .map(|(_, _, b)| (*b, false))
+                .chain(recvs.iter().map(|(_, _, b)| (*b, true)))
+                .collect(),
+        }
+    }
+
+    /// Refuse null or misaligned buffers, and a written buffer that overlaps another one.
+    fn check(&self, dt: Dt) -> PyResult<()> {
+        let esize = if matches!(self, Job::Batch { .. }) { 1 } else { dt.size() };
+        let bufs = self.buffers();
+        for (b, _) in &bufs {
+            if b.count > 0 && (b.addr == 0 || b.addr % esize != 0) {
+                return Err(PyValueError::new_err(format!(
+                    "a buffer at {:#x} is not aligned for {dt:?}",
+                    b.addr
+                )));
+            }
+        }
+        for (i, (a, wa)) in bufs.iter().enumerate() {
+            for (b, wb) in &bufs[i + 1..] {
+                if (*wa || *wb) && overlaps(a.bytes(esize), b.bytes(esize)) {
+                    return Err(PyValueError::new_err(
+                        "the input and output buffers overlap: pass separate tensors",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Run it.
+    ///
+    /// # Safety
+    /// Every buffer is valid as described by the Python half, and [`Job::check`] passed.
+    unsafe fn run(&self, c: &RComm, dt: Dt) -> tutti_collectives::Result<()> {
+        macro_rules! go {
+            ($t:ty) => {
+                // SAFETY: forwarded contract: valid, aligned, disjoint where written.
+                unsafe { self.typed::<$t>(c) }
+            };
+        }
+        match dt {
+            Dt::F32 => go!(f32),
+            Dt::F64 => go!(f64),
+            Dt::F16 => go!(half::f16),
+            Dt::Bf16 => go!(half::bf16),
+            Dt::I8 => go!(i8),
+            Dt::U8 => go!(u8),
+            Dt::I32 => go!(i32),
+            Dt::I64 => go!(i64),
+        }
+    }
+
+    /// # Safety
+    /// As [`Job::run`], with `T` the buffers' element type.
+    unsafe fn typed<T: Element>(&self, c: &RComm) -> tutti_collectives::Result<()> {
+        // SAFETY (every `slice` below): forwarded contract.
+        unsafe {
+            match self {
+                Job::Allreduce { buf, op } => c.allreduce(buf.slice::<T>(), *op).map(drop),
+                Job::Broadcast { buf, root } => c.broadcast(buf.slice::<T>(), *root).map(drop),
+                Job::Reduce { buf, op, root } => c.reduce(buf.slice::<T>(), *op, *root).map(drop),
+                Job::Allgather { inp, out } => c.allgather(inp.slice::<T>(), out.slice()).map(drop),
+                Job::ReduceScatter { inp, out, op } => {
+                    c.reduce_scatter(inp.slice::<T>(), out.slice(), *op).map(drop)
+                }
+                Job::AllToAll { inp, out } => c.all_to_all(inp.slice::<T>(), out.slice()).map(drop),
+                Job::AllToAllV { inp, send, out, recv } => {
+                    c.all_to_all_v(inp.slice::<T>(), send, out.slice(), recv).map(drop)
+                }
+                Job::Gather { inp, out, root } => {
+                    c.gather(inp.slice::<T>(), out.slice(), *root).map(drop)
+                }
+                Job::Scatter { inp, out, root } => {
+                    c.scatter(inp.slice::<T>(), out.slice(), *root).map(drop)
+                }
+                Job::Barrier => c.barrier().map(drop),
+                Job::Batch { sends, recvs } => {
+                    let s: Vec<(usize, u32, &[u8])> =
+                        sends.iter().map(|(p, t, b)| (*p, *t, &*b.slice::<u8>())).collect();
+                    let mut r: Vec<(usize, u32, &mut [u8])> =
+                        recvs.iter().map(|(p, t, b)| (*p, *t, b.slice::<u8>())).collect();
+                    c.batch_p2p(&s, &mut r).map(drop)
+                }
+            }
+        }
+    }
+}
+
+/// A store the Python half hands over (an adapter around torch's store): `set(key, bytes)`,
+/// `get(key, timeout_s) -> bytes` (raising `TimeoutError`), `add(key, delta) -> int`,
+/// `delete(key) -> bool`, `check(keys) -> bool`.
+struct PyStore {
+    obj: Py<PyAny>,
+    name: String,
+}
+
+impl PyStore {
+    fn fail(&self, e: PyErr) -> tutti_runtime::Error {
+        tutti_runtime::Error::Store { addr: self.name.clone(), detail: e.to_string() }
+    }
+}
+
+impl Store for PyStore {
+    fn set(&self, key: &str, value: &[u8]) -> tutti_runtime::Result<()> {
+        Python::with_gil(|py| {
+            self.obj.call_method1(py, "set", (key, PyBytes::new(py, value))).map(drop)
+        })
+        .map_err(|e| self.fail(e))
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> tutti_runtime::Result<Vec<u8>> {
+        Python::with_gil(|py| {
+            match self.obj.call_method1(py, "get", (key, timeout.as_secs_f64())) {
+                Ok(v) => v.extract::<Vec<u8>>(py).map_err(|e| self.fail(e)),
+                Err(e) if e.is_instance_of::<PyTimeoutError>(py) => {
+                    Err(tutti_runtime::Error::StoreTimeout {
+                        addr: self.name.clone(),
+                        key: key.to_string(),
+                        after: timeout,
+                    })
+                }
+                Err(e) => Err(self.fail(e)),
+            }
+        })
+    }
+
+    fn add(&self, key: &str, delta: i64) -> tutti_runtime::Result<i64> {
+        Python::with_gil(|py| self.obj.call_method1(py, "add", (key, delta))?.extract::<i64>(py))
+            .map_err(|e| self.fail(e))
+    }
+
+    fn delete(&self, key: &str) -> tutti_runtime::Result<bool> {
+        Python::with_gil(|py| self.obj.call_method1(py, "delete", (key,))?.extract::<bool>(py))
+            .map_err(|e| self.fail(e))
+    }
+
+    fn check(&self, keys: &[&str]) -> tutti_runtime::Result<bool> {
+        Python::with_gil(|py| {
+            let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+            self.obj.call_method1(py, "check", (keys,))?.extract::<bool>(py)
+        })
+        .map_err(|e| self.fail(e))
+    }
+
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+}
+
+/// A communicator: the ranks of a group and their connections.
+#[pyclass(frozen, module = "tutti._tutti")]
+struct Comm {
+    inner: RComm,
+}
+
+/// A collective started with `async_op`: `wait()` blocks (without the GIL) until it ended and
+/// raises its error; `is_completed()` does not block.
+#[pyclass(module = "tutti._tutti")]
+struct Work {
+    pending: Mutex<Option<Pending<()>>>,
+    /// The outcome once known: `None` ok, `Some(message)` failed.
+    outcome: Mutex<Option<Option<String>>>,
+}
+
+impl Work {
+    fn settle(&self, r: tutti_collectives::Result<()>) {
+        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        *o = Some(r.err().map(|e| e.to_string()));
+    }
+
+    fn raise(&self) -> PyResult<bool> {
+        match &*self.outcome.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(Some(msg)) => Err(TuttiError::new_err(msg.clone())),
+            Some(None) => Ok(true),
+            None => Ok(false),
+        }
+    }
+}
+
+#[pymethods]
+impl Work {
+    /// Block until the collective ended (bounded by the group's timeout); raise its error.
+    fn wait(&self, py: Python<'_>) -> PyResult<bool> {
+        let p = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(p) = p {
+            let r = py.allow_threads(|| p.wait());
+            self.settle(r);
+        }
+        self.raise()
+    }
+
+    /// True once the collective ended (successfully or not).
+    fn is_completed(&self) -> PyResult<bool> {
+        let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = g.as_mut() {
+            if let Some(r) = p.test() {
+                *g = None;
+                drop(g);
+                self.settle(r);
+            }
+        }
+        Ok(self.outcome.lock().unwrap_or_else(|e| e.into_inner()).is_some())
+    }
+
+    /// True when it ended without an error.
+    fn is_success(&self) -> PyResult<bool> {
+        Ok(self.is_completed()?
+            && matches!(&*self.outcome.lock().unwrap_or_else(|e| e.into_inner()), Some(None)))
+    }
+
+    /// The error message, if it failed.
+    fn exception(&self) -> Option<String> {
+        self.outcome.lock().unwrap_or_else(|e| e.into_inner()).clone().flatten()
+    }
+}
+
+/// A point-to-point entry as Python passes it: (peer, tag, (address, bytes)).
+type PyP2p = (usize, u32, (usize, usize));
+
+fn raw(b: (usize, usize)) -> Raw {
+    Raw { addr: b.0, count: b.1 }
+}
+
+#[pymethods]
+impl Comm {
+    /// Rendezvous from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT — as set
+    /// by torchrun, tutti-run, srun or mpirun — or TUTTI_STORE) and connect.
+    #[staticmethod]
+    fn from_env(py: Python<'_>) -> PyResult<Comm> {
+        py.allow_threads(RComm::from_env).map(|inner| Comm { inner }).map_err(err)
+    }
+
+    /// Rendezvous on a store someone else serves (the adapter around torch's store) and
+    /// connect. `secret` is `("given", token)`, `("file", path)` or `("store", None)`.
+    #[staticmethod]
+    #[pyo3(signature = (rank, world, store, name, secret_kind, secret, master_ip, timeout_s))]
+    #[allow(clippy::too_many_arguments)]
+    fn on_store(
+        py: Python<'_>,
+        rank: usize,
+        world: usize,
+        store: Py<PyAny>,
+        name: String,
+        secret_kind: &str,
+        secret: Option<String>,
+        master_ip: Option<String>,
+        timeout_s: f64,
+    ) -> PyResult<Comm> {
+        use tutti_runtime::Secret;
+        let secret = match (secret_kind, secret) {
+            ("given", Some(t)) => Secret::Given(t),
+            ("file", Some(p)) => Secret::LocalFile(p.into()),
+            ("store", _) => Secret::ThroughStore,
+            (k, _) => return Err(PyValueError::new_err(format!("unknown secret kind {k:?}"))),
+        };
+        let ip = match master_ip {
+            Some(s) => Some(s.parse().map_err(|e| PyValueError::new_err(format!("{s:?}: {e}")))?),
+            None => None,
+        };
+        let store: Arc<dyn Store> = Arc::new(PyStore { obj: store, name });
+        py.allow_threads(|| {
+            let opts = tutti_runtime::Options::from_env()?;
+            let g = tutti_runtime::init_on_store(rank, world, store, secret, ip, &opts)?;
+            if timeout_s > 0.0 && timeout_s.is_finite() {
+                g.set_timeout(Duration::from_secs_f64(timeout_s));
+            }
+            Ok::<_, tutti_runtime::Error>(g)
+        })
+        .map_err(err)
+        .and_then(|g| {
+            let cfg = tutti_collectives::Config::from_env().map_err(err)?;
+            Ok(Comm { inner: RComm::with_config(g, cfg) })
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    /// Ranks in the group.
+    #[getter]
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    /// A sub-communicator over `ranks` (every rank calls it; `None` where this rank is not in
+    /// it).
+    fn split(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<Option<Comm>> {
+        py.allow_threads(|| self.inner.split(&ranks))
+            .map(|c| c.map(|inner| Comm { inner }))
+            .map_err(err)
+    }
+
+    /// A sub-communicator over `ranks` named by `key`, made by its members only (torch calls
+    /// a backend only on a new group's members).
+    fn split_keyed(&self, py: Python<'_>, ranks: Vec<usize>, key: u64) -> PyResult<Option<Comm>> {
+        py.allow_threads(|| self.inner.split_keyed(&ranks, key))
+            .map(|c| c.map(|inner| Comm { inner }))
+            .map_err(err)
+    }
+
+    /// Run one collective. `kind` names it; buffers are `(address, count)`; `op` a
+    /// reduction name; `counts` the split sizes of `all_to_all_v` (send, recv); `p2p` the
+    /// `(peer, tag, (address, bytes))` sends and receives of a batch. With `async_op` it
+    /// starts on the communicator's worker and returns a [`Work`]; otherwise it blocks
+    /// (without the GIL) and returns `None`.
+    #[pyo3(signature = (kind, dtype, a=None, b=None, op=None, root=0, counts=None, sends=None, recvs=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        dtype: &str,
+        a: Option<(usize, usize)>,
+        b: Option<(usize, usize)>,
+        op: Option<&str>,
+        root: usize,
+        counts: Option<(Vec<usize>, Vec<usize>)>,
+        sends: Option<Vec<PyP2p>>,
+        recvs: Option<Vec<PyP2p>>,
+        async_op: bool,
+    ) -> PyResult<Option<Work>> {
+        let dt = Dt::parse(dtype)?;
+        let need = |x: Option<(usize, usize)>, what: &str| {
+            x.map(raw).ok_or_else(|| PyValueError::new_err(format!("{kind} needs {what}")))
+        };
+        let red = || parse_op(op.unwrap_or("sum"));
+        let job = match kind {
+            "allreduce" => Job::Allreduce { buf: need(a, "a buffer")?, op: red()? },
+            "broadcast" => Job::Broadcast { buf: need(a, "a buffer")?, root },
+            "reduce" => Job::Reduce { buf: need(a, "a buffer")?, op: red()?, root },
+            "allgather" => Job::Allgather { inp: need(a, "an input")?, out: need(b, "an output")? },
+            "reduce_scatter" => Job::ReduceScatter {
+                inp: need(a, "an input")?,
+                out: need(b, "an output")?,
+                op: red()?,
+            },
+            "all_to_all" => Job::AllToAll { inp: need(a, "an input")?, out: need(b, "an output")? },
+            "all_to_all_v" => {
+                let (send, recv) =
+                    counts.ok_or_else(|| PyValueError::new_err("all_to_all_v needs counts"))?;
+                Job::AllToAllV { inp: need(a, "an input")?, send, out: need(b, "an output")?, recv }
+            }
+            "gather" => Job::Gather { inp: need(a, "an input")?, out: need(b, "an output")?, root },
+            "scatter" => {
+                Job::Scatter { inp: need(a, "an input")?, out: need(b, "an output")?, root }
+            }
+            "barrier" => Job::Barrier,
+            "batch" => Job::Batch {
+                sends: sends
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(p, t, b)| (p, t, raw(b)))
+                    .collect(),
+                recvs: recvs
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(p, t, b)| (p, t, raw(b)))
+                    .collect(),
+            },
+            k => return Err(PyValueError::new_err(format!("tutti has no collective {k:?}"))),
+        };
+        job.check(dt)?;
+        if async_op {
+            // SAFETY: the Python half keeps every buffer alive and untouched until this
+            // Work is waited for (torch's contract for async work, and the Work keeps them).
+            let p = self.inner.submit(move |c| unsafe { job.run(c, dt) });
+            return Ok(Some(Work { pending: Mutex::new(Some(p)), outcome: Mutex::new(None) }));
+        }
+        // SAFETY: the buffers outlive this call, which the Python half makes while holding them.
+        py.allow_threads(|| unsafe { job.run(&self.inner, dt) }).map_err(err)?;
+        Ok(None)
+    }
+}
+
+/// The private directory where single-host jobs keep their generated secret (made if
+/// missing, checked to be this user's alone).
+#[pyfunction]
+fn local_secret_dir() -> PyResult<String> {
+    tutti_runtime::rendezvous::secret::local_dir().map(|p| p.display().to_string()).map_err(err)
+}
+
+/// The native module.
+#[pymodule]
+fn _tutti(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Comm>()?;
+    m.add_class::<Work>()?;
+    m.add("TuttiError", m.py().get_type::<TuttiError>())?;
+    m.add_function(wrap_pyfunction!(local_secret_dir, m)?)?;
+    Ok(())
+}
