@@ -1,0 +1,52 @@
+"""The torch.distributed backend "tutti" under torchrun: every op × dtype at worlds 1–4
+(exact data against single-process results, see worker_ops.py), and its failures."""
+
+import re
+
+import pytest
+
+from conftest import torchrun
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_op_and_dtype_is_exact(n):
+    rc, out = torchrun("worker_ops.py", n)
+    assert rc == 0, out[-3000:]
+    assert out.count("ALL OK") == n, out[-3000:]
+
+
+def reports(d):
+    """Every rank's report file, joined."""
+    return "\n".join(p.read_text() for p in sorted(d.iterdir()))
+
+
+def survivors(out):
+    return {int(m.group(1)): (float(m.group(2)), m.group(3))
+            for m in re.finditer(r"rank (\d+) RAISED ([\d.]+) (.*)", out)}
+
+
+def test_a_killed_rank_is_named_on_every_other_rank_at_once(tmp_path):
+    # The agent's monitor interval is long so that it does not stop the survivors before
+    # they report (torchrun ends the job when one rank dies).
+    rc, log = torchrun("worker_fail.py", 4, "kill", str(tmp_path), extra=["--monitor-interval", "3"])
+    out = reports(tmp_path)
+    got = survivors(out)
+    assert sorted(got) == [0, 2, 3], out + log[-2000:]
+    for r, (secs, msg) in got.items():
+        assert "rank 1" in msg, msg
+        # Bounded, not a benchmark: an unnamed failure would wait for the 30-minute timeout.
+        assert secs < 10, (r, secs, msg)
+    # Afterwards the group refuses at once, with the first error.
+    assert len(re.findall(r"AGAIN [\d.]+ group poisoned", out)) == 3, out[-3000:]
+
+
+@pytest.mark.parametrize("mode,what", [("dtype", "dtype double"), ("shape", "count 11")])
+def test_a_mismatched_call_raises_on_every_rank(mode, what, tmp_path):
+    rc, log = torchrun("worker_fail.py", 4, mode, str(tmp_path), extra=["--monitor-interval", "3"])
+    out = reports(tmp_path)
+    got = survivors(out)
+    assert sorted(got) == [0, 1, 2, 3], out + log[-2000:]
+    for r, (_, msg) in got.items():
+        assert "mismatch" in msg and "rank 1" in msg and what in msg, (r, msg)

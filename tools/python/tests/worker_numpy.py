@@ -1,0 +1,86 @@
+"""The torch-free API on numpy arrays and bytearrays: run as N processes with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; prints "ALL OK" per rank."""
+
+import sys
+
+import numpy as np
+
+import tutti
+
+
+def data(r, seed, n, dtype):
+    rng = np.random.default_rng(1000 * seed + r)
+    return rng.integers(0, 4, n).astype(dtype)
+
+
+def check(name, got, want):
+    if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
+        print(f"FAIL {name}: got {got[:8]} want {want[:8]}", flush=True)
+        sys.exit(1)
+
+
+def main():
+    c = tutti.Comm.from_env()
+    r, n = c.rank, c.size
+    for dt in [np.float32, np.float64, np.float16, np.int8, np.uint8, np.int32, np.int64]:
+        for m in [1, 13, 100_000]:
+            x = data(r, 1, m, dt)
+            c.allreduce(x)
+            check(f"allreduce {dt}", x, sum(data(q, 1, m, dt) for q in range(n)).astype(dt))
+            x = data(r, 2, m, dt)
+            c.allreduce(x, op="max")
+            check(f"allreduce max {dt}", x, np.max([data(q, 2, m, dt) for q in range(n)], axis=0))
+            x = data(r, 3, m, dt)
+            c.broadcast(x, root=n - 1)
+            check(f"broadcast {dt}", x, data(n - 1, 3, m, dt))
+            out = np.empty(m * n, dt)
+            c.allgather(data(r, 4, m, dt), out)
+            check(f"allgather {dt}", out, np.concatenate([data(q, 4, m, dt) for q in range(n)]))
+            out = np.empty(m, dt)
+            c.reduce_scatter(data(r, 5, m * n, dt), out)
+            full = sum(data(q, 5, m * n, dt) for q in range(n)).astype(dt)
+            check(f"reduce_scatter {dt}", out, full[r * m:(r + 1) * m])
+            out = np.empty(m * n, dt)
+            c.all_to_all(data(r, 6, m * n, dt), out)
+            check(f"all_to_all {dt}", out,
+                  np.concatenate([data(q, 6, m * n, dt)[r * m:(r + 1) * m] for q in range(n)]))
+            out = np.empty(m * n, dt) if r == 0 else None
+            c.gather(data(r, 7, m, dt), out, root=0)
+            if r == 0:
+                check(f"gather {dt}", out, np.concatenate([data(q, 7, m, dt) for q in range(n)]))
+            out = np.empty(m, dt)
+            c.scatter(out, data(0, 8, m * n, dt) if r == 0 else None, root=0)
+            check(f"scatter {dt}", out, data(0, 8, m * n, dt)[r * m:(r + 1) * m])
+    # uneven all-to-all: rank r sends j + 1 elements to rank j
+    send = [j + 1 for j in range(n)]
+    recv = [r + 1] * n
+    out = np.empty(sum(recv), np.int64)
+    c.all_to_all(data(r, 9, sum(send), np.int64), out, send, recv)
+    off = sum(send[:r])
+    check("all_to_all_v", out, np.concatenate([data(q, 9, sum(send), np.int64)[off:off + r + 1]
+                                               for q in range(n)]))
+    # async, with the GIL released while waiting
+    x = np.ones(1 << 20, np.float32)
+    w = c.allreduce(x, async_op=True)
+    w.wait()
+    check("async allreduce", x, np.full(1 << 20, n, np.float32))
+    # bytearrays: point to point around the ring
+    if n > 1:
+        mine = bytearray(bytes([r]) * 1000)
+        got = bytearray(1000)
+        c.batch([(mine, (r + 1) % n, 5)], [(got, (r - 1) % n, 5)])
+        assert got == bytearray(bytes([(r - 1) % n]) * 1000), got[:4]
+    # a sub-communicator of the even ranks
+    evens = c.split(range(0, n, 2))
+    if r % 2 == 0:
+        x = np.array([r], np.int64)
+        evens.allreduce(x)
+        check("split", x, np.array([sum(range(0, n, 2))], np.int64))
+    else:
+        assert evens is None
+    c.barrier()
+    print(f"rank {r} ALL OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
