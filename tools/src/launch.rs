@@ -3,7 +3,10 @@
 //! Every child gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //! `MASTER_PORT`, `TUTTI_STORE`, `TUTTI_TOKEN` and `TUTTI_LAUNCHER_FD`. On node 0 the launcher
 //! itself serves the rendezvous store on the master port (bound before any child starts, so there
-//! is no race for the port). Children die with the launcher (`PR_SET_PDEATHSIG`).
+//! is no race for the port), which tutti programs find through `TUTTI_STORE`. The children's
+//! `MASTER_PORT` is the next port, left for a program whose framework serves its own store there
+//! (torch's `env://` init: rank 0 binds `MASTER_ADDR:MASTER_PORT`), so torch programs with the
+//! `tutti` backend run under tutti-run unchanged. Children die with the launcher (`PR_SET_PDEATHSIG`).
 //!
 //! When one child fails, the launcher first tells the others which rank it was and how it ended,
 //! on each child's notice pipe (`TUTTI_LAUNCHER_FD`, read by `tutti_runtime`'s rendezvous), so
@@ -31,6 +34,12 @@ use std::time::{Duration, Instant};
 use tutti_runtime::auth::{self, JobKey};
 use tutti_runtime::rendezvous::launcher::{notice, LAUNCHER_FD};
 use tutti_runtime::store::StoreServer;
+
+/// The port children see as `MASTER_PORT`: the one after the store's (before it at the top of
+/// the range), for a framework that serves its own rendezvous there.
+pub fn framework_port(store: u16) -> u16 {
+    store.checked_add(1).unwrap_or(store - 1)
+}
 
 /// How long the surviving children get, after being told which rank died, to report it and exit
 /// by themselves before they are sent SIGTERM (capped by the grace period).
@@ -320,7 +329,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
             .env("LOCAL_WORLD_SIZE", job.nproc.to_string())
             .env("GROUP_RANK", job.node_rank.to_string())
             .env("MASTER_ADDR", &job.master_addr)
-            .env("MASTER_PORT", port.to_string())
+            .env("MASTER_PORT", framework_port(port).to_string())
             .env("TUTTI_STORE", &store_url)
             .env("TUTTI_TOKEN", &token)
             .stdin(Stdio::null());
