@@ -5,7 +5,7 @@
         [--colls all_reduce,all_gather_into_tensor,reduce_scatter_tensor,all_to_all_single,broadcast]
         [--collbench target/release/collbench] [--json out.json]
 
-Each round runs, for every world, both backends (alternating which goes first) and collbench
+After an untimed warm-up round, each round runs, for every world, both backends (alternating which goes first) and collbench
 (`--np N`) over every collective and size. A torch run starts N processes on 127.0.0.1
 (`init_method=tcp://`, one intra-op thread each), float32 tensors, nccl-tests' S (the whole
 gathered or scattered buffer; one rank's buffer for all_reduce and broadcast), 3 warm-up calls,
@@ -162,11 +162,17 @@ def main():
     ap.add_argument("--secs", type=float, default=0.3)
     ap.add_argument("--collbench", default=os.path.join(ROOT, "target", "release", "collbench"))
     ap.add_argument("--json")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed rounds first (the first processes of a run are often slow)")
     a = ap.parse_args()
     worlds = [int(x) for x in a.worlds.split(",")]
     sizes = [size(x) for x in a.sizes.split(",")]
     colls = a.colls.split(",")
     times = {}
+    for _ in range(a.warmup):
+        for n in worlds:
+            for backend in ("gloo", "tutti"):
+                run_torch(backend, n, colls[:1], sizes[-1:], 0.05)
     for rnd in range(a.rounds):
         for n in worlds:
             order = ["gloo", "tutti"] if (rnd + n) % 2 == 0 else ["tutti", "gloo"]
