@@ -170,6 +170,15 @@ class ProcessGroupTutti(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "tutti"
 
+    # torch keeps a group's name on its C++ backends, which a Python group has none of; it
+    # reads the name back when it destroys the group.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_group_name", "")
+
     @property
     def comm(self) -> "_tutti.Comm":
         return self._comm
@@ -246,6 +255,14 @@ class ProcessGroupTutti(dist.ProcessGroup):
             works.append(self._run("allgather", _dtype(i), (outs, i, flat), after, output_tensors,
                                    a=_raw(i), b=_raw(flat)))
         return works[-1] if len(works) == 1 else _All(works, output_tensors)
+
+    def allgather_coalesced(self, output_tensor_lists, input_tensors, opts=None):
+        # output_tensor_lists[rank][j] receives input j of that rank.
+        works = [
+            self.allgather([[per_rank[j] for per_rank in output_tensor_lists]], [inp])
+            for j, inp in enumerate(input_tensors)
+        ]
+        return _All(works, output_tensor_lists)
 
     def all_gather_single_coalesced(self, output_tensors, input_tensors, opts=None):
         works = [self.all_gather_single(o, i) for o, i in zip(output_tensors, input_tensors)]
@@ -496,12 +513,20 @@ def _create(dist_opts, backend_opts=None):
             rank, size, _StoreAdapter(store), "torch store", kind, secret, _master_ip(master), timeout
         )
         _WORLD = comm
-        return ProcessGroupTutti(comm, rank, size)
+        return _named(ProcessGroupTutti(comm, rank, size), dist_opts)
     key = int.from_bytes(hashlib.sha256(str(dist_opts.group_id).encode()).digest()[:8], "little")
     sub = _WORLD.split_keyed(sorted(ranks), key >> 1)
     if sub is None:
         return None
-    return ProcessGroupTutti(sub, rank, size)
+    return _named(ProcessGroupTutti(sub, rank, size), dist_opts)
+
+
+def _named(pg, dist_opts):
+    # torch names the groups its backends make, and looks them up by name when destroying.
+    name = getattr(dist_opts, "group_id", None)
+    if name is not None:
+        pg._set_group_name(str(name))
+    return pg
 
 
 dist.Backend.register_backend("tutti", _create, extended_api=True, devices=["cpu"])
