@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Optional, Sequence
 
-from . import _tutti
+from . import _dtypes, _tutti
 from ._tutti import TuttiError, Work
 
 __all__ = ["Comm", "TuttiError", "Work"]
@@ -39,16 +39,7 @@ def _torch_dtype_name(t: Any) -> Optional[str]:
         return None
     if not isinstance(t, torch.Tensor):
         return None
-    names = {
-        torch.float32: "float32",
-        torch.float64: "float64",
-        torch.float16: "float16",
-        torch.bfloat16: "bfloat16",
-        torch.int8: "int8",
-        torch.uint8: "uint8",
-        torch.int32: "int32",
-        torch.int64: "int64",
-    }
+    names = _dtypes.torch_names()
     if t.dtype not in names:
         raise TypeError(f"tutti cannot reduce {t.dtype}")
     if t.device.type != "cpu":

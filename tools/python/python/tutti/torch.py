@@ -30,21 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from . import _tutti
+from . import _dtypes, _tutti
 from ._tutti import TuttiError
 
 __all__ = ["ProcessGroupTutti", "TuttiError"]
 
-_DTYPES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
+_DTYPES = _dtypes.torch_names()
 
 _OPS = [
     (dist.ReduceOp.SUM, "sum"),
