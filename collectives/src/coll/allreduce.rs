@@ -19,6 +19,12 @@ impl Comm {
         op: ReduceOp,
         scale: Option<f64>,
     ) -> Result<Stats> {
+        if let Some(input) = input.filter(|i| i.len() != out.len()) {
+            return Err(self.invalid(
+                "allreduce",
+                format!("input has {} elements, output {}", input.len(), out.len()),
+            ));
+        }
         let count = out.len();
         let bytes = size_of_val(out);
         let req = Req {
@@ -65,15 +71,7 @@ impl Comm {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<Stats> {
-        self.call(Coll::Allreduce.name(), || {
-            if input.len() != output.len() {
-                return Err(self.invalid(
-                    "allreduce",
-                    format!("input has {} elements, output {}", input.len(), output.len()),
-                ));
-            }
-            self.allreduce_impl(Some(input), output, op, None)
-        })
+        self.call(Coll::Allreduce.name(), || self.allreduce_impl(Some(input), output, op, None))
     }
 }
 
@@ -114,12 +112,6 @@ impl Comm {
     ) -> Result<Stats> {
         self.call(Coll::Allreduce.name(), || {
             self.check_scale::<T>(factor)?;
-            if input.len() != output.len() {
-                return Err(self.invalid(
-                    "allreduce",
-                    format!("input has {} elements, output {}", input.len(), output.len()),
-                ));
-            }
             self.allreduce_impl(Some(input), output, ReduceOp::Sum, Some(factor))
         })
     }
