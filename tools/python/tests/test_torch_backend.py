@@ -50,3 +50,10 @@ def test_a_mismatched_call_raises_on_every_rank(mode, what, tmp_path):
     assert sorted(got) == [0, 1, 2, 3], out + log[-2000:]
     for r, (_, msg) in got.items():
         assert "mismatch" in msg and "rank 1" in msg and what in msg, (r, msg)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sparse_allreduce_and_monitored_barrier(n):
+    rc, out = torchrun("worker_extras.py", n)
+    assert rc == 0, out[-3000:]
+    assert out.count("EXTRAS OK") == n, out[-3000:]

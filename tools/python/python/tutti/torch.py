@@ -24,6 +24,8 @@ import hashlib
 import ipaddress
 import os
 import socket
+import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -153,9 +155,11 @@ class ProcessGroupTutti(dist.ProcessGroup):
 
     supports_coalescing = True
 
-    def __init__(self, comm: "_tutti.Comm", rank: int, size: int):
+    def __init__(self, comm: "_tutti.Comm", rank: int, size: int, store=None):
         super().__init__(rank, size)
         self._comm = comm
+        self._store = store
+        self._monitored = 0
         self._coalescing: Optional[tuple[list, list, list]] = None
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -182,6 +186,16 @@ class ProcessGroupTutti(dist.ProcessGroup):
     def _get_backend(self, device=None):
         return self
 
+    # torch asks which devices a group serves before a monitored barrier, and refuses a group
+    # that names none, which a Python group registers by default. It also asks before it
+    # attaches its flight recorder, which files entries under a name that only a C++ backend
+    # can give, and skips a group that names no device: that caller gets none.
+    @property
+    def _device_types(self):
+        if sys._getframe(1).f_code.co_name == "_maybe_attach_flight_recorder":
+            return []
+        return [torch.device("cpu")]
+
     def _run(self, kind, dtype, keep, after=None, result=None, **kw) -> _Work:
         w = self._comm.run(kind, dtype, async_op=True, **kw)
         return _Work(w, keep, after, result)
@@ -191,6 +205,8 @@ class ProcessGroupTutti(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         op = _op(opts.reduceOp)
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         works = []
         for t in tensors:
             c, back = _contig(t)
@@ -218,6 +234,104 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 self._run("broadcast", _dtype(c), (t, c), back, tensors, a=_raw(c), root=opts.rootRank)
             )
         return works[-1] if len(works) == 1 else _All(works, tensors)
+
+    def _sparse_allreduce(self, tensors, op: str) -> _Work:
+        """Sum sparse COO tensors, as gloo does: every rank's indices and values are gathered
+        (padded to the largest count), concatenated and coalesced; each input becomes the
+        coalesced sum."""
+        if op != "sum" or len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
+            raise ValueError("the tutti backend sums one sparse COO tensor at a time (SUM only)")
+        t = tensors[0]
+        _dtype(t)
+        c = t.coalesce()
+        idx, val = c.indices().contiguous(), c.values().contiguous()
+        n = self.size()
+        counts = torch.empty(n, dtype=torch.int64)
+        self.all_gather_single(counts, torch.tensor([idx.shape[1]], dtype=torch.int64)).wait()
+        most = int(counts.max())
+        pidx = torch.zeros((idx.shape[0], most), dtype=torch.int64)
+        pidx[:, : idx.shape[1]] = idx
+        pval = torch.zeros((most, *val.shape[1:]), dtype=val.dtype)
+        pval[: val.shape[0]] = val
+        gidx = torch.empty((n, *pidx.shape), dtype=torch.int64)
+        gval = torch.empty((n, *pval.shape), dtype=val.dtype)
+        self.all_gather_single(gidx, pidx).wait()
+        self.all_gather_single(gval, pval).wait()
+        keep = [int(k) for k in counts]
+        all_idx = torch.cat([gidx[r][:, : keep[r]] for r in range(n)], dim=1)
+        all_val = torch.cat([gval[r][: keep[r]] for r in range(n)], dim=0)
+        total = torch.sparse_coo_tensor(all_idx, all_val, t.shape).coalesce()
+        t.copy_(total)
+        return _Work(None, (), None, [t])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """A barrier that says who did not come, as gloo's does: every rank checks in with
+        rank 0 through the job's store, and rank 0 names the first rank (or, with
+        ``wait_all_ranks``, every rank) that did not check in before ``timeout``; then it
+        releases the others, or tells them it failed. It runs through the store, not the
+        group's connections, so a failed monitored barrier leaves the group usable."""
+        if self._store is None:
+            raise RuntimeError("monitored_barrier needs the store this group was created with")
+        if timeout is None:
+            timeout = datetime.timedelta(minutes=30)
+        limit = timeout.total_seconds()
+        seq = self._monitored
+        self._monitored += 1
+        base = f"tutti/monitored_barrier/{seq}/"
+        rank, n = self.rank(), self.size()
+        start = time.monotonic()
+
+        def wait(key: str, grace: float = 0.0) -> bool:
+            left = limit + grace - (time.monotonic() - start)
+            if left <= 0:
+                return False
+            try:
+                self._store.wait([key], datetime.timedelta(seconds=left))
+                return True
+            except Exception as e:  # noqa: BLE001 - torch raises its store errors on timeout
+                if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                    return False
+                raise
+
+        if rank != 0:
+            self._store.set(f"{base}in/{rank}", b"1")
+            # Rank 0 answers by the deadline: wait a little past it to hear its verdict.
+            if not wait(f"{base}out", grace=min(limit, 1.0) + 0.5):
+                raise RuntimeError(
+                    f"Rank {rank} successfully reached monitoredBarrier, but received errors "
+                    f"while waiting for send/recv from rank 0: no answer in {limit * 1e3:.0f} ms"
+                )
+            verdict = bytes(self._store.get(f"{base}out")).decode()
+            if verdict != "ok":
+                raise RuntimeError(
+                    f"Rank {rank} successfully reached monitoredBarrier, but received errors "
+                    f"while waiting for send/recv from rank 0: {verdict}"
+                )
+            return _Work(None)
+        missing = []
+        for r in range(1, n):
+            key = f"{base}in/{r}"
+            # Past the deadline a rank that has checked in still passes; one that has not is
+            # named (every such rank, with wait_all_ranks) or the time is up for rank 0.
+            late = limit - (time.monotonic() - start) <= 0
+            if late and not wait_all_ranks and not self._store.check([key]):
+                msg = f"Rank 0 timed out in monitoredBarrier after {limit * 1e3:.0f} ms"
+                self._store.set(f"{base}out", msg.encode())
+                raise RuntimeError(msg)
+            if not (self._store.check([key]) if late else wait(key)):
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+            else:
+                self._store.delete_key(key)
+        if missing:
+            who = ", ".join(str(r) for r in missing)
+            noun = "Rank" if len(missing) == 1 else "Ranks"
+            msg = f"{noun} {who} failed to pass monitoredBarrier in {limit * 1e3:.0f} ms"
+            self._store.set(f"{base}out", msg.encode())
+            raise RuntimeError(msg)
+        self._store.set(f"{base}out", b"ok")
+        return _Work(None)
 
     # -- gathers ---------------------------------------------------------------------------
 
@@ -504,12 +618,12 @@ def _create(dist_opts, backend_opts=None):
             rank, size, _StoreAdapter(store), "torch store", kind, secret, _master_ip(master), timeout
         )
         _WORLD = comm
-        return _named(ProcessGroupTutti(comm, rank, size), dist_opts)
+        return _named(ProcessGroupTutti(comm, rank, size, store), dist_opts)
     key = int.from_bytes(hashlib.sha256(str(dist_opts.group_id).encode()).digest()[:8], "little")
     sub = _WORLD.split_keyed(sorted(ranks), key >> 1)
     if sub is None:
         return None
-    return _named(ProcessGroupTutti(sub, rank, size), dist_opts)
+    return _named(ProcessGroupTutti(sub, rank, size, store), dist_opts)
 
 
 def _named(pg, dist_opts):

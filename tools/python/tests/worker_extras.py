@@ -1,0 +1,92 @@
+"""The tutti backend's sparse allreduce and monitored barrier, under torchrun (world ≥ 2).
+
+Prints "EXTRAS OK" on every rank when every check held.
+"""
+
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+
+import tutti.torch  # noqa: F401 - registers "tutti"
+
+
+def fail(msg):
+    print(f"rank {dist.get_rank()} FAIL {msg}", flush=True)
+    sys.exit(1)
+
+
+def sparse_input(r, n):
+    """Rank r's 6 x 3 tensor, sparse in its rows: rows r, r+1 and 5 (shared by all)."""
+    rows = sorted({r % 6, (r + 1) % 6, 5})
+    idx = torch.tensor([rows], dtype=torch.int64)
+    val = torch.tensor([[float(r + 1 + k), float(k), -1.0] for k in range(len(rows))])
+    return torch.sparse_coo_tensor(idx, val, (6, 3))
+
+
+def expect_raises(what, fn, *needles):
+    try:
+        fn()
+    except RuntimeError as e:
+        msg = str(e)
+        if not all(s in msg for s in needles):
+            fail(f"{what}: {msg!r} lacks {needles}")
+        return msg
+    fail(f"{what}: did not raise")
+
+
+def main():
+    dist.init_process_group("tutti")
+    r, n = dist.get_rank(), dist.get_world_size()
+
+    # Sparse allreduce: the coalesced sum, against the dense sum of every rank's input.
+    t = sparse_input(r, n)
+    dist.all_reduce(t)
+    want = sum(sparse_input(q, n).to_dense() for q in range(n))
+    if not t.is_sparse or not torch.equal(t.to_dense(), want):
+        fail(f"sparse allreduce: got {t.to_dense().tolist()} want {want.tolist()}")
+    if t.indices().shape[1] != int((want.abs().sum(1) != 0).sum()):
+        fail("sparse allreduce: result not coalesced")
+
+    # A monitored barrier that everyone reaches, twice (one with wait_all_ranks).
+    two = datetime.timedelta(seconds=5)
+    dist.monitored_barrier(timeout=two)
+    dist.monitored_barrier(timeout=two, wait_all_ranks=True)
+
+    # Rank 1 stays away: rank 0 names it, the others hear rank 0's verdict at once.
+    short = datetime.timedelta(seconds=1)
+    if r == 0:
+        expect_raises("absent rank", lambda: dist.monitored_barrier(timeout=short),
+                      "Rank 1 failed to pass monitoredBarrier")
+    elif r != 1:
+        expect_raises("verdict", lambda: dist.monitored_barrier(timeout=short),
+                      f"Rank {r} successfully reached monitoredBarrier",
+                      "Rank 1 failed to pass")
+
+    # The group still works afterwards.
+    x = torch.full((4,), float(r + 1))
+    dist.all_reduce(x)
+    if not torch.equal(x, torch.full((4,), float(n * (n + 1) // 2))):
+        fail(f"allreduce after a failed monitored barrier: {x.tolist()}")
+
+    # Only rank 0 comes: with wait_all_ranks it names every other rank; with no time, itself.
+    if r == 0:
+        if n > 1:
+            names = ", ".join(str(q) for q in range(1, n))
+            noun = "Rank" if n == 2 else "Ranks"
+            expect_raises("all absent", lambda: dist.monitored_barrier(
+                timeout=datetime.timedelta(seconds=0.2), wait_all_ranks=True),
+                f"{noun} {names} failed to pass monitoredBarrier")
+        pg = dist.new_group(list(range(n)))
+        expect_raises("no time", lambda: pg.monitored_barrier(datetime.timedelta(seconds=0)),
+                      "Rank 0 timed out in monitoredBarrier")
+    else:
+        dist.new_group(list(range(n)))
+    dist.barrier()
+    print(f"rank {r} EXTRAS OK", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
