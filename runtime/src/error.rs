@@ -265,6 +265,26 @@ pub enum Error {
         detail: String,
     },
 
+    /// This rank may not go on after a failure: the survivors that agreed on the next
+    /// membership left it out (it was cut off from the others, or too slow to answer), or too
+    /// few ranks were left for any side to go on, or the store the agreement runs through
+    /// could not be reached.
+    ///
+    /// What to do: stop this process (its state is no longer the job's). The message names
+    /// the ranks this one lost; if the job went on without it, a replacement can join with
+    /// `grow`.
+    #[error("rank {rank}: cut off at membership epoch {epoch}: {detail}; lost ranks {lost:?}")]
+    CutOff {
+        /// Local rank (in the membership that failed).
+        rank: usize,
+        /// The membership epoch that failed.
+        epoch: u64,
+        /// Ranks of that membership this rank could not count among the survivors.
+        lost: Vec<usize>,
+        /// Why this rank stops.
+        detail: String,
+    },
+
     /// A feature this build was compiled without was requested.
     ///
     /// What to do: rebuild with the named cargo feature.

@@ -38,7 +38,9 @@ struct GroupInner {
     timeout_ms: AtomicU64,
     poison: Mutex<Option<Error>>,
     /// Things that must live as long as the group (the store server on rank 0).
-    _keep: Vec<Arc<dyn Any + Send + Sync>>,
+    keep: Vec<Arc<dyn Any + Send + Sync>>,
+    /// How to rebuild the world over the survivors of a failure (groups made by rendezvous).
+    rejoin: Option<Arc<crate::elastic::Rejoin>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -55,12 +57,13 @@ impl std::fmt::Debug for Group {
 impl Group {
     /// The world group over `transport`: every rank of the job, id 0.
     pub fn new(transport: Arc<dyn Transport>) -> Group {
-        Self::with_keep(transport, Vec::new())
+        Self::with_parts(transport, Vec::new(), None)
     }
 
-    pub(crate) fn with_keep(
+    pub(crate) fn with_parts(
         transport: Arc<dyn Transport>,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
+        rejoin: Option<Arc<crate::elastic::Rejoin>>,
     ) -> Group {
         let n = transport.world_size();
         let rank = transport.rank();
@@ -74,7 +77,8 @@ impl Group {
                 children: AtomicU32::new(0),
                 timeout_ms: AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64),
                 poison: Mutex::new(None),
-                _keep: keep,
+                keep,
+                rejoin,
             }),
         }
     }
@@ -200,6 +204,19 @@ impl Group {
         Ok(())
     }
 
+    /// How this group rebuilds itself after a failure, and what it keeps alive.
+    pub(crate) fn parts(
+        &self,
+    ) -> (Option<&Arc<crate::elastic::Rejoin>>, &[Arc<dyn Any + Send + Sync>]) {
+        (self.inner.rejoin.as_ref(), &self.inner.keep)
+    }
+
+    /// The error that poisoned this group or its transport, if any.
+    pub fn failure(&self) -> Option<Error> {
+        let own = self.inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        own.or_else(|| self.inner.transport.poisoned())
+    }
+
     /// Stop everything: pending and future operations of every group over this transport fail
     /// with [`Error::Aborted`], and peers are told. Callable from any thread; idempotent.
     pub fn abort(&self, reason: &str) {
@@ -271,7 +288,8 @@ impl Group {
                 children: AtomicU32::new(0),
                 timeout_ms: AtomicU64::new(self.inner.timeout_ms.load(Ordering::Relaxed)),
                 poison: Mutex::new(None),
-                _keep: Vec::new(),
+                keep: Vec::new(),
+                rejoin: None,
             }),
         }))
     }

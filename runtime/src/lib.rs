@@ -25,6 +25,7 @@
 //! ```
 
 pub mod auth;
+pub mod elastic;
 pub mod error;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;

@@ -53,7 +53,8 @@ pub(crate) fn parse(line: &[u8]) -> Option<(usize, String)> {
 /// The one reader of this process's notice pipe and the transports it fails.
 struct Watcher {
     fd: RawFd,
-    transports: Vec<Weak<dyn Transport>>,
+    /// Each transport with the launch rank → its rank map (a shrunken world renumbers).
+    transports: Vec<(Weak<dyn Transport>, Vec<usize>)>,
 }
 
 static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
@@ -61,12 +62,12 @@ static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
 /// Fail `transport` when the launcher behind `fd` reports a dead rank. The first call starts the
 /// reader thread (and marks `fd` close-on-exec, so the process's own children do not take the
 /// notices); later calls with the same descriptor only add the transport.
-pub(crate) fn watch(fd: RawFd, transport: &Arc<dyn Transport>) {
+pub(crate) fn watch(fd: RawFd, transport: &Arc<dyn Transport>, launch_ranks: Vec<usize>) {
     let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(w) = w.as_mut() {
         if w.fd == fd {
-            w.transports.retain(|t| t.strong_count() > 0);
-            w.transports.push(Arc::downgrade(transport));
+            w.transports.retain(|(t, _)| t.strong_count() > 0);
+            w.transports.push((Arc::downgrade(transport), launch_ranks));
             return;
         }
     }
@@ -78,7 +79,7 @@ pub(crate) fn watch(fd: RawFd, transport: &Arc<dyn Transport>) {
     }
     // SAFETY: as above.
     unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) };
-    *w = Some(Watcher { fd, transports: vec![Arc::downgrade(transport)] });
+    *w = Some(Watcher { fd, transports: vec![(Arc::downgrade(transport), launch_ranks)] });
     let spawned = std::thread::Builder::new().name("tutti-launcher".into()).spawn(move || read(fd));
     if let Err(e) = spawned {
         warn!("cannot start the launcher-notice thread: {e}");
@@ -129,14 +130,23 @@ fn apply(line: &[u8]) {
         warn!("ignoring a malformed launcher notice {:?}", String::from_utf8_lossy(line));
         return;
     };
-    let live: Vec<Arc<dyn Transport>> = {
+    let live: Vec<(Arc<dyn Transport>, Option<usize>)> = {
         let w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
-        w.as_ref()
-            .map_or_else(Vec::new, |w| w.transports.iter().filter_map(Weak::upgrade).collect())
+        w.as_ref().map_or_else(Vec::new, |w| {
+            w.transports
+                .iter()
+                .filter_map(|(t, map)| {
+                    Some((t.upgrade()?, map.iter().position(|launch| *launch == rank)))
+                })
+                .collect()
+        })
     };
     let detail = format!("tutti-run reports that rank {rank} {what}");
-    for t in live {
-        t.peer_died(rank, &detail);
+    for (t, here) in live {
+        // A rank that is not in this transport's world (already shrunk away) is no news.
+        if let Some(r) = here {
+            t.peer_died(r, &detail);
+        }
     }
 }
 
@@ -238,7 +248,7 @@ mod tests {
         ];
         for kind in kinds {
             let ts = testing::world(kind, 3).unwrap();
-            watch(fds[0], &ts[0]);
+            watch(fds[0], &ts[0], vec![0, 1, 2]);
             let errs: Vec<String> = std::thread::scope(|s| {
                 let waits = [(0usize, 1usize), (2, 0)].map(|(me, from)| {
                     let t = &ts[me];

@@ -515,35 +515,54 @@ fn connect(
         };
         (token, job)
     };
+    let t = open_transport(rank, world, job, &token, store.as_ref(), master_ip, opts)?;
+    if let Some(fd) = launcher_fd {
+        launcher::watch(fd, &t, (0..world).collect());
+    }
+    let rejoin = crate::elastic::Rejoin {
+        store,
+        token,
+        job,
+        epoch: 0,
+        ids: (0..world as u64).collect(),
+        opts: opts.clone(),
+        master_ip,
+        launcher_fd,
+    };
+    let g = Group::with_parts(t, keep, Some(Arc::new(rejoin)));
+    g.set_timeout(opts.timeout);
+    Ok(g)
+}
+
+/// Connect this rank's transport of kind `opts.transport` to the `world` ranks of `job`
+/// through `store`.
+pub(crate) fn open_transport(
+    rank: usize,
+    world: usize,
+    job: u64,
+    token: &str,
+    store: &dyn Store,
+    master_ip: Option<IpAddr>,
+    opts: &Options,
+) -> Result<Arc<dyn crate::transport::Transport>> {
     let mut tcp = opts.link.clone();
     tcp.bind_ip = ifaddr::select(opts.ifname.as_ref(), master_ip)?;
-    let id = JobIdentity { rank, world, job, key: JobKey::from_token(&token) };
-    let t: Arc<dyn crate::transport::Transport> = match opts.transport {
+    let id = JobIdentity { rank, world, job, key: JobKey::from_token(token) };
+    Ok(match opts.transport {
         TransportKind::Tcp => {
-            let t = TcpTransport::connect(&id, store.as_ref(), &tcp)?;
+            let t = TcpTransport::connect(&id, store, &tcp)?;
             info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (tcp)");
             Arc::new(t)
         }
         #[cfg(feature = "quic")]
         TransportKind::Quic => {
-            let t = crate::transport::quic::QuicTransport::connect(
-                &id,
-                store.as_ref(),
-                &tcp,
-                &opts.quic,
-            )?;
+            let t = crate::transport::quic::QuicTransport::connect(&id, store, &tcp, &opts.quic)?;
             info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (quic)");
             Arc::new(t)
         }
         #[cfg(not(feature = "quic"))]
         TransportKind::Quic => return Err(Error::NotCompiledWith("quic")),
-    };
-    if let Some(fd) = launcher_fd {
-        launcher::watch(fd, &t);
-    }
-    let g = Group::with_keep(t, keep);
-    g.set_timeout(opts.timeout);
-    Ok(g)
+    })
 }
 
 #[cfg(test)]

@@ -78,6 +78,9 @@ struct Link {
     peer_closed: bool,
     /// Our own close frame is queued (it is the last frame we send).
     close_sent: bool,
+    /// The peer is gone: it closed, its connection broke, or it fell silent (not: it told us
+    /// it aborted, which a live peer does).
+    gone: bool,
     /// When bytes last arrived from the peer (data, control, or the driver's own traffic).
     last_rx: Instant,
     /// When the driver last handed bytes of ours to its wire.
@@ -99,6 +102,7 @@ impl Link {
             up: false,
             peer_closed: false,
             close_sent: false,
+            gone: false,
             last_rx: now,
             last_tx: now,
         }
@@ -190,6 +194,11 @@ impl Core {
     /// Whether `peer`'s link is up (not failed, not finished).
     pub(crate) fn is_up(&self, peer: usize) -> bool {
         self.links.get(peer).is_some_and(|l| l.up)
+    }
+
+    /// The peers that are gone (closed, broken or silent), for the survivors' agreement.
+    pub(crate) fn gone_peers(&self) -> Vec<usize> {
+        self.links.iter().enumerate().filter(|(_, l)| l.gone).map(|(p, _)| p).collect()
     }
 
     /// Whether `peer` said it is leaving cleanly (its close frame arrived).
@@ -775,6 +784,7 @@ impl Core {
             return;
         }
         l.peer_closed = true;
+        l.gone = true;
         l.want = 0;
         self.queue_close(peer);
         matcher::fail_closed_peer(self.rank, peer, &mut self.ops, &mut self.queues[peer]);
@@ -792,6 +802,7 @@ impl Core {
         l.cur = None;
         l.hdr_have = 0;
         l.sendq.clear();
+        l.gone |= !matches!(f, LinkFail::Aborted(_));
         self.down.push(peer);
         if l.peer_closed && matches!(f, LinkFail::Closed | LinkFail::Lost(_)) {
             // End of a clean shutdown.

@@ -292,6 +292,10 @@ impl<D: Driver> Engine<D> {
         self.lock().core.poisoned().cloned()
     }
 
+    pub(crate) fn lost_peers(&self) -> Vec<usize> {
+        self.lock().core.gone_peers()
+    }
+
     /// The background driver: runs until [`Engine::stop`], serving the connections (and the
     /// core's keep-alives) whenever no thread is inside `wait`.
     pub(crate) fn background(&self) {
@@ -499,5 +503,9 @@ impl<T: Wired> Transport for T {
 
     fn poisoned(&self) -> Option<Error> {
         self.engine().poisoned()
+    }
+
+    fn lost_peers(&self) -> Vec<usize> {
+        self.engine().lost_peers()
     }
 }

@@ -216,6 +216,14 @@ pub trait Transport: Send + Sync {
     /// The error that poisoned this transport, if any.
     fn poisoned(&self) -> Option<Error>;
 
+    /// The peers this transport knows are gone: their connection closed or broke, or they
+    /// fell silent past the dead-peer limit (a peer that sent an abort is alive, and not
+    /// listed). What a survivor reports when the ranks agree on who is left. Default: none
+    /// known.
+    fn lost_peers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
     /// The address this rank listens on and published to its peers (`None` for transports
     /// without one, such as the in-memory transport).
     fn local_addr(&self) -> Option<std::net::SocketAddr> {

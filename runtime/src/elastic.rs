@@ -1,0 +1,759 @@
+//! Going on after a lost rank: the survivors agree, through the job's store, on who is still
+//! alive, and connect a new world over them ([`Group::shrink`](crate::Group::shrink)).
+//!
+//! # The agreement
+//!
+//! Every group made by rendezvous remembers its *membership*: an epoch number (0 at start-up)
+//! and the stable ids of its members in rank order (at start-up, id = launch rank). After a
+//! failure, each survivor aborts its old transport (local, bounded) and runs this protocol on
+//! the store, under keys `tutti/elastic/<epoch>/`:
+//!
+//! 1. **Check in**: write `in/<id>` with the ranks it saw fail (its suspects: peers whose
+//!    connection was lost or that timed out) and a caller's note (the data-parallel layer puts
+//!    its step there).
+//! 2. **Rounds** `k = 0, 1, …`, each with one proposer: whoever first increments `claim/<k>`
+//!    (the store's atomic add makes exactly one). The proposer waits until every member that
+//!    nobody suspects has checked in (up to the group's timeout), then a short grace for the
+//!    suspected ones, and writes its view to `prop/<k>`: the checked-in members in their old
+//!    order, or "stop" when they are not a strict majority of the old membership. It then
+//!    adds 1 to `state/<k>`; the round is decided if that add returned 1.
+//! 3. **Void**: the others wait for `prop/<k>` while the proposer's heartbeat (`beat/<k>`, bumped
+//!    every 100 ms) moves. If it stops for a second, or the proposal does not appear within the
+//!    timeout, they add 2 to `state/<k>`: an even result means no commit came first, so the
+//!    round is void for everyone (the proposer's later add returns an odd number above 1, and
+//!    it moves on too); an odd result means the proposal was committed first. Then round
+//!    `k + 1`.
+//!
+//! Everyone walks the rounds in order and each round's outcome is fixed by the first add on its
+//! `state` key, so every survivor ends with the same decision: the same members, in the same
+//! order. A slow but alive rank is in or out for everyone: if it checks in after the decision
+//! it reads it and stops with [`Error::CutOff`]. A proposer that dies mid-round is voided and
+//! the next round proposes again; a member that dies after the decision makes the new world's
+//! connect fail, and the survivors shrink again.
+//!
+//! **Split brain**: one decision exists per epoch, made in the one store, so two sides of a
+//! partition can never both go on; and a decision needs a strict majority of the old
+//! membership, so a minority that still reaches the store stops as well, and a side that
+//! cannot reach the store stops with [`Error::CutOff`] naming the ranks it lost. The store
+//! must therefore outlive every rank: under `tutti-run` the launcher serves it; when rank 0
+//! serves it (`MASTER_ADDR`/`MASTER_PORT` without a launcher), losing rank 0 loses the store,
+//! and the survivors stop with [`Error::CutOff`] saying so.
+//!
+//! **Renumbering**: the survivors keep their relative order; new rank = position among them.
+//! Stable ids never change, so a sub-group is rebuilt from the new ranks.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::rendezvous::Options;
+use crate::store::Store;
+
+/// How long the proposer waits, once every unsuspected member is in, for suspected members
+/// that are alive after all (a broken link rather than a dead process).
+const SUSPECT_GRACE: Duration = Duration::from_millis(100);
+/// How often the proposer shows it is alive, and how long its silence voids a round.
+const BEAT: Duration = Duration::from_millis(100);
+const BEAT_LOST: Duration = Duration::from_secs(1);
+/// Store polling interval while waiting for check-ins.
+const POLL: Duration = Duration::from_millis(2);
+/// How often a waiting rank looks for newly lost peers, and the proposer rereads check-ins.
+const REFRESH: Duration = Duration::from_millis(20);
+
+/// What a group needs to rebuild itself over the survivors of a failure: the store that
+/// outlives the ranks, the job's secret and id, its membership, and how to connect.
+#[derive(Clone)]
+pub(crate) struct Rejoin {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) token: String,
+    pub(crate) job: u64,
+    pub(crate) epoch: u64,
+    /// Stable ids of the members, in rank order.
+    pub(crate) ids: Vec<u64>,
+    pub(crate) opts: Options,
+    pub(crate) master_ip: Option<IpAddr>,
+    pub(crate) launcher_fd: Option<i32>,
+}
+
+impl Rejoin {
+    /// The store under the keys of one epoch's connections.
+    pub(crate) fn epoch_store(&self, epoch: u64) -> Arc<dyn Store> {
+        if epoch == 0 {
+            return self.store.clone();
+        }
+        Arc::new(PrefixStore { inner: self.store.clone(), prefix: format!("tutti/epoch/{epoch}/") })
+    }
+
+    /// The job id the transports of `epoch` authenticate with: connections of different
+    /// epochs refuse each other.
+    pub(crate) fn epoch_job(&self, epoch: u64) -> u64 {
+        self.job ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+}
+
+/// A store seen under a key prefix (one epoch's rendezvous keys apart from another's).
+struct PrefixStore {
+    inner: Arc<dyn Store>,
+    prefix: String,
+}
+
+impl Store for PrefixStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(&format!("{}{key}", self.prefix), value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.inner.get(&format!("{}{key}", self.prefix), timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(&format!("{}{key}", self.prefix), delta)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(&format!("{}{key}", self.prefix))
+    }
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        let keys: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.inner.check(&refs)
+    }
+    fn describe(&self) -> String {
+        format!("{} under {}", self.inner.describe(), self.prefix)
+    }
+}
+
+/// One survivor's check-in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Report {
+    pub(crate) suspects: Vec<u64>,
+    pub(crate) note: Vec<u8>,
+}
+
+/// The agreed outcome of one epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// These members (stable ids, new rank order) go on, with their notes.
+    Go(Vec<(u64, Vec<u8>)>),
+    /// Too few were left: everyone stops. The members that checked in.
+    Stop(Vec<u64>),
+}
+
+fn put_u64(v: &mut Vec<u8>, x: u64) {
+    v.extend_from_slice(&x.to_le_bytes());
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn u64(&mut self) -> Option<u64> {
+        let (h, t) = self.0.split_first_chunk::<8>()?;
+        self.0 = t;
+        Some(u64::from_le_bytes(*h))
+    }
+    fn bytes(&mut self) -> Option<Vec<u8>> {
+        let n = usize::try_from(self.u64()?).ok()?;
+        if n > self.0.len() {
+            return None;
+        }
+        let (h, t) = self.0.split_at(n);
+        self.0 = t;
+        Some(h.to_vec())
+    }
+    fn ids(&mut self) -> Option<Vec<u64>> {
+        let n = usize::try_from(self.u64()?).ok()?;
+        if n > self.0.len() / 8 {
+            return None;
+        }
+        (0..n).map(|_| self.u64()).collect()
+    }
+}
+
+impl Report {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        put_u64(&mut v, self.suspects.len() as u64);
+        for s in &self.suspects {
+            put_u64(&mut v, *s);
+        }
+        put_u64(&mut v, self.note.len() as u64);
+        v.extend_from_slice(&self.note);
+        v
+    }
+    pub(crate) fn decode(raw: &[u8]) -> Option<Report> {
+        let mut r = Reader(raw);
+        let suspects = r.ids()?;
+        let note = r.bytes()?;
+        r.0.is_empty().then_some(Report { suspects, note })
+    }
+}
+
+impl Decision {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        match self {
+            Decision::Go(members) => {
+                v.push(0);
+                put_u64(&mut v, members.len() as u64);
+                for (id, note) in members {
+                    put_u64(&mut v, *id);
+                    put_u64(&mut v, note.len() as u64);
+                    v.extend_from_slice(note);
+                }
+            }
+            Decision::Stop(seen) => {
+                v.push(1);
+                put_u64(&mut v, seen.len() as u64);
+                for id in seen {
+                    put_u64(&mut v, *id);
+                }
+            }
+        }
+        v
+    }
+    pub(crate) fn decode(raw: &[u8]) -> Option<Decision> {
+        let (&kind, rest) = raw.split_first()?;
+        let mut r = Reader(rest);
+        let d = match kind {
+            0 => {
+                let n = usize::try_from(r.u64()?).ok()?;
+                if n > rest.len() / 16 {
+                    return None;
+                }
+                let mut m = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let id = r.u64()?;
+                    m.push((id, r.bytes()?));
+                }
+                Decision::Go(m)
+            }
+            1 => Decision::Stop(r.ids()?),
+            _ => return None,
+        };
+        r.0.is_empty().then_some(d)
+    }
+}
+
+/// Who takes part in one agreement, and how long it may take.
+pub(crate) struct Agreement<'a> {
+    pub(crate) store: &'a dyn Store,
+    pub(crate) epoch: u64,
+    /// The membership that failed (stable ids in rank order).
+    pub(crate) ids: &'a [u64],
+    pub(crate) me: u64,
+    /// This rank's suspects (stable ids) as they are now: asked again while the agreement
+    /// runs, since a transport keeps learning of closed connections after it failed.
+    pub(crate) suspects: &'a (dyn Fn() -> Vec<u64> + Sync),
+    /// How long the proposer waits for a member nobody suspects.
+    pub(crate) wait: Duration,
+    /// Give up (cut off) after this.
+    pub(crate) deadline: Instant,
+}
+
+impl Agreement<'_> {
+    fn key(&self, what: &str) -> String {
+        format!("tutti/elastic/{}/{what}", self.epoch)
+    }
+
+    /// Check in with `note` and this rank's suspects, then take part in rounds until one is
+    /// decided.
+    pub(crate) fn run(&self, note: &[u8]) -> Result<Decision> {
+        let mut report = Report { suspects: (self.suspects)(), note: note.to_vec() };
+        self.store.set(&self.key(&format!("in/{}", self.me)), &report.encode())?;
+        let mut refreshed = Instant::now();
+        // Check in again when this rank has learnt of more lost peers.
+        let mut refresh = |report: &mut Report| -> Result<()> {
+            if refreshed.elapsed() < REFRESH {
+                return Ok(());
+            }
+            refreshed = Instant::now();
+            let mut now = (self.suspects)();
+            now.retain(|s| !report.suspects.contains(s));
+            if !now.is_empty() {
+                report.suspects.extend(now);
+                self.store.set(&self.key(&format!("in/{}", self.me)), &report.encode())?;
+            }
+            Ok(())
+        };
+        for k in 0u64.. {
+            if Instant::now() >= self.deadline {
+                return Err(Error::Store {
+                    addr: self.store.describe(),
+                    detail: format!("no membership decided for epoch {} in time", self.epoch),
+                });
+            }
+            if self.store.add(&self.key(&format!("claim/{k}")), 1)? == 1 {
+                let proposal = self.propose(k, &mut || refresh(&mut report))?;
+                self.store.set(&self.key(&format!("prop/{k}")), &proposal.encode())?;
+                if self.store.add(&self.key(&format!("state/{k}")), 1)? == 1 {
+                    info!(
+                        epoch = self.epoch,
+                        round = k,
+                        ?proposal,
+                        "membership decided (proposer)"
+                    );
+                    return Ok(proposal);
+                }
+                warn!(epoch = self.epoch, round = k, "my proposal came after the round was voided");
+                continue;
+            }
+            if let Some(d) = self.follow(k, &mut || refresh(&mut report))? {
+                return Ok(d);
+            }
+        }
+        unreachable!("the rounds end at the deadline")
+    }
+
+    /// Collect check-ins and make this round's proposal, beating the heartbeat meanwhile.
+    fn propose(&self, k: u64, refresh: &mut dyn FnMut() -> Result<()>) -> Result<Decision> {
+        let beat = self.key(&format!("beat/{k}"));
+        let start = Instant::now();
+        let mut last_beat = start;
+        let mut all_in_at: Option<Instant> = None;
+        let mut reports: Vec<Option<Report>> = vec![None; self.ids.len()];
+        let mut reread = Instant::now();
+        loop {
+            refresh()?;
+            if last_beat.elapsed() >= BEAT {
+                self.store.add(&beat, 1)?;
+                last_beat = Instant::now();
+            }
+            // Check-ins change when their ranks learn of more losses: read them all again now
+            // and then.
+            let again = reread.elapsed() >= REFRESH;
+            if again {
+                reread = Instant::now();
+            }
+            for (i, id) in self.ids.iter().enumerate() {
+                if reports[i].is_none() || again {
+                    let key = self.key(&format!("in/{id}"));
+                    if self.store.check(&[key.as_str()])? {
+                        let raw = self.store.get(&key, Duration::from_secs(5))?;
+                        // An unreadable check-in counts as none (it cannot come from a member).
+                        reports[i] = Report::decode(&raw);
+                    }
+                }
+            }
+            let suspected: Vec<u64> =
+                reports.iter().flatten().flat_map(|r| r.suspects.iter().copied()).collect();
+            let waiting =
+                self.ids.iter().zip(&reports).any(|(id, r)| r.is_none() && !suspected.contains(id));
+            let everyone = reports.iter().all(Option::is_some);
+            let now = Instant::now();
+            if !waiting && all_in_at.is_none() {
+                all_in_at = Some(now);
+            }
+            let grace_over = all_in_at.is_some_and(|t| now >= t + SUSPECT_GRACE);
+            if everyone || grace_over || now >= start + self.wait || now >= self.deadline {
+                break;
+            }
+            std::thread::sleep(POLL);
+        }
+        let members: Vec<(u64, Vec<u8>)> =
+            self.ids.iter().zip(reports).filter_map(|(id, r)| r.map(|r| (*id, r.note))).collect();
+        Ok(if members.len() * 2 > self.ids.len() {
+            Decision::Go(members)
+        } else {
+            Decision::Stop(members.into_iter().map(|(id, _)| id).collect())
+        })
+    }
+
+    /// Wait for round `k`'s proposer; `None` when the round is void.
+    fn follow(&self, k: u64, refresh: &mut dyn FnMut() -> Result<()>) -> Result<Option<Decision>> {
+        let (prop, state, beat) = (
+            self.key(&format!("prop/{k}")),
+            self.key(&format!("state/{k}")),
+            self.key(&format!("beat/{k}")),
+        );
+        let give_up = (Instant::now() + self.wait + 2 * BEAT_LOST).min(self.deadline);
+        let mut seen_beat = -1;
+        let mut beat_moved = Instant::now();
+        loop {
+            refresh()?;
+            let v = self.store.add(&state, 0)?;
+            if v % 2 == 1 {
+                let raw = self.store.get(&prop, Duration::from_secs(5))?;
+                return Decision::decode(&raw).map(Some).ok_or_else(|| Error::Store {
+                    addr: self.store.describe(),
+                    detail: format!("an unreadable membership proposal at {prop}"),
+                });
+            }
+            if v > 0 {
+                return Ok(None);
+            }
+            let b = self.store.add(&beat, 0)?;
+            if b != seen_beat {
+                seen_beat = b;
+                beat_moved = Instant::now();
+            }
+            if beat_moved.elapsed() >= BEAT_LOST || Instant::now() >= give_up {
+                // The proposer is gone or too slow: void the round, unless it committed first.
+                let v = self.store.add(&state, 2)?;
+                if v % 2 == 1 {
+                    continue;
+                }
+                warn!(epoch = self.epoch, round = k, "voided a round whose proposer went silent");
+                return Ok(None);
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+/// What [`Group::shrink_with`] returns.
+#[derive(Debug)]
+pub struct Shrunk {
+    /// The new world group over the survivors.
+    pub group: Group,
+    /// Each new member's note (what it passed to `shrink_with`), in new rank order.
+    pub notes: Vec<Vec<u8>>,
+    /// The old ranks left out, in the numbering of the group `shrink_with` was called on.
+    pub lost: Vec<usize>,
+    /// Each new rank's rank in that group.
+    pub old_ranks: Vec<usize>,
+    /// The new membership epoch (the world at start-up is epoch 0).
+    pub epoch: u64,
+}
+
+impl Group {
+    /// After a failure, agree with the other survivors on who is left and connect a new world
+    /// group over them. See [`shrink_with`](Group::shrink_with).
+    ///
+    /// # Errors
+    /// As [`shrink_with`](Group::shrink_with).
+    pub fn shrink(&self) -> Result<Group> {
+        self.shrink_with(&[]).map(|s| s.group)
+    }
+
+    /// After a failure, agree with the other survivors on who is left and connect a new world
+    /// group over them; `note` (at most a few KiB) reaches every survivor in
+    /// [`Shrunk::notes`], so they can settle application state (the data-parallel layer sends
+    /// its step).
+    ///
+    /// # Collective contract
+    /// Every surviving rank of the world group calls this once after an error (this group
+    /// is aborted first, locally; calling it twice on one group runs a second agreement).
+    /// The survivors keep their relative order: new rank = position among them. Only a
+    /// world group made by rendezvous can shrink (it remembers the store); the store must
+    /// outlive the lost ranks. The protocol, and why no two sides of a partition can both go
+    /// on, is in the module docs ([`crate::elastic`]).
+    ///
+    /// Teardown: this group's transport is aborted (fails every pending operation, tells the
+    /// peers, never waits on a lost one); its threads and sockets close when the last handle
+    /// to it is dropped.
+    ///
+    /// # Errors
+    /// [`Error::CutOff`] when this rank may not go on: the survivors decided without it, too
+    /// few ranks were left for a strict majority, or the store could not be reached.
+    /// [`Error::Config`] for a group that cannot shrink (in-memory, or a sub-group).
+    pub fn shrink_with(&self, note: &[u8]) -> Result<Shrunk> {
+        let (rejoin, keep) = self.parts();
+        let Some(rejoin) = rejoin.map(|r| Rejoin::clone(r)) else {
+            return Err(Error::Config(
+                "only a world group made by rendezvous can shrink (it needs the job's store); \
+                 rebuild sub-groups from the shrunken world"
+                    .into(),
+            ));
+        };
+        let keep = keep.to_vec();
+        let start = Instant::now();
+        let rank = self.rank();
+        let cause = self.failure();
+        let mut suspects: Vec<u64> = match &cause {
+            Some(e) if blames(e) => e.peer().map(|p| vec![rejoin.ids[p]]).unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        self.abort(&format!(
+            "rank {rank} is shrinking the group at epoch {} after: {}",
+            rejoin.epoch,
+            cause.as_ref().map_or_else(|| "a request".to_string(), ToString::to_string)
+        ));
+        let wait = self.timeout();
+        let deadline = start + wait + Duration::from_secs(10);
+        // The ranks of the group this was called on, for the caller.
+        let first_ids = rejoin.ids.clone();
+        let rejoin_epoch = rejoin.epoch;
+        let mut cur = rejoin;
+        loop {
+            let me = cur.ids[cur.ids.iter().position(|id| *id == first_ids[rank]).unwrap_or(0)];
+            let lost_of = |kept: &[u64]| -> Vec<usize> {
+                (0..first_ids.len()).filter(|r| !kept.contains(&first_ids[*r])).collect()
+            };
+            // The first round suspects whom this group's transport lost (it keeps learning
+            // while the agreement runs); a retry, whoever did not come.
+            let transport = (cur.epoch == rejoin_epoch).then(|| self.transport().clone());
+            let ids = cur.ids.clone();
+            let fixed = suspects.clone();
+            let suspects_now = move || {
+                let mut s = fixed.clone();
+                for p in transport.as_ref().map(|t| t.lost_peers()).unwrap_or_default() {
+                    if let Some(id) = ids.get(p).filter(|id| !s.contains(id)) {
+                        s.push(*id);
+                    }
+                }
+                s
+            };
+            let agreement = Agreement {
+                store: cur.store.as_ref(),
+                epoch: cur.epoch,
+                ids: &cur.ids,
+                me,
+                suspects: &suspects_now,
+                wait,
+                deadline,
+            };
+            let decision = agreement.run(note);
+            suspects = suspects_now();
+            let members = match decision {
+                Err(e) => {
+                    let lost = suspects
+                        .iter()
+                        .filter_map(|s| first_ids.iter().position(|id| id == s))
+                        .collect();
+                    return Err(Error::CutOff {
+                        rank,
+                        epoch: cur.epoch,
+                        lost,
+                        detail: format!(
+                            "the store the survivors agree through could not be reached ({e}); \
+                             a side that cannot reach it stops"
+                        ),
+                    });
+                }
+                Ok(Decision::Stop(seen)) => {
+                    return Err(Error::CutOff {
+                        rank,
+                        epoch: cur.epoch,
+                        lost: lost_of(&seen),
+                        detail: format!(
+                            "only {} of {} ranks of the membership were left, not a strict \
+                             majority, so no side goes on",
+                            seen.len(),
+                            cur.ids.len()
+                        ),
+                    });
+                }
+                Ok(Decision::Go(members)) => members,
+            };
+            let kept: Vec<u64> = members.iter().map(|(id, _)| *id).collect();
+            let Some(new_rank) = kept.iter().position(|id| *id == me) else {
+                return Err(Error::CutOff {
+                    rank,
+                    epoch: cur.epoch,
+                    lost: lost_of(&kept),
+                    detail: format!(
+                        "the survivors went on without this rank (ranks {:?} of the old world): \
+                         it was cut off from them or too slow to check in",
+                        kept.iter()
+                            .filter_map(|k| first_ids.iter().position(|id| id == k))
+                            .collect::<Vec<_>>()
+                    ),
+                });
+            };
+            let epoch = cur.epoch + 1;
+            let store = cur.epoch_store(epoch);
+            let mut opts = cur.opts.clone();
+            opts.link.connect_timeout = opts.link.connect_timeout.min(wait);
+            let job = cur.epoch_job(epoch);
+            let world = kept.len();
+            match crate::rendezvous::open_transport(
+                new_rank,
+                world,
+                job,
+                &cur.token,
+                store.as_ref(),
+                cur.master_ip,
+                &opts,
+            ) {
+                Ok(t) => {
+                    if let Some(fd) = cur.launcher_fd {
+                        let launch = kept.iter().map(|id| *id as usize).collect();
+                        crate::rendezvous::launcher::watch(fd, &t, launch);
+                    }
+                    info!(
+                        rank,
+                        new_rank,
+                        world,
+                        epoch,
+                        elapsed = ?start.elapsed(),
+                        "shrunk: the survivors go on"
+                    );
+                    let old_ranks = kept
+                        .iter()
+                        .map(|k| first_ids.iter().position(|id| id == k).unwrap_or(usize::MAX))
+                        .collect();
+                    let next = Rejoin { epoch, ids: kept.clone(), ..cur };
+                    let group = Group::with_parts(t, keep, Some(Arc::new(next)));
+                    group.set_timeout(wait);
+                    return Ok(Shrunk {
+                        group,
+                        notes: members.into_iter().map(|(_, n)| n).collect(),
+                        lost: lost_of(&kept),
+                        old_ranks,
+                        epoch,
+                    });
+                }
+                Err(e) => {
+                    // Someone agreed and then did not come (a second failure): agree again
+                    // on this membership, suspecting whoever never published an address.
+                    warn!(rank, epoch, "connecting the survivors failed, agreeing again: {e}");
+                    suspects = (0..world)
+                        .filter(|r| {
+                            let key = crate::transport::tcp::addr_key(*r);
+                            !store.check(&[key.as_str()]).unwrap_or(false)
+                        })
+                        .map(|r| kept[r])
+                        .collect();
+                    cur = Rejoin { epoch, ids: kept, ..cur };
+                }
+            }
+        }
+    }
+}
+
+/// Errors that say a peer is gone (as opposed to one that told us it stopped).
+fn blames(e: &Error) -> bool {
+    match e {
+        Error::Poisoned(inner) => blames(inner),
+        Error::PeerLost { .. } | Error::Timeout { .. } => true,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::FileStore;
+
+    #[test]
+    fn reports_and_decisions_round_trip_and_junk_is_refused() {
+        let r = Report { suspects: vec![3, 9], note: b"step 12".to_vec() };
+        assert_eq!(Report::decode(&r.encode()), Some(r.clone()));
+        for d in [Decision::Go(vec![(0, vec![1, 2]), (2, vec![])]), Decision::Stop(vec![1])] {
+            assert_eq!(Decision::decode(&d.encode()), Some(d.clone()));
+        }
+        let raw = r.encode();
+        for cut in 0..raw.len() {
+            assert_eq!(Report::decode(&raw[..cut]), None, "cut at {cut}");
+        }
+        assert_eq!(Decision::decode(&[0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]), None);
+        assert_eq!(Decision::decode(&[7]), None);
+    }
+
+    fn agree_all(
+        store: &Arc<dyn Store>,
+        epoch: u64,
+        ids: &[u64],
+        who: &[(u64, Vec<u64>, Duration)],
+        wait: Duration,
+    ) -> Vec<Result<Decision>> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = who
+                .iter()
+                .map(|(me, suspects, delay)| {
+                    let store = store.clone();
+                    s.spawn(move || {
+                        std::thread::sleep(*delay);
+                        let suspects = || suspects.clone();
+                        let a = Agreement {
+                            store: store.as_ref(),
+                            epoch,
+                            ids,
+                            me: *me,
+                            suspects: &suspects,
+                            wait,
+                            deadline: Instant::now() + Duration::from_secs(20),
+                        };
+                        a.run(&[*me as u8])
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn dir(name: &str) -> Arc<dyn Store> {
+        let d = std::env::temp_dir().join(format!("tutti-elastic-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        Arc::new(FileStore::new(&d).unwrap())
+    }
+
+    #[test]
+    fn survivors_agree_on_the_same_members_in_the_old_order() {
+        let store = dir("agree");
+        // Rank 2 of 5 died; everyone saw it. One survivor is slow to check in but nobody
+        // suspects it, so it is waited for.
+        let ms = Duration::from_millis;
+        let who = vec![
+            (4, vec![2], ms(0)),
+            (0, vec![2], ms(5)),
+            (3, vec![], ms(300)),
+            (1, vec![2], ms(10)),
+        ];
+        let got = agree_all(&store, 0, &[0, 1, 2, 3, 4], &who, Duration::from_secs(10));
+        let want = Decision::Go(vec![(0, vec![0]), (1, vec![1]), (3, vec![3]), (4, vec![4])]);
+        for g in got {
+            assert_eq!(g.unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn a_rank_that_comes_after_the_decision_reads_it_and_a_minority_stops() {
+        let store = dir("late");
+        let ms = Duration::from_millis;
+        // 1 and 2 are suspected; 2 is alive but late: everyone (2 included) sees it left out.
+        let who = vec![
+            (0, vec![1, 2], ms(0)),
+            (3, vec![1], ms(0)),
+            (4, vec![1, 2], ms(0)),
+            (2, vec![1], ms(800)),
+        ];
+        let got = agree_all(&store, 0, &[0, 1, 2, 3, 4], &who, Duration::from_secs(10));
+        let want = Decision::Go(vec![(0, vec![0]), (3, vec![3]), (4, vec![4])]);
+        for g in got {
+            assert_eq!(g.unwrap(), want);
+        }
+        // Of 4, two are left: not a strict majority, so the decision is to stop.
+        let who = vec![(0, vec![1, 3], ms(0)), (2, vec![1, 3], ms(0))];
+        let got = agree_all(&store, 1, &[0, 1, 2, 3], &who, Duration::from_secs(10));
+        for g in got {
+            assert_eq!(g.unwrap(), Decision::Stop(vec![0, 2]));
+        }
+    }
+
+    #[test]
+    fn a_proposer_that_dies_mid_round_is_voided_and_the_next_round_decides() {
+        let store = dir("void");
+        let two = || vec![2];
+        let a = |me| Agreement {
+            store: store.as_ref(),
+            epoch: 0,
+            ids: &[0, 1, 2],
+            me,
+            suspects: &two,
+            wait: Duration::from_secs(30),
+            deadline: Instant::now() + Duration::from_secs(20),
+        };
+        // A proposer claims round 0 and dies before proposing (no heartbeat).
+        store.set(&a(2).key("in/2"), &Report { suspects: vec![], note: vec![] }.encode()).unwrap();
+        assert_eq!(store.add(&a(2).key("claim/0"), 1).unwrap(), 1);
+        let t = Instant::now();
+        let got = std::thread::scope(|s| {
+            let h: Vec<_> = [0u64, 1]
+                .into_iter()
+                .map(|me| {
+                    let a = a(me);
+                    s.spawn(move || a.run(&[]))
+                })
+                .collect();
+            h.into_iter().map(|h| h.join().unwrap().unwrap()).collect::<Vec<_>>()
+        });
+        // Voided after the heartbeat's silence, then decided in round 1 (2 had checked in).
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert_eq!(got[0], got[1]);
+        assert!(store.add(&a(0).key("state/0"), 0).unwrap() % 2 == 0, "round 0 is void");
+        // Its late commit finds the round void.
+        assert_ne!(store.add(&a(2).key("state/0"), 1).unwrap(), 1);
+    }
+}
