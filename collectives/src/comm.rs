@@ -258,6 +258,25 @@ impl Comm {
             .map(|g| Comm::with_config(g, (*self.cfg).clone())))
     }
 
+    /// After a failure, agree with the other survivors on who is left and go on over them:
+    /// a new communicator over a new world group, with this one's settings (see
+    /// `tutti_runtime::Group::shrink_with`, which also describes the agreement). `note`
+    /// reaches every survivor, in [`Shrunk::notes`](tutti_runtime::elastic::Shrunk::notes).
+    ///
+    /// # Collective contract
+    /// Every surviving rank calls it once after an error; ranks keep their relative order.
+    /// Sub-communicators are rebuilt from the new one. This communicator is aborted; its
+    /// threads and sockets close when its last handle is dropped.
+    ///
+    /// # Errors
+    /// [`Error::Runtime`] wrapping `CutOff` when this rank may not go on (left out, too few
+    /// left, or the store unreachable), or `Config` for a communicator that cannot shrink.
+    pub fn shrink_with(&self, note: &[u8]) -> Result<(Comm, tutti_runtime::elastic::Shrunk)> {
+        let shrunk = self.group.shrink_with(note)?;
+        let comm = Comm::with_config(shrunk.group.clone(), (*self.cfg).clone());
+        Ok((Comm { force: self.force, ..comm }, shrunk))
+    }
+
     pub(crate) fn invalid(&self, op: &'static str, detail: String) -> Error {
         Error::InvalidArgument { rank: self.rank(), op, detail }
     }

@@ -193,6 +193,29 @@ impl DataParallel {
         out
     }
 
+    /// Go on over another communicator (the survivors' world after
+    /// [`Comm::shrink_with`]), keeping the parameters and buckets; gradients accumulated and
+    /// not yet synced are dropped. Checks that every rank holds the same parameter values,
+    /// bit for bit: nothing is broadcast, so replicas that diverged are an error, not hidden.
+    ///
+    /// # Collective contract
+    /// Every rank of `comm` calls it, with the same parameters.
+    ///
+    /// # Errors
+    /// [`Error::ReplicaMismatch`] naming the first parameter that differs; collective errors
+    /// (the new world lost a rank too).
+    pub fn rejoin(&mut self, comm: Comm) -> Result<()> {
+        self.comm = comm;
+        self.acc = None;
+        self.compare(true)
+    }
+
+    /// Drop the gradients accumulated since the last [`DataParallel::sync`] (a step being
+    /// redone after a failure starts from nothing).
+    pub fn clear(&mut self) {
+        self.acc = None;
+    }
+
     /// Check that every rank holds the same parameter values (bit for bit).
     ///
     /// # Errors

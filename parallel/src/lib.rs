@@ -48,6 +48,7 @@
 pub mod block;
 pub mod compare;
 pub mod data;
+pub mod elastic;
 mod dp;
 mod error;
 pub mod golden;
@@ -64,6 +65,7 @@ pub use block::{
     Held, Param, BLOCK_PARAMS,
 };
 pub use dp::{DataParallel, DpConfig, Synced};
+pub use elastic::{ElasticDp, Member, Outcome, Recovery};
 pub use error::{Error, Result};
 pub use lm::{LmConfig, LmMode, TinyLm};
 pub use ops::{

@@ -310,6 +310,22 @@ impl Error {
         !matches!(self, Error::InvalidArgument { .. } | Error::Config(_))
     }
 
+    /// Whether this error means a rank is gone or cut off — what
+    /// [`Group::shrink`](crate::Group::shrink) recovers from: a lost or silent peer, a peer's
+    /// abort (it may be shrinking), an abort, or a group poisoned by one of these. Not: a
+    /// mismatched call, a protocol violation or a bad argument, which a smaller world would
+    /// repeat.
+    pub fn is_lost_rank(&self) -> bool {
+        match self {
+            Error::Poisoned(inner) => inner.is_lost_rank(),
+            Error::PeerLost { .. }
+            | Error::PeerAborted { .. }
+            | Error::Timeout { .. }
+            | Error::Aborted { .. } => true,
+            _ => false,
+        }
+    }
+
     /// The peer rank this error blames, when it names one.
     pub fn peer(&self) -> Option<usize> {
         match self {

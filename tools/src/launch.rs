@@ -77,6 +77,10 @@ pub struct Job {
     pub grace: Duration,
     /// Extra environment for every child.
     pub env: Vec<(String, String)>,
+    /// `--elastic`: a rank that ends in failure does not stop the job; the others are told and
+    /// go on without it (they shrink their world); the job's exit code is that of the last
+    /// rank to end.
+    pub elastic: bool,
 }
 
 impl std::fmt::Debug for Job {
@@ -397,12 +401,46 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
     }
     let mut code = 0;
     let mut running = children.len();
+    // --elastic: the ranks whose end was already handled.
+    let mut ended = vec![false; children.len()];
     while running > 0 {
         if INTERRUPTED.load(Ordering::SeqCst) {
             eprintln!("tutti-run: interrupted; stopping all {} ranks", children.len());
             stop_all(&mut children, job.grace);
             code = 130;
             break;
+        }
+        if job.elastic {
+            running = 0;
+            let mut lost = Vec::new();
+            for (i, (rank, c)) in children.iter_mut().enumerate() {
+                match c.try_wait() {
+                    Ok(Some(st)) if !ended[i] => {
+                        ended[i] = true;
+                        code = exit_code(st);
+                        if !st.success() {
+                            lost.push((*rank, describe(st)));
+                        }
+                    }
+                    Ok(Some(_)) => {}
+                    _ => running += 1,
+                }
+            }
+            for (rank, what) in lost {
+                if running > 0 {
+                    eprintln!(
+                        "tutti-run: rank {rank} {what}; telling the other ranks, which go on \
+                         without it (--elastic)"
+                    );
+                    tell_survivors(&mut children, &mut notices, rank, &what);
+                } else {
+                    eprintln!("tutti-run: rank {rank} {what}; no rank is left, the job failed");
+                }
+            }
+            if running > 0 {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            continue;
         }
         let mut failed = None;
         running = 0;

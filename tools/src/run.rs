@@ -45,6 +45,11 @@ pub(crate) struct Args {
     /// Seconds between SIGTERM and SIGKILL when stopping ranks (0 to 3600).
     #[arg(long, default_value_t = 5.0, value_parser = grace_secs)]
     grace: f64,
+    /// Keep the job going when a rank ends in failure: the others are told at once and go on
+    /// without it (a program that shrinks its world, e.g. `ElasticDp`). The exit code is that
+    /// of the last rank to end.
+    #[arg(long)]
+    elastic: bool,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     program: Vec<std::ffi::OsString>,
@@ -83,6 +88,7 @@ pub fn main() -> ExitCode {
         log_dir: a.log_dir,
         grace: Duration::from_secs_f64(a.grace),
         env: Vec::new(),
+        elastic: a.elastic,
     };
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

@@ -365,6 +365,7 @@ pub fn main() -> ExitCode {
                     log_dir: None,
                     grace: Duration::from_secs(2),
                     env: vec![("TUTTI_TRANSPORT".into(), t.into())],
+                    elastic: false,
                 };
                 match crate::launch::run(&job) {
                     Ok(c) => c,

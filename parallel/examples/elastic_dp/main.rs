@@ -1,0 +1,234 @@
+//! Data-parallel training that survives a killed rank ([`ElasticDp`]): a small MLP
+//! (8 → 32 → ReLU → 1, MSE, SGD) on a fixed global batch of 48 samples per step, each rank
+//! taking `shard_range(48, rank, world)` of it. Kill a rank while it runs and the others agree
+//! on who is left, settle the step, and finish every step on the smaller world.
+//!
+//! Under a launcher whose store outlives the ranks:
+//!
+//! ```text
+//! tutti-run --elastic --nproc 4 -- target/release/examples/elastic_dp --steps 200 --step-ms 20
+//! kill -9 <one rank's pid>
+//! ```
+//!
+//! Every rank prints `STEP s world w` per step, `RECOVERED …` when it went on after a loss,
+//! and at the end `DONE loss … checksum … schedule …`: the final mean loss, an FNV-1a hash of
+//! every weight's bits, and the world each step's gradient came from (`4x17,3x183`).
+//!
+//! Alone, `elastic_dp --schedule 4x17,3x183` replays a schedule with ranks as threads over
+//! memory and prints the same `DONE` line: the reference a test compares the survivors with,
+//! bit for bit.
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{Optimizer, SGD};
+use tutti_parallel::{
+    shard_range, Comm, DataParallel, DpConfig, ElasticDp, Member, Result, Synced,
+};
+
+const BATCH: usize = 48;
+const IN: usize = 8;
+const HIDDEN: usize = 32;
+const LR: f64 = 0.05;
+
+/// A value in [-1, 1) from an index (a fixed LCG step), exact in f32.
+fn unit(i: u64) -> f32 {
+    let x = i.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) >> 40;
+    (x % 2048) as f32 / 1024.0 - 1.0
+}
+
+/// Samples `range` of step `step`: inputs and targets.
+fn samples(step: u64, range: std::ops::Range<usize>) -> Result<(Tensor, Tensor)> {
+    let n = range.len();
+    let mut x = Vec::with_capacity(n * IN);
+    let mut y = Vec::with_capacity(n);
+    for s in range {
+        let id = step * BATCH as u64 + s as u64;
+        let row: Vec<f32> = (0..IN as u64).map(|j| unit(id * 16 + j)).collect();
+        y.push(row.iter().enumerate().map(|(j, v)| v * (j as f32 - 3.5) / 4.0).sum::<f32>()
+            + 0.5 * row[0] * row[1]);
+        x.extend(row);
+    }
+    Ok((Tensor::from_vec(x, (n, IN), &Device::Cpu)?, Tensor::from_vec(y, (n, 1), &Device::Cpu)?))
+}
+
+fn init() -> Result<Vec<Var>> {
+    let w = |shape: &[usize], salt: u64, scale: f32| -> Result<Var> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n as u64).map(|i| unit(salt * 100_000 + i) * scale).collect();
+        Ok(Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu)?)?)
+    };
+    Ok(vec![w(&[IN, HIDDEN], 1, 0.35)?, w(&[HIDDEN], 2, 0.1)?, w(&[HIDDEN, 1], 3, 0.18)?])
+}
+
+fn forward(vars: &[Var], x: &Tensor) -> Result<Tensor> {
+    let h = x.matmul(vars[0].as_tensor())?.broadcast_add(vars[1].as_tensor())?.relu()?;
+    Ok(h.matmul(vars[2].as_tensor())?)
+}
+
+/// This rank's part of step `step`, for its place in the current world.
+fn compute(dp: &mut DataParallel, step: u64, m: Member) -> Result<()> {
+    let r = shard_range(BATCH, m.rank, m.world);
+    if r.is_empty() {
+        return Ok(());
+    }
+    let n = r.len();
+    let (x, y) = samples(step, r)?;
+    let vars = dp.vars().to_vec();
+    let loss = (forward(&vars, &x)? - y)?.sqr()?.mean_all()?;
+    dp.backward(&loss, n)
+}
+
+fn checksum(vars: &[Var]) -> Result<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in vars {
+        for x in v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()? {
+            for b in x.to_bits().to_le_bytes() {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    Ok(h)
+}
+
+/// `[4, 4, 3]` → `4x2,3x1`.
+fn compress(worlds: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < worlds.len() {
+        let j = (i..worlds.len()).find(|&j| worlds[j] != worlds[i]).unwrap_or(worlds.len());
+        out.push(format!("{}x{}", worlds[i], j - i));
+        i = j;
+    }
+    out.join(",")
+}
+
+fn expand(s: &str) -> Option<Vec<usize>> {
+    let mut v = Vec::new();
+    for part in s.split(',') {
+        let (w, k) = part.split_once('x')?;
+        v.extend(std::iter::repeat_n(w.parse::<usize>().ok()?, k.parse().ok()?));
+    }
+    Some(v)
+}
+
+fn arg(name: &str) -> Option<String> {
+    std::env::args().skip_while(|a| a != name).nth(1)
+}
+
+/// One process of a launched job.
+fn launched(steps: u64, step_ms: u64) -> Result<()> {
+    let comm = Comm::from_env()?;
+    let vars = init()?;
+    let mut opt = SGD::new(vars.clone(), LR)?;
+    let dp = DataParallel::new(comm, vars.clone(), DpConfig::default())?;
+    let mut el = ElasticDp::new(dp, 0);
+    println!("READY rank {}", el.dp().comm().rank());
+    let mut worlds = Vec::new();
+    let mut loss = f64::NAN;
+    for step in 0..steps {
+        let out = el.step(
+            step,
+            |dp, m| compute(dp, step, m),
+            |s: &Synced| Ok(opt.step(&s.grads)?),
+        )?;
+        for r in &out.recoveries {
+            println!(
+                "RECOVERED step {} lost {:?} world {} kept {} took_ms {:.1} after: {}",
+                r.step,
+                r.lost,
+                r.world,
+                r.kept,
+                r.took.as_secs_f64() * 1e3,
+                r.cause
+            );
+        }
+        worlds.push(out.world);
+        loss = out.loss;
+        println!("STEP {step} world {} rank {}", out.world, el.dp().comm().rank());
+        if step_ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(step_ms));
+        }
+    }
+    println!("DONE loss {loss:.9} checksum {:016x} schedule {}", checksum(&vars)?, compress(&worlds));
+    Ok(())
+}
+
+/// The same training with the given world per step, ranks as threads over memory.
+fn replay(schedule: &[usize]) -> Result<()> {
+    let vars = init()?;
+    let mut loss = f64::NAN;
+    let mut step = 0usize;
+    while step < schedule.len() {
+        let w = schedule[step];
+        let end = (step..schedule.len()).find(|&j| schedule[j] != w).unwrap_or(schedule.len());
+        let start_vals: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().copy()).collect::<std::result::Result<_, _>>()?;
+        let results = std::thread::scope(|s| {
+            let hs: Vec<_> = Comm::mem_world(w)
+                .into_iter()
+                .map(|c| {
+                    let start_vals = &start_vals;
+                    s.spawn(move || -> Result<(f64, Vec<Tensor>)> {
+                        let mine: Vec<Var> = start_vals
+                            .iter()
+                            .map(Var::from_tensor)
+                            .collect::<std::result::Result<_, _>>()?;
+                        let mut opt = SGD::new(mine.clone(), LR)?;
+                        let mut dp = DataParallel::new(c, mine.clone(), DpConfig::default())?;
+                        let mut loss = f64::NAN;
+                        for k in step..end {
+                            let m = Member { rank: dp.comm().rank(), world: w };
+                            compute(&mut dp, k as u64, m)?;
+                            let s = dp.sync()?;
+                            opt.step(&s.grads)?;
+                            loss = s.loss;
+                        }
+                        Ok((loss, mine.iter().map(|v| v.as_tensor().clone()).collect()))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("a replay rank panicked")).collect::<Vec<_>>()
+        });
+        let (l, vals) = results.into_iter().next().expect("one rank at least")?;
+        for (v, t) in vars.iter().zip(vals) {
+            v.set(&t)?;
+        }
+        loss = l;
+        step = end;
+    }
+    println!(
+        "DONE loss {loss:.9} checksum {:016x} schedule {}",
+        checksum(&vars)?,
+        compress(schedule)
+    );
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let r = if let Some(s) = arg("--schedule") {
+        match expand(&s) {
+            Some(v) => replay(&v),
+            None => {
+                eprintln!("elastic_dp: --schedule wants WORLDxSTEPS[,…], e.g. 4x10,3x30");
+                return std::process::ExitCode::from(2);
+            }
+        }
+    } else if tutti_parallel::launched() {
+        let steps = arg("--steps").and_then(|v| v.parse().ok()).unwrap_or(100);
+        let step_ms = arg("--step-ms").and_then(|v| v.parse().ok()).unwrap_or(0);
+        launched(steps, step_ms)
+    } else {
+        eprintln!(
+            "elastic_dp: run it under a launcher (tutti-run --elastic --nproc 4 -- …), or replay \
+             a schedule alone (--schedule 4x10,3x30)"
+        );
+        return std::process::ExitCode::from(2);
+    };
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            println!("ERROR {e}");
+            eprintln!("elastic_dp: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

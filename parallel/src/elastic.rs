@@ -1,0 +1,219 @@
+//! Data-parallel training that goes on after a lost rank, with every survivor's weights equal.
+//!
+//! [`ElasticDp::step`] runs one optimizer step — this rank's share of the global batch, the
+//! gradient exchange ([`DataParallel::sync`]), then a barrier, then the optimizer — and, when
+//! a rank is lost on the way, shrinks the world ([`Comm::shrink_with`]) and settles the step
+//! the same way on every survivor:
+//!
+//! - A rank applies a step only after the barrier that follows the gradient exchange. A rank
+//!   that passed the barrier knows every rank finished the exchange, so every survivor holds
+//!   that step's reduced gradient.
+//! - At the shrink, each survivor says how many steps it has applied. If any survivor applied
+//!   this step, the ones that had not apply it now, from the gradient they hold (it averages
+//!   the old world's samples: the step is kept as it was). Otherwise no one applied it, and the
+//!   step is redone on the new world. So a step is applied by all survivors or by none.
+//! - Then the survivors check, bit for bit, that their parameters agree
+//!   ([`DataParallel::rejoin`]): nothing is broadcast to paper over a divergence.
+//!
+//! **Shards.** The caller's `compute` gets this rank's place in the current world
+//! ([`Member`]) and picks its part of the step's global batch from it alone, for example
+//! [`shard_range`](crate::shard_range)`(batch, world, rank)`. A redone step splits the same
+//! global batch over fewer ranks; the gradient is weighted by samples (as
+//! [`DataParallel::sync`] always does), so it is the gradient of the same global batch, and the
+//! result is deterministic: equal, bit for bit, to a run that used the smaller world from that
+//! step on.
+
+use std::time::{Duration, Instant};
+
+use crate::dp::{DataParallel, Synced};
+use crate::error::{Error, Result};
+
+/// This rank's place in the world a step runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Member {
+    /// Rank in the current world.
+    pub rank: usize,
+    /// Ranks in the current world.
+    pub world: usize,
+}
+
+/// One recovery from a lost rank, as [`ElasticDp::step`] saw it.
+#[derive(Debug, Clone)]
+pub struct Recovery {
+    /// The step that was running.
+    pub step: u64,
+    /// The error that started it.
+    pub cause: String,
+    /// Ranks lost (numbered as in the world before).
+    pub lost: Vec<usize>,
+    /// Ranks in the new world.
+    pub world: usize,
+    /// Whether the step was kept (some survivor had applied it) rather than redone.
+    pub kept: bool,
+    /// From the error to the new world agreed, connected and checked.
+    pub took: Duration,
+}
+
+/// What [`ElasticDp::step`] did.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The global mean loss of the step, as [`Synced::loss`].
+    pub loss: f64,
+    /// The samples of the step over all ranks.
+    pub samples: u64,
+    /// Ranks in the world whose gradient was applied.
+    pub world: usize,
+    /// Recoveries during this step (usually none).
+    pub recoveries: Vec<Recovery>,
+}
+
+/// [`DataParallel`] that survives lost ranks: see the module docs.
+///
+/// # Collective contract
+/// Every rank calls [`ElasticDp::step`] with the same step numbers, in order, starting from
+/// the number of steps already applied (0 for a fresh model).
+pub struct ElasticDp {
+    dp: DataParallel,
+    /// Steps applied so far.
+    done: u64,
+}
+
+impl std::fmt::Debug for ElasticDp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElasticDp").field("dp", &self.dp).field("done", &self.done).finish()
+    }
+}
+
+impl ElasticDp {
+    /// Wrap `dp`, whose parameters have had `done` steps applied (the same on every rank).
+    /// Its communicator must be able to shrink (made by rendezvous, over TCP or QUIC).
+    pub fn new(dp: DataParallel, done: u64) -> ElasticDp {
+        ElasticDp { dp, done }
+    }
+
+    /// The data-parallel state (its communicator is the current world's).
+    pub fn dp(&self) -> &DataParallel {
+        &self.dp
+    }
+
+    /// Steps applied so far.
+    pub fn done(&self) -> u64 {
+        self.done
+    }
+
+    /// Run step `step` to the end, on whatever world is left: `compute` runs this rank's
+    /// micro-batches (calling [`DataParallel::backward`]) for the given [`Member`]; then the
+    /// gradients are exchanged, a barrier passed, and `apply` runs the optimizer with them.
+    /// After a lost rank the world shrinks and the step is kept or redone as the module docs
+    /// say; `compute` may then run again, on the new world.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] with `CutOff` when this rank may not go on; errors of `compute`
+    /// and `apply`; collective errors that are not a lost rank (a mismatched call);
+    /// [`Error::ReplicaMismatch`] if the survivors' parameters differ after a recovery;
+    /// [`Error::Shape`] when `step` is not the next step.
+    pub fn step<F, A>(&mut self, step: u64, mut compute: F, mut apply: A) -> Result<Outcome>
+    where
+        F: FnMut(&mut DataParallel, Member) -> Result<()>,
+        A: FnMut(&Synced) -> Result<()>,
+    {
+        if step != self.done {
+            return Err(Error::Shape {
+                rank: self.dp.comm().rank(),
+                layer: "ElasticDp::step",
+                detail: format!("step {step} called after {} steps were applied", self.done),
+            });
+        }
+        let mut recoveries = Vec::new();
+        loop {
+            let world = self.dp.comm().size();
+            let member = Member { rank: self.dp.comm().rank(), world };
+            self.dp.clear();
+            let mut synced = None;
+            let attempt = compute(&mut self.dp, member).and_then(|()| {
+                synced = Some(self.dp.sync()?);
+                self.dp.comm().barrier()?;
+                Ok(())
+            });
+            let failure = match attempt {
+                Ok(()) => {
+                    let s = synced.as_ref().ok_or_else(|| internal(&self.dp, "no gradients"))?;
+                    apply(s)?;
+                    self.done += 1;
+                    return Ok(Outcome { loss: s.loss, samples: s.samples, world, recoveries });
+                }
+                Err(e) if lost_rank(&e) => e,
+                Err(e) => return Err(e),
+            };
+            // Settle the step with the survivors, then go on in the new world.
+            let started = Instant::now();
+            let mut cause = failure.to_string();
+            let mut lost = Vec::new();
+            let mut kept = false;
+            // The current rank → rank in the world this recovery started from.
+            let mut orig: Vec<usize> = (0..world).collect();
+            loop {
+                let mut note = self.done.to_le_bytes().to_vec();
+                note.push(u8::from(synced.is_some()));
+                let (comm, shrunk) = self.dp.comm().shrink_with(&note)?;
+                lost.extend(shrunk.lost.iter().map(|r| orig[*r]));
+                orig = shrunk.old_ranks.iter().map(|r| orig[*r]).collect();
+                let applied = shrunk
+                    .notes
+                    .iter()
+                    .filter_map(|n| n.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()))
+                    .map(u64::from_le_bytes)
+                    .max()
+                    .unwrap_or(self.done);
+                if applied > self.done {
+                    // Another survivor passed the barrier: every rank holds this step's
+                    // gradient, this one too.
+                    let s = synced.as_ref().ok_or_else(|| {
+                        internal(&self.dp, "a survivor applied the step but this rank has no gradient")
+                    })?;
+                    apply(s)?;
+                    self.done += 1;
+                    kept = true;
+                }
+                match self.dp.rejoin(comm) {
+                    Ok(()) => break,
+                    Err(e) if lost_rank(&e) => cause = e.to_string(),
+                    Err(e) => return Err(e),
+                }
+            }
+            let r = Recovery {
+                step,
+                cause,
+                lost,
+                world: self.dp.comm().size(),
+                kept,
+                took: started.elapsed(),
+            };
+            tracing::warn!(
+                step,
+                world = r.world,
+                lost = ?r.lost,
+                kept,
+                took = ?r.took,
+                "data parallel: went on after a lost rank"
+            );
+            recoveries.push(r);
+            if kept {
+                let s = synced.as_ref().ok_or_else(|| internal(&self.dp, "no gradients"))?;
+                return Ok(Outcome { loss: s.loss, samples: s.samples, world, recoveries });
+            }
+        }
+    }
+}
+
+fn internal(dp: &DataParallel, what: &str) -> Error {
+    Error::Shape { rank: dp.comm().rank(), layer: "ElasticDp::step", detail: what.into() }
+}
+
+/// Whether `e` is a lost or unreachable rank (recovered by shrinking), rather than a bug.
+pub fn lost_rank(e: &Error) -> bool {
+    match e {
+        Error::Collective(tutti_collectives::Error::Runtime(r)) => r.is_lost_rank(),
+        _ => false,
+    }
+}
