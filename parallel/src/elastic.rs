@@ -169,7 +169,10 @@ impl ElasticDp {
                     // Another survivor passed the barrier: every rank holds this step's
                     // gradient, this one too.
                     let s = synced.as_ref().ok_or_else(|| {
-                        internal(&self.dp, "a survivor applied the step but this rank has no gradient")
+                        internal(
+                            &self.dp,
+                            "a survivor applied the step but this rank has no gradient",
+                        )
                     })?;
                     apply(s)?;
                     self.done += 1;

@@ -48,8 +48,8 @@
 pub mod block;
 pub mod compare;
 pub mod data;
-pub mod elastic;
 mod dp;
+pub mod elastic;
 mod error;
 pub mod golden;
 pub mod lm;

@@ -14,7 +14,9 @@
 //! 2. **Rounds** `k = 0, 1, …`, each with one proposer: whoever first increments `claim/<k>`
 //!    (the store's atomic add makes exactly one). The proposer waits until every member that
 //!    nobody suspects has checked in (up to the group's timeout), then a short grace for the
-//!    suspected ones, and writes its view to `prop/<k>`: the checked-in members in their old
+//!    suspected ones. A tutti store counts each rank's open connections
+//!    (`tutti/present/<rank>`): a member with none has no process left, and counts as
+//!    suspected too. Then it writes its view to `prop/<k>`: the checked-in members in their old
 //!    order, or "stop" when they are not a strict majority of the old membership. It then
 //!    adds 1 to `state/<k>`; the round is decided if that add returned 1.
 //! 3. **Void**: the others wait for `prop/<k>` while the proposer's heartbeat (`beat/<k>`, bumped
@@ -59,6 +61,9 @@ const SUSPECT_GRACE: Duration = Duration::from_millis(100);
 /// How often the proposer shows it is alive, and how long its silence voids a round.
 const BEAT: Duration = Duration::from_millis(100);
 const BEAT_LOST: Duration = Duration::from_secs(1);
+/// How long the survivors' new connections may take before the ones that did not come are
+/// agreed away.
+const REBUILD_CONNECT: Duration = Duration::from_secs(10);
 /// Store polling interval while waiting for check-ins.
 const POLL: Duration = Duration::from_millis(2);
 /// How often a waiting rank looks for newly lost peers, and the proposer rereads check-ins.
@@ -313,6 +318,9 @@ impl Agreement<'_> {
         let mut all_in_at: Option<Instant> = None;
         let mut reports: Vec<Option<Report>> = vec![None; self.ids.len()];
         let mut reread = Instant::now();
+        // A tutti store counts each rank's open connections: one with none has no process.
+        let presence = self.store.check(&[crate::store::PRESENCE])?;
+        let mut absent: Vec<u64> = Vec::new();
         loop {
             refresh()?;
             if last_beat.elapsed() >= BEAT {
@@ -335,8 +343,19 @@ impl Agreement<'_> {
                     }
                 }
             }
-            let suspected: Vec<u64> =
+            let mut suspected: Vec<u64> =
                 reports.iter().flatten().flat_map(|r| r.suspects.iter().copied()).collect();
+            if presence && again {
+                for (id, r) in self.ids.iter().zip(&reports) {
+                    if r.is_none() && !suspected.contains(id) && !absent.contains(id) {
+                        let key = format!("{}{id}", crate::store::PRESENT);
+                        if self.store.add(&key, 0)? <= 0 {
+                            absent.push(*id);
+                        }
+                    }
+                }
+            }
+            suspected.extend(&absent);
             let waiting =
                 self.ids.iter().zip(&reports).any(|(id, r)| r.is_none() && !suspected.contains(id));
             let everyone = reports.iter().all(Option::is_some);
@@ -554,7 +573,9 @@ impl Group {
             let epoch = cur.epoch + 1;
             let store = cur.epoch_store(epoch);
             let mut opts = cur.opts.clone();
-            opts.link.connect_timeout = opts.link.connect_timeout.min(wait);
+            // Every member is inside its shrink by now: a member that does not connect
+            // soon died after the decision (agree again without it).
+            opts.link.connect_timeout = opts.link.connect_timeout.min(wait).min(REBUILD_CONNECT);
             let job = cur.epoch_job(epoch);
             let world = kept.len();
             match crate::rendezvous::open_transport(

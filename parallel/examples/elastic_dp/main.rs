@@ -43,8 +43,10 @@ fn samples(step: u64, range: std::ops::Range<usize>) -> Result<(Tensor, Tensor)>
     for s in range {
         let id = step * BATCH as u64 + s as u64;
         let row: Vec<f32> = (0..IN as u64).map(|j| unit(id * 16 + j)).collect();
-        y.push(row.iter().enumerate().map(|(j, v)| v * (j as f32 - 3.5) / 4.0).sum::<f32>()
-            + 0.5 * row[0] * row[1]);
+        y.push(
+            row.iter().enumerate().map(|(j, v)| v * (j as f32 - 3.5) / 4.0).sum::<f32>()
+                + 0.5 * row[0] * row[1],
+        );
         x.extend(row);
     }
     Ok((Tensor::from_vec(x, (n, IN), &Device::Cpu)?, Tensor::from_vec(y, (n, 1), &Device::Cpu)?))
@@ -126,11 +128,8 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
     let mut worlds = Vec::new();
     let mut loss = f64::NAN;
     for step in 0..steps {
-        let out = el.step(
-            step,
-            |dp, m| compute(dp, step, m),
-            |s: &Synced| Ok(opt.step(&s.grads)?),
-        )?;
+        let out =
+            el.step(step, |dp, m| compute(dp, step, m), |s: &Synced| Ok(opt.step(&s.grads)?))?;
         for r in &out.recoveries {
             println!(
                 "RECOVERED step {} lost {:?} world {} kept {} took_ms {:.1} after: {}",
@@ -149,7 +148,11 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
             std::thread::sleep(std::time::Duration::from_millis(step_ms));
         }
     }
-    println!("DONE loss {loss:.9} checksum {:016x} schedule {}", checksum(&vars)?, compress(&worlds));
+    println!(
+        "DONE loss {loss:.9} checksum {:016x} schedule {}",
+        checksum(&vars)?,
+        compress(&worlds)
+    );
     Ok(())
 }
 
@@ -161,7 +164,8 @@ fn replay(schedule: &[usize]) -> Result<()> {
     while step < schedule.len() {
         let w = schedule[step];
         let end = (step..schedule.len()).find(|&j| schedule[j] != w).unwrap_or(schedule.len());
-        let start_vals: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().copy()).collect::<std::result::Result<_, _>>()?;
+        let start_vals: Vec<Tensor> =
+            vars.iter().map(|v| v.as_tensor().copy()).collect::<std::result::Result<_, _>>()?;
         let results = std::thread::scope(|s| {
             let hs: Vec<_> = Comm::mem_world(w)
                 .into_iter()

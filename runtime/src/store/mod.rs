@@ -23,7 +23,7 @@ pub use protocol::{
     decode_request, Request, Response, StoreHello, HANDSHAKE_DEADLINE, MAX_KEY, MAX_STORE_MESSAGE,
     MAX_VALUE, MESSAGE_DEADLINE,
 };
-pub use server::{max_clients, Quota, StoreServer, MAX_UNAUTHENTICATED};
+pub use server::{max_clients, Quota, StoreServer, MAX_UNAUTHENTICATED, PRESENCE, PRESENT};
 pub use torch::TorchStore;
 
 /// A rendezvous key-value store shared by the ranks of a job.

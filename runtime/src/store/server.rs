@@ -231,6 +231,8 @@ impl StoreServer {
         let stop = Arc::new(AtomicBool::new(false));
         let shared =
             Arc::new(Shared { data: Mutex::new(Data::default()), cv: Condvar::new(), quota });
+        // This store tells who is connected (see `PRESENT`).
+        shared.serve(Request::Set { key: PRESENCE.into(), value: b"1".to_vec() }, u64::MAX);
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("tutti-store".into())
@@ -342,6 +344,13 @@ impl Conn<'_> {
         send(&mut s, None, &Response::Welcome(proof)).map_err(|e| e.to_string())?;
         let mut seal = self.key.map(|k| Seal::new(k.clone(), &nonce_s, &hello.nonce, Side::Server));
         let _slot = slot;
+        // Count this rank's open connections while they last: a rank whose process died has
+        // none (the kernel closes its sockets), which its survivors can read.
+        let present = format!("{PRESENT}{}", hello.rank);
+        self.shared.serve(Request::Add { key: present.clone(), delta: 1 }, id);
+        let _gone = Leave(|| {
+            self.shared.serve(Request::Add { key: present.clone(), delta: -1 }, id);
+        });
         // Requests may legitimately wait long (a get with a long timeout), so wait for the next
         // one in slices, checking for stop; a message, once begun, must arrive whole in time.
         s.set_write_timeout(Some(MESSAGE_DEADLINE)).map_err(|e| e.to_string())?;
@@ -370,6 +379,20 @@ impl Conn<'_> {
             };
             send(&mut s, seal.as_mut(), &resp).map_err(|e| e.to_string())?;
         }
+    }
+}
+
+/// Set in a store that counts each rank's open connections under [`PRESENT`].
+pub const PRESENCE: &str = "tutti/presence";
+/// `PRESENT` + rank: how many connections that rank has open to this store now.
+pub const PRESENT: &str = "tutti/present/";
+
+/// Runs its closure when dropped (a connection's end, however it ends).
+struct Leave<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Leave<F> {
+    fn drop(&mut self) {
+        (self.0)();
     }
 }
 

@@ -1,0 +1,308 @@
+//! Elastic data parallel across real processes (the `elastic_dp` example, one rank per
+//! process, a store served by this test that outlives every rank): a rank SIGKILLed or
+//! SIGSTOPped at a random step, over TCP and QUIC, at worlds 4 and 8; two ranks lost at once;
+//! a second rank lost while the survivors agree. Every survivor finishes every step, and its
+//! weights equal, bit for bit, a replay that used the smaller world from the step the
+//! survivors report on (`elastic_dp --schedule`, ranks as threads over memory). Losing half
+//! the world stops everyone with the cut-off error, at once. Nothing may hang: every wait
+//! here has a deadline.
+//!
+//! `TUTTI_ELASTIC_SEED` repeats a run's random choices.
+
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tutti_runtime::auth::JobKey;
+use tutti_runtime::store::StoreServer;
+
+const TOKEN: &str = "elastic-test-secret-0123";
+
+fn example() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
+    let path = dir.join("examples").join("elastic_dp");
+    assert!(path.exists(), "{} is missing: cargo test builds the examples", path.display());
+    path
+}
+
+fn lcg(seed: &mut u64) -> u64 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed >> 33
+}
+
+struct Job {
+    children: Vec<Child>,
+    lines: Vec<Arc<Mutex<Vec<String>>>>,
+    _store: StoreServer,
+}
+
+impl Job {
+    fn start(n: usize, steps: u64, step_ms: u64, env: &[(&str, &str)]) -> Job {
+        let store = StoreServer::start(
+            "127.0.0.1:0".parse().expect("address"),
+            n,
+            Some(JobKey::from_token(TOKEN)),
+        )
+        .expect("store");
+        let url = format!("tcp://{}", store.addr());
+        let mut children = Vec::new();
+        let mut lines = Vec::new();
+        for r in 0..n {
+            let mut c = Command::new(example());
+            c.args(["--steps", &steps.to_string(), "--step-ms", &step_ms.to_string()])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("TUTTI_STORE", &url)
+                .env("TUTTI_TOKEN", TOKEN)
+                .env("TUTTI_CONNECT_TIMEOUT", "60")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            let mut child = c.spawn().expect("spawn a rank");
+            let out = child.stdout.take().expect("stdout");
+            let buf = Arc::new(Mutex::new(Vec::new()));
+            let b2 = buf.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    b2.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+                }
+            });
+            children.push(child);
+            lines.push(buf);
+        }
+        Job { children, lines, _store: store }
+    }
+
+    fn has(&self, r: usize, prefix: &str) -> Option<String> {
+        let l = self.lines[r].lock().unwrap_or_else(|p| p.into_inner());
+        l.iter().find(|x| x.starts_with(prefix)).cloned()
+    }
+
+    /// Wait until rank `r` printed a line starting with `prefix`.
+    fn wait_line(&self, r: usize, prefix: &str, limit: Duration) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < limit {
+            if self.has(r, prefix).is_some() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        false
+    }
+
+    fn signal(&self, r: usize, sig: i32) {
+        // SAFETY: signalling a child this test started.
+        unsafe { libc::kill(self.children[r].id() as i32, sig) };
+    }
+
+    /// Wait for the ranks in `which` to exit; their exit codes, or `None` for one that hung.
+    fn wait_exit(&mut self, which: &[usize], limit: Duration) -> Vec<Option<i32>> {
+        let t = Instant::now();
+        loop {
+            let done: Vec<Option<i32>> = which
+                .iter()
+                .map(|r| {
+                    self.children[*r].try_wait().ok().flatten().map(|s| s.code().unwrap_or(-1))
+                })
+                .collect();
+            if done.iter().all(Option::is_some) || t.elapsed() > limit {
+                // Let the readers take the last lines.
+                std::thread::sleep(Duration::from_millis(50));
+                return done;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn all(&self, r: usize) -> String {
+        self.lines[r].lock().unwrap_or_else(|p| p.into_inner()).join("\n")
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The `DONE` line of a replay of `schedule`.
+fn replay(schedule: &str) -> String {
+    let out = Command::new(example()).args(["--schedule", schedule]).output().expect("replay");
+    assert!(out.status.success(), "replay of {schedule} failed");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+struct Case<'a> {
+    name: &'a str,
+    n: usize,
+    transport: &'a str,
+    sig: i32,
+    /// How many ranks to lose, and the pause between the losses.
+    victims: usize,
+    gap_ms: u64,
+}
+
+fn run(case: &Case<'_>, seed: u64) {
+    let mut s = seed;
+    let steps = 150;
+    let env: Vec<(&str, &str)> =
+        vec![("TUTTI_TRANSPORT", case.transport), ("TUTTI_DEAD_AFTER", "1")];
+    let mut job = Job::start(case.n, steps, 8, &env);
+    let what = format!("{} (seed {seed})", case.name);
+    for r in 0..case.n {
+        assert!(
+            job.wait_line(r, "READY", Duration::from_secs(60)),
+            "{what}: rank {r} never started"
+        );
+    }
+    // Distinct victims, any rank (rank 0 too: the store is served here).
+    let mut victims = Vec::new();
+    while victims.len() < case.victims {
+        let v = (lcg(&mut s) % case.n as u64) as usize;
+        if !victims.contains(&v) {
+            victims.push(v);
+        }
+    }
+    let at = 5 + lcg(&mut s) % 60;
+    assert!(
+        job.wait_line(victims[0], &format!("STEP {at} "), Duration::from_secs(60)),
+        "{what}: step {at} never came"
+    );
+    for (i, v) in victims.iter().enumerate() {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(case.gap_ms));
+        }
+        job.signal(*v, case.sig);
+    }
+    let survivors: Vec<usize> = (0..case.n).filter(|r| !victims.contains(r)).collect();
+    let codes = job.wait_exit(&survivors, Duration::from_secs(90));
+    for (r, c) in survivors.iter().zip(&codes) {
+        assert!(c.is_some(), "{what}: rank {r} hung after losing {victims:?}:\n{}", job.all(*r));
+    }
+    if survivors.len() * 2 <= case.n {
+        // Not a strict majority left: everyone stops, saying it was cut off.
+        for (r, c) in survivors.iter().zip(&codes) {
+            let err = job.has(*r, "ERROR").unwrap_or_default();
+            assert_eq!(*c, Some(1), "{what}: rank {r} should stop:\n{}", job.all(*r));
+            assert!(
+                err.contains("cut off") && err.contains("not a strict majority"),
+                "{what}: {err}"
+            );
+        }
+        return;
+    }
+    let mut done = Vec::new();
+    for (r, c) in survivors.iter().zip(&codes) {
+        assert_eq!(*c, Some(0), "{what}: rank {r} failed:\n{}", job.all(*r));
+        let line =
+            job.has(*r, "DONE").unwrap_or_else(|| panic!("{what}: rank {r} printed no DONE"));
+        assert!(job.has(*r, "RECOVERED").is_some(), "{what}: rank {r} never recovered");
+        done.push(line);
+    }
+    // Every survivor has the same weights, and they are the replay's.
+    assert!(done.windows(2).all(|w| w[0] == w[1]), "{what}: survivors differ: {done:?}");
+    let schedule = done[0].split(" schedule ").nth(1).expect("a schedule").to_string();
+    let worlds: Vec<usize> =
+        schedule.split(',').map(|p| p.split('x').next().unwrap().parse().unwrap()).collect();
+    assert_eq!(worlds.first(), Some(&case.n), "{what}: {schedule}");
+    assert_eq!(worlds.last(), Some(&(case.n - case.victims)), "{what}: {schedule}");
+    assert_eq!(done[0], replay(&schedule), "{what}: survivors differ from the replay");
+    if case.sig == libc::SIGSTOP {
+        for v in &victims {
+            job.signal(*v, libc::SIGKILL);
+        }
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var("TUTTI_ELASTIC_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    })
+}
+
+#[test]
+fn survivors_finish_every_step_with_the_replay_s_weights() {
+    let base = seed();
+    eprintln!("TUTTI_ELASTIC_SEED={base}");
+    let cases = [
+        Case {
+            name: "tcp, 4 ranks, SIGKILL",
+            n: 4,
+            transport: "tcp",
+            sig: libc::SIGKILL,
+            victims: 1,
+            gap_ms: 0,
+        },
+        Case {
+            name: "quic, 4 ranks, SIGKILL",
+            n: 4,
+            transport: "quic",
+            sig: libc::SIGKILL,
+            victims: 1,
+            gap_ms: 0,
+        },
+        Case {
+            name: "tcp, 4 ranks, SIGSTOP",
+            n: 4,
+            transport: "tcp",
+            sig: libc::SIGSTOP,
+            victims: 1,
+            gap_ms: 0,
+        },
+        Case {
+            name: "quic, 8 ranks, SIGSTOP",
+            n: 8,
+            transport: "quic",
+            sig: libc::SIGSTOP,
+            victims: 1,
+            gap_ms: 0,
+        },
+        Case {
+            name: "tcp, 8 ranks, two at once",
+            n: 8,
+            transport: "tcp",
+            sig: libc::SIGKILL,
+            victims: 2,
+            gap_ms: 0,
+        },
+        Case {
+            name: "tcp, 8 ranks, one during the agreement",
+            n: 8,
+            transport: "tcp",
+            sig: libc::SIGKILL,
+            victims: 2,
+            gap_ms: 60,
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let t = Instant::now();
+        run(case, base.wrapping_add(i as u64));
+        eprintln!("{}: {:.1} s", case.name, t.elapsed().as_secs_f64());
+    }
+}
+
+#[test]
+fn half_the_world_lost_stops_everyone_with_the_cut_off_error() {
+    let base = seed();
+    let case = Case {
+        name: "tcp, 4 ranks, two lost",
+        n: 4,
+        transport: "tcp",
+        sig: libc::SIGKILL,
+        victims: 2,
+        gap_ms: 0,
+    };
+    run(&case, base);
+}
