@@ -277,6 +277,24 @@ impl Comm {
         Ok((Comm { force: self.force, ..comm }, shrunk))
     }
 
+    /// Take in the newcomers waiting to join (replacement processes started with
+    /// `TUTTI_JOIN=1`): a new communicator over the members, in their order, then the
+    /// newcomers; `None` when nobody was waiting. See `tutti_runtime::Group::grow`.
+    ///
+    /// # Collective contract
+    /// Every member calls it at the same point; the newcomers are the ones whose
+    /// [`Comm::from_env`] returns (their group's `joined()` is true), and both sides then
+    /// make the same calls (the members send the state).
+    ///
+    /// # Errors
+    /// [`Error::Runtime`] when the store fails or someone does not connect.
+    pub fn grow(&self) -> Result<Option<(Comm, tutti_runtime::elastic::Grown)>> {
+        Ok(self.group.grow()?.map(|g| {
+            let comm = Comm::with_config(g.group.clone(), (*self.cfg).clone());
+            (Comm { force: self.force, ..comm }, g)
+        }))
+    }
+
     pub(crate) fn invalid(&self, op: &'static str, detail: String) -> Error {
         Error::InvalidArgument { rank: self.rank(), op, detail }
     }

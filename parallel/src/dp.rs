@@ -210,6 +210,28 @@ impl DataParallel {
         self.compare(true)
     }
 
+    /// Go on over a grown world (after [`Comm::grow`](tutti_collectives::Comm::grow)): the
+    /// same steps as [`DataParallel::new`] on the newcomers — shapes checked, every
+    /// parameter broadcast from rank 0 — so the newcomers, which construct theirs with
+    /// `new`, receive the parameters.
+    ///
+    /// # Collective contract
+    /// The members call it on the grown communicator while the newcomers call
+    /// [`DataParallel::new`] on theirs, with the same parameter shapes.
+    ///
+    /// # Errors
+    /// As [`DataParallel::new`].
+    pub fn adopt(&mut self, comm: Comm) -> Result<()> {
+        self.comm = comm;
+        self.acc = None;
+        self.compare(false)?;
+        for v in &self.vars {
+            let t = ops::broadcast(v.as_tensor(), &self.comm, 0)?;
+            v.set(&t)?;
+        }
+        Ok(())
+    }
+
     /// Drop the gradients accumulated since the last [`DataParallel::sync`] (a step being
     /// redone after a failure starts from nothing).
     pub fn clear(&mut self) {

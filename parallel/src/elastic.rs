@@ -65,6 +65,8 @@ pub struct Outcome {
     pub world: usize,
     /// Recoveries during this step (usually none).
     pub recoveries: Vec<Recovery>,
+    /// Newcomers taken in after this step (replacements; see [`ElasticDp::new`]).
+    pub joined: usize,
 }
 
 /// [`DataParallel`] that survives lost ranks: see the module docs.
@@ -76,7 +78,12 @@ pub struct ElasticDp {
     dp: DataParallel,
     /// Steps applied so far.
     done: u64,
+    /// When rank 0 last asked the store for newcomers, and what it found.
+    asked: Option<(Instant, u64)>,
 }
+
+/// Rank 0 asks the store for newcomers at most this often.
+const ASK_EVERY: Duration = Duration::from_millis(200);
 
 impl std::fmt::Debug for ElasticDp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -87,8 +94,43 @@ impl std::fmt::Debug for ElasticDp {
 impl ElasticDp {
     /// Wrap `dp`, whose parameters have had `done` steps applied (the same on every rank).
     /// Its communicator must be able to shrink (made by rendezvous, over TCP or QUIC).
-    pub fn new(dp: DataParallel, done: u64) -> ElasticDp {
-        ElasticDp { dp, done }
+    ///
+    /// In a replacement process (its group [`joined`](tutti_runtime::Group::joined) the
+    /// job), `dp` was just made with [`DataParallel::new`], which received the parameters,
+    /// and this receives the number of steps applied from rank 0 (`done` is ignored); then it
+    /// calls [`ElasticDp::step`] with the others from [`ElasticDp::done`] on.
+    ///
+    /// # Errors
+    /// Collective errors of a newcomer's transfer.
+    pub fn new(dp: DataParallel, done: u64) -> Result<ElasticDp> {
+        let mut el = ElasticDp { dp, done, asked: None };
+        if el.dp.comm().group().joined() {
+            el.share_done()?;
+        }
+        Ok(el)
+    }
+
+    /// Rank 0's step count, to everyone (the newcomers receive it).
+    fn share_done(&mut self) -> Result<()> {
+        let mut d = [self.done as i64];
+        self.dp.comm().broadcast(&mut d, 0)?;
+        self.done = d[0] as u64;
+        Ok(())
+    }
+
+    /// Newcomers waiting, as rank 0 sees them (0 elsewhere; asked now and then).
+    fn waiting(&mut self) -> u64 {
+        if self.dp.comm().rank() != 0 {
+            return 0;
+        }
+        if let Some((t, n)) = self.asked.filter(|(t, _)| t.elapsed() < ASK_EVERY) {
+            let _ = t;
+            return n;
+        }
+        // A store that cannot be asked takes nobody in; the step goes on.
+        let n = self.dp.comm().group().joiners_waiting().unwrap_or(0);
+        self.asked = Some((Instant::now(), n));
+        n
     }
 
     /// The data-parallel state (its communicator is the current world's).
@@ -130,9 +172,11 @@ impl ElasticDp {
             let member = Member { rank: self.dp.comm().rank(), world };
             self.dp.clear();
             let mut synced = None;
+            // The barrier after the exchange also tells everyone whether rank 0 saw newcomers.
+            let mut waiting = [self.waiting() as i64];
             let attempt = compute(&mut self.dp, member).and_then(|()| {
                 synced = Some(self.dp.sync()?);
-                self.dp.comm().barrier()?;
+                self.dp.comm().allreduce(&mut waiting, tutti_collectives::ReduceOp::Sum)?;
                 Ok(())
             });
             let failure = match attempt {
@@ -140,72 +184,118 @@ impl ElasticDp {
                     let s = synced.as_ref().ok_or_else(|| internal(&self.dp, "no gradients"))?;
                     apply(s)?;
                     self.done += 1;
-                    return Ok(Outcome { loss: s.loss, samples: s.samples, world, recoveries });
+                    let (loss, samples) = (s.loss, s.samples);
+                    let mut joined = 0;
+                    if waiting[0] > 0 {
+                        match self.take_in() {
+                            Ok(n) => joined = n,
+                            // Someone did not come: go on over whoever is left.
+                            Err(e) if lost_rank(&e) => {
+                                recoveries.push(self.recover(step, e, None, &mut apply)?)
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    return Ok(Outcome { loss, samples, world, recoveries, joined });
                 }
                 Err(e) if lost_rank(&e) => e,
                 Err(e) => return Err(e),
             };
-            // Settle the step with the survivors, then go on in the new world.
-            let started = Instant::now();
-            let mut cause = failure.to_string();
-            let mut lost = Vec::new();
-            let mut kept = false;
-            // The current rank → rank in the world this recovery started from.
-            let mut orig: Vec<usize> = (0..world).collect();
-            loop {
-                let mut note = self.done.to_le_bytes().to_vec();
-                note.push(u8::from(synced.is_some()));
-                let (comm, shrunk) = self.dp.comm().shrink_with(&note)?;
-                lost.extend(shrunk.lost.iter().map(|r| orig[*r]));
-                orig = shrunk.old_ranks.iter().map(|r| orig[*r]).collect();
-                let applied = shrunk
-                    .notes
-                    .iter()
-                    .filter_map(|n| n.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()))
-                    .map(u64::from_le_bytes)
-                    .max()
-                    .unwrap_or(self.done);
-                if applied > self.done {
-                    // Another survivor passed the barrier: every rank holds this step's
-                    // gradient, this one too.
-                    let s = synced.as_ref().ok_or_else(|| {
-                        internal(
-                            &self.dp,
-                            "a survivor applied the step but this rank has no gradient",
-                        )
-                    })?;
-                    apply(s)?;
-                    self.done += 1;
-                    kept = true;
-                }
-                match self.dp.rejoin(comm) {
-                    Ok(()) => break,
-                    Err(e) if lost_rank(&e) => cause = e.to_string(),
-                    Err(e) => return Err(e),
-                }
-            }
-            let r = Recovery {
-                step,
-                cause,
-                lost,
-                world: self.dp.comm().size(),
-                kept,
-                took: started.elapsed(),
-            };
-            tracing::warn!(
-                step,
-                world = r.world,
-                lost = ?r.lost,
-                kept,
-                took = ?r.took,
-                "data parallel: went on after a lost rank"
-            );
+            let r = self.recover(step, failure, synced.as_ref(), &mut apply)?;
+            let kept = r.kept;
             recoveries.push(r);
             if kept {
                 let s = synced.as_ref().ok_or_else(|| internal(&self.dp, "no gradients"))?;
-                return Ok(Outcome { loss: s.loss, samples: s.samples, world, recoveries });
+                return Ok(Outcome {
+                    loss: s.loss,
+                    samples: s.samples,
+                    world,
+                    recoveries,
+                    joined: 0,
+                });
             }
         }
+    }
+
+    /// Take the waiting newcomers in: grow the world, and send them the parameters and the
+    /// step count. Returns how many came.
+    fn take_in(&mut self) -> Result<usize> {
+        let Some((comm, grown)) = self.dp.comm().grow()? else { return Ok(0) };
+        self.dp.adopt(comm)?;
+        self.share_done()?;
+        self.asked = None;
+        tracing::info!(
+            world = self.dp.comm().size(),
+            newcomers = ?grown.newcomers,
+            "data parallel: took newcomers in"
+        );
+        Ok(grown.newcomers.len())
+    }
+
+    /// Settle step `step` with the survivors after `failure`, then go on in the new world.
+    fn recover<A>(
+        &mut self,
+        step: u64,
+        failure: Error,
+        synced: Option<&Synced>,
+        apply: &mut A,
+    ) -> Result<Recovery>
+    where
+        A: FnMut(&Synced) -> Result<()>,
+    {
+        let started = Instant::now();
+        let mut cause = failure.to_string();
+        let mut lost = Vec::new();
+        let mut kept = false;
+        // The current rank → rank in the world this recovery started from.
+        let mut orig: Vec<usize> = (0..self.dp.comm().size()).collect();
+        loop {
+            let mut note = self.done.to_le_bytes().to_vec();
+            note.push(u8::from(synced.is_some()));
+            let (comm, shrunk) = self.dp.comm().shrink_with(&note)?;
+            lost.extend(shrunk.lost.iter().map(|r| orig[*r]));
+            orig = shrunk.old_ranks.iter().map(|r| orig[*r]).collect();
+            let applied = shrunk
+                .notes
+                .iter()
+                .filter_map(|n| n.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()))
+                .map(u64::from_le_bytes)
+                .max()
+                .unwrap_or(self.done);
+            if applied > self.done {
+                // Another survivor passed the barrier: every rank holds this step's gradient,
+                // this one too.
+                let s = synced.ok_or_else(|| {
+                    internal(&self.dp, "a survivor applied the step but this rank has no gradient")
+                })?;
+                apply(s)?;
+                self.done += 1;
+                kept = true;
+            }
+            match self.dp.rejoin(comm) {
+                Ok(()) => break,
+                Err(e) if lost_rank(&e) => cause = e.to_string(),
+                Err(e) => return Err(e),
+            }
+        }
+        self.asked = None;
+        let r = Recovery {
+            step,
+            cause,
+            lost,
+            world: self.dp.comm().size(),
+            kept,
+            took: started.elapsed(),
+        };
+        tracing::warn!(
+            step,
+            world = r.world,
+            lost = ?r.lost,
+            kept,
+            took = ?r.took,
+            "data parallel: went on after a lost rank"
+        );
+        Ok(r)
     }
 }
 

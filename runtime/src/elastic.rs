@@ -82,6 +82,11 @@ pub(crate) struct Rejoin {
     pub(crate) opts: Options,
     pub(crate) master_ip: Option<IpAddr>,
     pub(crate) launcher_fd: Option<i32>,
+    /// This process joined the job at this epoch (a replacement), rather than starting it or
+    /// staying on from the epoch before.
+    pub(crate) joined: bool,
+    /// `grow` calls made at this epoch (every member makes the same ones).
+    pub(crate) grows: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Rejoin {
@@ -139,8 +144,9 @@ pub(crate) struct Report {
 /// The agreed outcome of one epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Decision {
-    /// These members (stable ids, new rank order) go on, with their notes.
-    Go(Vec<(u64, Vec<u8>)>),
+    /// These members (stable ids, new rank order) go on as membership `epoch` (a number the
+    /// store hands out once, so no two memberships share one), with their notes.
+    Go(u64, Vec<(u64, Vec<u8>)>),
     /// Too few were left: everyone stops. The members that checked in.
     Stop(Vec<u64>),
 }
@@ -198,8 +204,9 @@ impl Decision {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::new();
         match self {
-            Decision::Go(members) => {
+            Decision::Go(epoch, members) => {
                 v.push(0);
+                put_u64(&mut v, *epoch);
                 put_u64(&mut v, members.len() as u64);
                 for (id, note) in members {
                     put_u64(&mut v, *id);
@@ -222,6 +229,7 @@ impl Decision {
         let mut r = Reader(rest);
         let d = match kind {
             0 => {
+                let epoch = r.u64()?;
                 let n = usize::try_from(r.u64()?).ok()?;
                 if n > rest.len() / 16 {
                     return None;
@@ -231,7 +239,7 @@ impl Decision {
                     let id = r.u64()?;
                     m.push((id, r.bytes()?));
                 }
-                Decision::Go(m)
+                Decision::Go(epoch, m)
             }
             1 => Decision::Stop(r.ids()?),
             _ => return None,
@@ -372,7 +380,7 @@ impl Agreement<'_> {
         let members: Vec<(u64, Vec<u8>)> =
             self.ids.iter().zip(reports).filter_map(|(id, r)| r.map(|r| (*id, r.note))).collect();
         Ok(if members.len() * 2 > self.ids.len() {
-            Decision::Go(members)
+            Decision::Go(new_epoch(self.store)?, members)
         } else {
             Decision::Stop(members.into_iter().map(|(id, _)| id).collect())
         })
@@ -524,7 +532,7 @@ impl Group {
             };
             let decision = agreement.run(note);
             suspects = suspects_now();
-            let members = match decision {
+            let decided = match decision {
                 Err(e) => {
                     let lost = suspects
                         .iter()
@@ -553,8 +561,9 @@ impl Group {
                         ),
                     });
                 }
-                Ok(Decision::Go(members)) => members,
+                Ok(Decision::Go(epoch, members)) => (epoch, members),
             };
+            let (epoch, members) = decided;
             let kept: Vec<u64> = members.iter().map(|(id, _)| *id).collect();
             let Some(new_rank) = kept.iter().position(|id| *id == me) else {
                 return Err(Error::CutOff {
@@ -570,7 +579,6 @@ impl Group {
                     ),
                 });
             };
-            let epoch = cur.epoch + 1;
             let store = cur.epoch_store(epoch);
             let mut opts = cur.opts.clone();
             // Every member is inside its shrink by now: a member that does not connect
@@ -604,7 +612,13 @@ impl Group {
                         .iter()
                         .map(|k| first_ids.iter().position(|id| id == k).unwrap_or(usize::MAX))
                         .collect();
-                    let next = Rejoin { epoch, ids: kept.clone(), ..cur };
+                    let next = Rejoin {
+                        epoch,
+                        ids: kept.clone(),
+                        joined: false,
+                        grows: Default::default(),
+                        ..cur
+                    };
                     let group = Group::with_parts(t, keep, Some(Arc::new(next)));
                     group.set_timeout(wait);
                     return Ok(Shrunk {
@@ -633,6 +647,221 @@ impl Group {
     }
 }
 
+/// What [`Group::grow`] returns when newcomers were taken in.
+#[derive(Debug)]
+pub struct Grown {
+    /// The new world group: the members in their order, then the newcomers.
+    pub group: Group,
+    /// The newcomers' ranks in it.
+    pub newcomers: Vec<usize>,
+    /// The new membership epoch.
+    pub epoch: u64,
+}
+
+/// The decision of one `grow`: the new epoch and its members' stable ids, in rank order.
+fn encode_grow(epoch: u64, ids: &[u64]) -> Vec<u8> {
+    let mut v = Vec::new();
+    put_u64(&mut v, epoch);
+    put_u64(&mut v, ids.len() as u64);
+    for id in ids {
+        put_u64(&mut v, *id);
+    }
+    v
+}
+
+fn decode_grow(raw: &[u8]) -> Option<(u64, Vec<u64>)> {
+    let mut r = Reader(raw);
+    let epoch = r.u64()?;
+    let ids = r.ids()?;
+    r.0.is_empty().then_some((epoch, ids))
+}
+
+fn unreadable(store: &dyn Store, key: &str) -> Error {
+    Error::Store { addr: store.describe(), detail: format!("an unreadable value at {key}") }
+}
+
+impl Group {
+    /// Whether this process joined a running job as a replacement (`TUTTI_JOIN=1`) and this
+    /// group is the world it joined: it should receive the job's state (parameters, step) from
+    /// the others rather than start fresh.
+    pub fn joined(&self) -> bool {
+        self.parts().0.is_some_and(|r| r.joined)
+    }
+
+    /// Newcomers (replacement processes started with `TUTTI_JOIN=1`) waiting to be taken in
+    /// by [`grow`](Group::grow), as the store says now; 0 for a group that cannot grow.
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the store cannot be reached.
+    pub fn joiners_waiting(&self) -> Result<u64> {
+        let Some(r) = self.parts().0 else { return Ok(0) };
+        let asked = r.store.add(JOINERS, 0)?;
+        let taken = r.store.add(JOINERS_TAKEN, 0)?;
+        Ok(u64::try_from(asked - taken).unwrap_or(0))
+    }
+
+    /// Take in the newcomers waiting now (see [`joiners_waiting`](Group::joiners_waiting)):
+    /// rank 0 decides who, through the store, and every member and newcomer connects a new
+    /// world — the members keep their ranks, the newcomers come after them. `Ok(None)` when
+    /// there was nobody to take in.
+    ///
+    /// # Collective contract
+    /// Every member of this world group calls it at the same point of the program (for
+    /// example when an allreduce of `joiners_waiting` on rank 0 says there are some). Then
+    /// the members send the newcomers what they need (parameters, step) over the new group;
+    /// the newcomers' side is [`joined`](Group::joined). This group stays usable until
+    /// dropped.
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the store fails; [`Error::Rendezvous`] when a newcomer or member
+    /// does not connect (shrink, on this group, to go on without them);
+    /// [`Error::Config`] for a group that cannot grow.
+    pub fn grow(&self) -> Result<Option<Grown>> {
+        let Some(cur) = self.parts().0.map(|r| Rejoin::clone(r)) else {
+            return Err(Error::Config(
+                "only a world group made by rendezvous can grow (it needs the job's store)".into(),
+            ));
+        };
+        let call = cur.grows.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = format!("tutti/grow/{}/{call}", cur.epoch);
+        let wait = self.timeout();
+        let store = cur.store.as_ref();
+        let raw = if self.rank() == 0 {
+            let asked = store.add(JOINERS, 0)?;
+            let taken = store.add(JOINERS_TAKEN, 0)?;
+            let mut ids = cur.ids.clone();
+            for t in taken + 1..=asked {
+                let k = format!("tutti/joiner/{t}");
+                let raw = store.get(&k, Duration::from_secs(5))?;
+                let id = <[u8; 8]>::try_from(raw.as_slice())
+                    .map(u64::from_le_bytes)
+                    .map_err(|_| unreadable(store, &k))?;
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
+            let epoch = if ids.len() > cur.ids.len() { new_epoch(store)? } else { cur.epoch };
+            let d = encode_grow(epoch, &ids);
+            store.set(&key, &d)?;
+            store.add(JOINERS_TAKEN, asked - taken)?;
+            for t in taken + 1..=asked {
+                store.set(&format!("tutti/welcome/{t}"), &d)?;
+            }
+            d
+        } else {
+            store.get(&key, wait)?
+        };
+        let (epoch, ids) = decode_grow(&raw).ok_or_else(|| unreadable(store, &key))?;
+        if ids.len() <= cur.ids.len() {
+            return Ok(None);
+        }
+        let me = cur.ids[self.rank()];
+        let rank = ids.iter().position(|id| *id == me).unwrap_or(usize::MAX);
+        let group =
+            connect_epoch(&cur, rank, epoch, ids.clone(), self.parts().1.to_vec(), false, wait)?;
+        info!(rank, world = ids.len(), epoch, "grew: newcomers taken in");
+        Ok(Some(Grown { group, newcomers: (cur.ids.len()..ids.len()).collect(), epoch }))
+    }
+}
+
+/// Store counters of newcomers: asked to join, and taken in.
+const JOINERS: &str = "tutti/joiners";
+const JOINERS_TAKEN: &str = "tutti/joiners/taken";
+
+/// Connect this process's transport of membership `epoch` (members `ids`, this one at
+/// `rank`) and make its world group.
+fn connect_epoch(
+    cur: &Rejoin,
+    rank: usize,
+    epoch: u64,
+    ids: Vec<u64>,
+    keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    joined: bool,
+    wait: Duration,
+) -> Result<Group> {
+    let store = cur.epoch_store(epoch);
+    let mut opts = cur.opts.clone();
+    opts.link.connect_timeout = opts.link.connect_timeout.min(wait).min(REBUILD_CONNECT);
+    let t = crate::rendezvous::open_transport(
+        rank,
+        ids.len(),
+        cur.epoch_job(epoch),
+        &cur.token,
+        store.as_ref(),
+        cur.master_ip,
+        &opts,
+    )?;
+    if let Some(fd) = cur.launcher_fd {
+        crate::rendezvous::launcher::watch(fd, &t, ids.iter().map(|id| *id as usize).collect());
+    }
+    let next = Rejoin { epoch, ids, joined, grows: Default::default(), ..cur.clone() };
+    let g = Group::with_parts(t, keep, Some(Arc::new(next)));
+    g.set_timeout(cur.opts.timeout);
+    Ok(g)
+}
+
+/// A replacement process joins a running job (`TUTTI_JOIN=1`): it asks through the store,
+/// waits until the members' next [`Group::grow`] takes it in, and connects that world.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn join(
+    id: usize,
+    store: Arc<dyn Store>,
+    token: String,
+    master_ip: Option<IpAddr>,
+    opts: &Options,
+    launcher_fd: Option<i32>,
+    keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+) -> Result<Group> {
+    let wait = opts.link.connect_timeout;
+    let job_raw = crate::store::get_or(store.as_ref(), "tutti/job", wait, || Error::Rendezvous {
+        rank: id,
+        detail: "no job to join: its rank 0 never published the job id in this store".into(),
+    })?;
+    let job = <[u8; 8]>::try_from(job_raw.as_slice())
+        .map(u64::from_le_bytes)
+        .map_err(|_| unreadable(store.as_ref(), "tutti/job"))?;
+    let ticket = store.add(JOINERS, 1)?;
+    store.set(&format!("tutti/joiner/{ticket}"), &(id as u64).to_le_bytes())?;
+    info!(id, ticket, "asked to join the running job; waiting to be taken in");
+    let key = format!("tutti/welcome/{ticket}");
+    let raw = crate::store::get_or(store.as_ref(), &key, wait, || Error::Rendezvous {
+        rank: id,
+        detail: format!(
+            "the job's ranks did not take this process in within {wait:?} (they take newcomers \
+             in when they call grow, e.g. between ElasticDp steps)"
+        ),
+    })?;
+    let (epoch, ids) = decode_grow(&raw).ok_or_else(|| unreadable(store.as_ref(), &key))?;
+    let rank = ids.iter().position(|x| *x == id as u64).ok_or_else(|| Error::Rendezvous {
+        rank: id,
+        detail: format!("the welcome at {key} does not name this process (id {id})"),
+    })?;
+    let cur = Rejoin {
+        store,
+        token,
+        job,
+        epoch,
+        ids: ids.clone(),
+        opts: opts.clone(),
+        master_ip,
+        launcher_fd,
+        joined: true,
+        grows: Default::default(),
+    };
+    let g = connect_epoch(&cur, rank, epoch, ids, keep, true, opts.timeout)?;
+    info!(id, rank, world = g.size(), epoch, "joined the running job");
+    Ok(g)
+}
+
+/// A membership epoch number no other membership of this job has (the store counts them).
+pub(crate) fn new_epoch(store: &dyn Store) -> Result<u64> {
+    let e = store.add("tutti/epochs", 1)?;
+    u64::try_from(e).map_err(|_| Error::Store {
+        addr: store.describe(),
+        detail: format!("the epoch counter tutti/epochs holds {e}"),
+    })
+}
+
 /// Errors that say a peer is gone (as opposed to one that told us it stopped).
 fn blames(e: &Error) -> bool {
     match e {
@@ -651,7 +880,7 @@ mod tests {
     fn reports_and_decisions_round_trip_and_junk_is_refused() {
         let r = Report { suspects: vec![3, 9], note: b"step 12".to_vec() };
         assert_eq!(Report::decode(&r.encode()), Some(r.clone()));
-        for d in [Decision::Go(vec![(0, vec![1, 2]), (2, vec![])]), Decision::Stop(vec![1])] {
+        for d in [Decision::Go(3, vec![(0, vec![1, 2]), (2, vec![])]), Decision::Stop(vec![1])] {
             assert_eq!(Decision::decode(&d.encode()), Some(d.clone()));
         }
         let raw = r.encode();
@@ -713,7 +942,7 @@ mod tests {
             (1, vec![2], ms(10)),
         ];
         let got = agree_all(&store, 0, &[0, 1, 2, 3, 4], &who, Duration::from_secs(10));
-        let want = Decision::Go(vec![(0, vec![0]), (1, vec![1]), (3, vec![3]), (4, vec![4])]);
+        let want = Decision::Go(1, vec![(0, vec![0]), (1, vec![1]), (3, vec![3]), (4, vec![4])]);
         for g in got {
             assert_eq!(g.unwrap(), want);
         }
@@ -731,7 +960,7 @@ mod tests {
             (2, vec![1], ms(800)),
         ];
         let got = agree_all(&store, 0, &[0, 1, 2, 3, 4], &who, Duration::from_secs(10));
-        let want = Decision::Go(vec![(0, vec![0]), (3, vec![3]), (4, vec![4])]);
+        let want = Decision::Go(1, vec![(0, vec![0]), (3, vec![3]), (4, vec![4])]);
         for g in got {
             assert_eq!(g.unwrap(), want);
         }

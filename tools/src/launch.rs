@@ -81,6 +81,9 @@ pub struct Job {
     /// go on without it (they shrink their world); the job's exit code is that of the last
     /// rank to end.
     pub elastic: bool,
+    /// With `elastic`: how many replacement processes to start in all, one for each rank that
+    /// ends in failure while others run (`TUTTI_JOIN=1`: they join the running job).
+    pub max_restarts: usize,
 }
 
 impl std::fmt::Debug for Job {
@@ -261,6 +264,100 @@ fn tell_survivors(
     }
 }
 
+/// What every rank's process is started with.
+struct Spawn<'a> {
+    job: &'a Job,
+    world: usize,
+    port: u16,
+    store_url: &'a str,
+    token: &'a str,
+}
+
+impl Spawn<'_> {
+    /// Start the process of `rank` (`local` on this node); `join` makes it a replacement that
+    /// joins the running job. Returns it, the write end of its notice pipe, and its output
+    /// pumps.
+    #[allow(clippy::type_complexity)]
+    fn rank(
+        &self,
+        rank: usize,
+        local: usize,
+        join: bool,
+    ) -> Result<(Child, Option<File>, Vec<std::thread::JoinHandle<()>>), LaunchError> {
+        let job = self.job;
+        let mut cmd = Command::new(&job.program[0]);
+        cmd.args(&job.program[1..])
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("WORLD_SIZE", self.world.to_string())
+            .env("LOCAL_WORLD_SIZE", job.nproc.to_string())
+            .env("GROUP_RANK", job.node_rank.to_string())
+            .env("MASTER_ADDR", &job.master_addr)
+            .env("MASTER_PORT", framework_port(self.port).to_string())
+            .env("TUTTI_STORE", self.store_url)
+            .env("TUTTI_TOKEN", self.token)
+            .stdin(Stdio::null());
+        if join {
+            cmd.env("TUTTI_JOIN", "1");
+        }
+        cmd.envs(job.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        if job.prefix {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        // Without a pipe the child simply gets no notices (its transport still sees the loss).
+        let pipe = notice_pipe().ok();
+        let read_fd = pipe.as_ref().map(|(r, _)| r.as_raw_fd());
+        if let Some(fd) = read_fd {
+            cmd.env(LAUNCHER_FD, fd.to_string());
+        }
+        // SAFETY: getpid, setpgid, prctl, getppid, fcntl and _exit are async-signal-safe; the
+        // closure runs in the child before exec.
+        let launcher = unsafe { libc::getpid() };
+        // SAFETY: see above.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Its own process group, so stopping it reaches what it forks too.
+                libc::setpgid(0, 0);
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // The launcher may have died between fork and prctl: then nobody would
+                // signal us, so do not start.
+                if libc::getppid() != launcher {
+                    libc::_exit(1);
+                }
+                if let Some(fd) = read_fd {
+                    // This child, alone, keeps its notice pipe's read end across exec.
+                    libc::fcntl(fd, libc::F_SETFD, 0);
+                }
+                Ok(())
+            });
+        }
+        let spawned = cmd.spawn();
+        // Our copy of the read end goes now: the child holds the only one.
+        let notice_w = pipe.map(|(_, w)| w);
+        let mut child = spawned.map_err(|err| LaunchError::Spawn {
+            rank,
+            program: job.program[0].to_string_lossy().into_owned(),
+            err,
+        })?;
+        let mut pumps = Vec::new();
+        if job.prefix {
+            let log = match &job.log_dir {
+                Some(d) => File::create(d.join(format!("rank-{rank}.log")))
+                    .ok()
+                    .map(|f| Arc::new(Mutex::new(f))),
+                None => None,
+            };
+            if let Some(o) = child.stdout.take() {
+                pumps.push(forward(rank, o, false, log.clone()));
+            }
+            if let Some(e) = child.stderr.take() {
+                pumps.push(forward(rank, e, true, log));
+            }
+        }
+        Ok((child, notice_w, pumps))
+    }
+}
+
 /// Run the job; returns the exit code the launcher should exit with (0 when every rank
 /// succeeded).
 ///
@@ -323,86 +420,26 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut notices: Vec<Option<File>> = Vec::new();
     let mut pumps = Vec::new();
+    let spawn_ctx = Spawn { job, world, port, store_url: &store_url, token: &token };
     for local in 0..job.nproc {
         let rank = job.node_rank * job.nproc + local;
-        let mut cmd = Command::new(&job.program[0]);
-        cmd.args(&job.program[1..])
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", job.nproc.to_string())
-            .env("GROUP_RANK", job.node_rank.to_string())
-            .env("MASTER_ADDR", &job.master_addr)
-            .env("MASTER_PORT", framework_port(port).to_string())
-            .env("TUTTI_STORE", &store_url)
-            .env("TUTTI_TOKEN", &token)
-            .stdin(Stdio::null());
-        cmd.envs(job.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        if job.prefix {
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        }
-        // Without a pipe the child simply gets no notices (its transport still sees the loss).
-        let pipe = notice_pipe().ok();
-        let read_fd = pipe.as_ref().map(|(r, _)| r.as_raw_fd());
-        if let Some(fd) = read_fd {
-            cmd.env(LAUNCHER_FD, fd.to_string());
-        }
-        // SAFETY: getpid, setpgid, prctl, getppid, fcntl and _exit are async-signal-safe; the
-        // closure runs in the child before exec.
-        let launcher = unsafe { libc::getpid() };
-        // SAFETY: see above.
-        unsafe {
-            cmd.pre_exec(move || {
-                // Its own process group, so stopping it reaches what it forks too.
-                libc::setpgid(0, 0);
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                // The launcher may have died between fork and prctl: then nobody would
-                // signal us, so do not start.
-                if libc::getppid() != launcher {
-                    libc::_exit(1);
-                }
-                if let Some(fd) = read_fd {
-                    // This child, alone, keeps its notice pipe's read end across exec.
-                    libc::fcntl(fd, libc::F_SETFD, 0);
-                }
-                Ok(())
-            });
-        }
-        let spawned = cmd.spawn();
-        // Our copy of the read end goes now: the child holds the only one.
-        let notice_w = pipe.map(|(_, w)| w);
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(err) => {
+        match spawn_ctx.rank(rank, local, false) {
+            Ok((child, notice_w, p)) => {
+                children.push((rank, child));
+                notices.push(notice_w);
+                pumps.extend(p);
+            }
+            Err(e) => {
                 stop_all(&mut children, job.grace);
-                return Err(LaunchError::Spawn {
-                    rank,
-                    program: job.program[0].to_string_lossy().into_owned(),
-                    err,
-                });
-            }
-        };
-        if job.prefix {
-            let log = match &job.log_dir {
-                Some(d) => File::create(d.join(format!("rank-{rank}.log")))
-                    .ok()
-                    .map(|f| Arc::new(Mutex::new(f))),
-                None => None,
-            };
-            if let Some(o) = child.stdout.take() {
-                pumps.push(forward(rank, o, false, log.clone()));
-            }
-            if let Some(e) = child.stderr.take() {
-                pumps.push(forward(rank, e, true, log));
+                return Err(e);
             }
         }
-        children.push((rank, child));
-        notices.push(notice_w);
     }
     let mut code = 0;
     let mut running = children.len();
-    // --elastic: the ranks whose end was already handled.
+    // --elastic: the ranks whose end was already handled, and the replacements started.
     let mut ended = vec![false; children.len()];
+    let mut restarts = 0;
     while running > 0 {
         if INTERRUPTED.load(Ordering::SeqCst) {
             eprintln!("tutti-run: interrupted; stopping all {} ranks", children.len());
@@ -433,6 +470,25 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
                          without it (--elastic)"
                     );
                     tell_survivors(&mut children, &mut notices, rank, &what);
+                    if restarts < job.max_restarts {
+                        restarts += 1;
+                        let local = rank - job.node_rank * job.nproc;
+                        match spawn_ctx.rank(rank, local, true) {
+                            Ok((child, notice_w, p)) => {
+                                eprintln!(
+                                    "tutti-run: started a replacement for rank {rank} \
+                                     (restart {restarts} of {}); it joins the running job",
+                                    job.max_restarts
+                                );
+                                children.push((rank, child));
+                                notices.push(notice_w);
+                                ended.push(false);
+                                pumps.extend(p);
+                                running += 1;
+                            }
+                            Err(e) => eprintln!("tutti-run: cannot start a replacement: {e}"),
+                        }
+                    }
                 } else {
                     eprintln!("tutti-run: rank {rank} {what}; no rank is left, the job failed");
                 }

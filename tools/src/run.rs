@@ -50,6 +50,10 @@ pub(crate) struct Args {
     /// of the last rank to end.
     #[arg(long)]
     elastic: bool,
+    /// With --elastic: start up to N replacement processes in all, one for each rank that
+    /// ends in failure; each joins the running job (`TUTTI_JOIN=1`) when its ranks next grow.
+    #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
+    max_restarts: usize,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     program: Vec<std::ffi::OsString>,
@@ -76,6 +80,12 @@ pub fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if a.max_restarts > 0 && !a.elastic {
+        eprintln!(
+            "tutti-run: --max-restarts needs --elastic (without it a lost rank stops the job)"
+        );
+        return ExitCode::from(2);
+    }
     let job = Job {
         nproc: a.nproc,
         nnodes: a.nnodes,
@@ -89,6 +99,7 @@ pub fn main() -> ExitCode {
         grace: Duration::from_secs_f64(a.grace),
         env: Vec::new(),
         elastic: a.elastic,
+        max_restarts: a.max_restarts,
     };
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

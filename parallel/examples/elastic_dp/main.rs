@@ -14,6 +14,10 @@
 //! and at the end `DONE loss … checksum … schedule …`: the final mean loss, an FNV-1a hash of
 //! every weight's bits, and the world each step's gradient came from (`4x17,3x183`).
 //!
+//! With `tutti-run --elastic --max-restarts 1`, the launcher starts a replacement for the
+//! killed rank: it joins (`JOINED rank r at step s`), receives the parameters and the step
+//! count, and the world is whole again (`GREW after step s`); its schedule starts there.
+//!
 //! Alone, `elastic_dp --schedule 4x17,3x183` replays a schedule with ranks as threads over
 //! memory and prints the same `DONE` line: the reference a test compares the survivors with,
 //! bit for bit.
@@ -123,11 +127,15 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
     let vars = init()?;
     let mut opt = SGD::new(vars.clone(), LR)?;
     let dp = DataParallel::new(comm, vars.clone(), DpConfig::default())?;
-    let mut el = ElasticDp::new(dp, 0);
+    let mut el = ElasticDp::new(dp, 0)?;
+    let first = el.done();
+    if el.dp().comm().group().joined() {
+        println!("JOINED rank {} at step {first}", el.dp().comm().rank());
+    }
     println!("READY rank {}", el.dp().comm().rank());
     let mut worlds = Vec::new();
     let mut loss = f64::NAN;
-    for step in 0..steps {
+    for step in first..steps {
         let out =
             el.step(step, |dp, m| compute(dp, step, m), |s: &Synced| Ok(opt.step(&s.grads)?))?;
         for r in &out.recoveries {
@@ -139,6 +147,13 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
                 r.kept,
                 r.took.as_secs_f64() * 1e3,
                 r.cause
+            );
+        }
+        if out.joined > 0 {
+            println!(
+                "GREW after step {step}: {} newcomers, world {}",
+                out.joined,
+                el.dp().comm().size()
             );
         }
         worlds.push(out.world);

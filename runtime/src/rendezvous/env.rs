@@ -73,6 +73,10 @@ pub struct EnvInfo {
     /// torchrun's restart count (`TORCHELASTIC_RESTART_COUNT`), 0 elsewhere: each attempt
     /// rendezvouses under its own keys in the agent's store.
     pub restart: u64,
+    /// `TUTTI_JOIN=1` (set by `tutti-run --elastic --max-restarts` for a replacement): this
+    /// process joins a running job, taken in by its ranks' next `grow`, instead of starting
+    /// one.
+    pub join: bool,
 }
 
 fn parse_usize(name: &str, v: &str) -> Result<usize> {
@@ -202,7 +206,12 @@ impl EnvInfo {
             })?,
             None => 0,
         };
-        Ok(EnvInfo { rank, world, local_rank, launcher, store, launcher_fd, restart })
+        let join = match get("TUTTI_JOIN").as_deref().map(str::trim) {
+            None | Some("" | "0") => false,
+            Some("1") => true,
+            Some(v) => return Err(Error::Config(format!("TUTTI_JOIN={v:?}: use 1 or 0"))),
+        };
+        Ok(EnvInfo { rank, world, local_rank, launcher, store, launcher_fd, restart, join })
     }
 }
 

@@ -366,6 +366,12 @@ pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
             return Err(Error::Config("a TCP store without an address (internal error)".into()))
         }
     };
+    if env.join {
+        let token = token.ok_or_else(|| {
+            Error::Config("a joining process needs the job secret (TUTTI_TOKEN)".into())
+        })?;
+        return crate::elastic::join(rank, store, token, master_ip, opts, env.launcher_fd, keep);
+    }
     connect(rank, world, store, token, master_ip, opts, env.launcher_fd, keep)
 }
 
@@ -528,6 +534,8 @@ fn connect(
         opts: opts.clone(),
         master_ip,
         launcher_fd,
+        joined: false,
+        grows: Default::default(),
     };
     let g = Group::with_parts(t, keep, Some(Arc::new(rejoin)));
     g.set_timeout(opts.timeout);

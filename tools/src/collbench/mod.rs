@@ -366,6 +366,7 @@ pub fn main() -> ExitCode {
                     grace: Duration::from_secs(2),
                     env: vec![("TUTTI_TRANSPORT".into(), t.into())],
                     elastic: false,
+                    max_restarts: 0,
                 };
                 match crate::launch::run(&job) {
                     Ok(c) => c,
