@@ -36,6 +36,8 @@ fn lcg(seed: &mut u64) -> u64 {
 struct Job {
     children: Vec<Child>,
     lines: Vec<Arc<Mutex<Vec<String>>>>,
+    /// How a rank is started (to start a replacement later).
+    spawn: Box<dyn Fn(usize, bool) -> Child>,
     _store: StoreServer,
 }
 
@@ -48,9 +50,9 @@ impl Job {
         )
         .expect("store");
         let url = format!("tcp://{}", store.addr());
-        let mut children = Vec::new();
-        let mut lines = Vec::new();
-        for r in 0..n {
+        let env: Vec<(String, String)> =
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let spawn = Box::new(move |r: usize, join: bool| {
             let mut c = Command::new(example());
             c.args(["--steps", &steps.to_string(), "--step-ms", &step_ms.to_string()])
                 .env("RANK", r.to_string())
@@ -58,25 +60,36 @@ impl Job {
                 .env("TUTTI_STORE", &url)
                 .env("TUTTI_TOKEN", TOKEN)
                 .env("TUTTI_CONNECT_TIMEOUT", "60")
+                .env("TUTTI_JOIN", if join { "1" } else { "0" })
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null());
-            for (k, v) in env {
+            for (k, v) in &env {
                 c.env(k, v);
             }
-            let mut child = c.spawn().expect("spawn a rank");
-            let out = child.stdout.take().expect("stdout");
-            let buf = Arc::new(Mutex::new(Vec::new()));
-            let b2 = buf.clone();
-            std::thread::spawn(move || {
-                for line in std::io::BufReader::new(out).lines() {
-                    let Ok(line) = line else { break };
-                    b2.lock().unwrap_or_else(|p| p.into_inner()).push(line);
-                }
-            });
-            children.push(child);
-            lines.push(buf);
+            c.spawn().expect("spawn a rank")
+        });
+        let mut job = Job { children: Vec::new(), lines: Vec::new(), spawn, _store: store };
+        for r in 0..n {
+            job.add(r, false);
         }
-        Job { children, lines, _store: store }
+        job
+    }
+
+    /// Start rank `r` (a replacement that joins, with `join`); it is `children.len()` here.
+    fn add(&mut self, r: usize, join: bool) -> usize {
+        let mut child = (self.spawn)(r, join);
+        let out = child.stdout.take().expect("stdout");
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let b2 = buf.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                b2.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+            }
+        });
+        self.children.push(child);
+        self.lines.push(buf);
+        self.children.len() - 1
     }
 
     fn has(&self, r: usize, prefix: &str) -> Option<String> {
@@ -149,6 +162,8 @@ struct Case<'a> {
     /// How many ranks to lose, and the pause between the losses.
     victims: usize,
     gap_ms: u64,
+    /// Start a replacement for the first victim once it is gone.
+    replace: bool,
 }
 
 fn run(case: &Case<'_>, seed: u64) {
@@ -183,7 +198,22 @@ fn run(case: &Case<'_>, seed: u64) {
         }
         job.signal(*v, case.sig);
     }
-    let survivors: Vec<usize> = (0..case.n).filter(|r| !victims.contains(r)).collect();
+    let mut survivors: Vec<usize> = (0..case.n).filter(|r| !victims.contains(r)).collect();
+    if case.replace {
+        // The survivors go on without it; the replacement joins at their next step.
+        let v = victims[0];
+        assert!(
+            survivors.iter().all(|r| job.wait_line(*r, "RECOVERED", Duration::from_secs(60))),
+            "{what}: the survivors did not recover"
+        );
+        let idx = job.add(v, true);
+        assert!(
+            job.wait_line(idx, "JOINED", Duration::from_secs(60)),
+            "{what}: the replacement never joined:\n{}",
+            job.all(idx)
+        );
+        survivors.push(idx);
+    }
     let codes = job.wait_exit(&survivors, Duration::from_secs(90));
     for (r, c) in survivors.iter().zip(&codes) {
         assert!(c.is_some(), "{what}: rank {r} hung after losing {victims:?}:\n{}", job.all(*r));
@@ -205,16 +235,22 @@ fn run(case: &Case<'_>, seed: u64) {
         assert_eq!(*c, Some(0), "{what}: rank {r} failed:\n{}", job.all(*r));
         let line =
             job.has(*r, "DONE").unwrap_or_else(|| panic!("{what}: rank {r} printed no DONE"));
-        assert!(job.has(*r, "RECOVERED").is_some(), "{what}: rank {r} never recovered");
+        let newcomer = job.has(*r, "JOINED").is_some();
+        assert!(newcomer || job.has(*r, "RECOVERED").is_some(), "{what}: rank {r} never recovered");
         done.push(line);
     }
-    // Every survivor has the same weights, and they are the replay's.
-    assert!(done.windows(2).all(|w| w[0] == w[1]), "{what}: survivors differ: {done:?}");
+    // Every survivor (and the replacement) has the same weights, and they are the replay's.
+    let weights = |l: &str| l.split(" schedule ").next().unwrap_or_default().to_string();
+    assert!(
+        done.windows(2).all(|w| weights(&w[0]) == weights(&w[1])),
+        "{what}: survivors differ: {done:?}"
+    );
     let schedule = done[0].split(" schedule ").nth(1).expect("a schedule").to_string();
     let worlds: Vec<usize> =
         schedule.split(',').map(|p| p.split('x').next().unwrap().parse().unwrap()).collect();
     assert_eq!(worlds.first(), Some(&case.n), "{what}: {schedule}");
-    assert_eq!(worlds.last(), Some(&(case.n - case.victims)), "{what}: {schedule}");
+    let end = if case.replace { case.n } else { case.n - case.victims };
+    assert_eq!(worlds.last(), Some(&end), "{what}: {schedule}");
     assert_eq!(done[0], replay(&schedule), "{what}: survivors differ from the replay");
     if case.sig == libc::SIGSTOP {
         for v in &victims {
@@ -244,6 +280,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             sig: libc::SIGKILL,
             victims: 1,
             gap_ms: 0,
+            replace: false,
         },
         Case {
             name: "quic, 4 ranks, SIGKILL",
@@ -252,6 +289,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             sig: libc::SIGKILL,
             victims: 1,
             gap_ms: 0,
+            replace: false,
         },
         Case {
             name: "tcp, 4 ranks, SIGSTOP",
@@ -260,6 +298,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             sig: libc::SIGSTOP,
             victims: 1,
             gap_ms: 0,
+            replace: false,
         },
         Case {
             name: "quic, 8 ranks, SIGSTOP",
@@ -268,6 +307,16 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             sig: libc::SIGSTOP,
             victims: 1,
             gap_ms: 0,
+            replace: false,
+        },
+        Case {
+            name: "tcp, 4 ranks, SIGKILL, a replacement joins",
+            n: 4,
+            transport: "tcp",
+            sig: libc::SIGKILL,
+            victims: 1,
+            gap_ms: 0,
+            replace: true,
         },
         Case {
             name: "tcp, 8 ranks, two at once",
@@ -276,6 +325,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             sig: libc::SIGKILL,
             victims: 2,
             gap_ms: 0,
+            replace: false,
         },
         Case {
             name: "tcp, 8 ranks, one during the agreement",
@@ -284,6 +334,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             sig: libc::SIGKILL,
             victims: 2,
             gap_ms: 60,
+            replace: false,
         },
     ];
     for (i, case) in cases.iter().enumerate() {
@@ -303,6 +354,7 @@ fn half_the_world_lost_stops_everyone_with_the_cut_off_error() {
         sig: libc::SIGKILL,
         victims: 2,
         gap_ms: 0,
+        replace: false,
     };
     run(&case, base);
 }
