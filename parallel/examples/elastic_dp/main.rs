@@ -10,7 +10,8 @@
 //! kill -9 <one rank's pid>
 //! ```
 //!
-//! Every rank prints `STEP s world w` per step, `RECOVERED …` when it went on after a loss,
+//! Every rank prints `STEP s world w rank r t_us T` per step (T: when it ended, µs since the
+//! epoch), `RECOVERED …` when it went on after a loss,
 //! and at the end `DONE loss … checksum … schedule …`: the final mean loss, an FNV-1a hash of
 //! every weight's bits, and the world each step's gradient came from (`4x17,3x183`).
 //!
@@ -117,6 +118,13 @@ fn expand(s: &str) -> Option<Vec<usize>> {
     Some(v)
 }
 
+/// Microseconds since the Unix epoch (to time a recovery from outside).
+fn now_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros())
+}
+
 fn arg(name: &str) -> Option<String> {
     std::env::args().skip_while(|a| a != name).nth(1)
 }
@@ -158,7 +166,7 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
         }
         worlds.push(out.world);
         loss = out.loss;
-        println!("STEP {step} world {} rank {}", out.world, el.dp().comm().rank());
+        println!("STEP {step} world {} rank {} t_us {}", out.world, el.dp().comm().rank(), now_us());
         if step_ms > 0 {
             std::thread::sleep(std::time::Duration::from_millis(step_ms));
         }
