@@ -323,3 +323,103 @@ fn a_host_that_drops_off_the_network_is_named() {
         }
     }
 }
+
+/// The `elastic_dp` example (built by `cargo test --workspace`).
+fn elastic_example() -> String {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
+    let path = dir.join("examples").join("elastic_dp");
+    assert!(path.exists(), "{} is missing: run `cargo test --workspace`", path.display());
+    path.to_string_lossy().into_owned()
+}
+
+/// A network partition of an elastic data-parallel job, 8 ranks on 4 hosts (the store on host
+/// 0): with host 3 cut off, the 6 ranks on the store's side agree, go on and finish every step
+/// with equal weights, while the 2 cut off stop with the cut-off error; with hosts 2 and 3 cut
+/// off at once, neither half is a strict majority and nobody goes on. No side hangs.
+#[test]
+fn a_partition_leaves_at_most_one_side_going_on() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(c) = Cluster::up(4, None) else { return };
+    let prog = elastic_example();
+    for cut in [vec![3usize], vec![2, 3]] {
+        let env = [
+            ("TUTTI_DEAD_AFTER", "2"),
+            ("TUTTI_TIMEOUT", "20"),
+            ("TUTTI_TOKEN", SECRET),
+            ("TUTTI_CONNECT_TIMEOUT", "60"),
+        ];
+        let nodes: Vec<Child> = (0..4)
+            .map(|h| {
+                let node = h.to_string();
+                let a = [
+                    "--elastic",
+                    "--nnodes",
+                    "4",
+                    "--node-rank",
+                    &node,
+                    "--nproc",
+                    "2",
+                    "--master-addr",
+                    "10.77.0.1",
+                    "--master-port",
+                    "29813",
+                    "--grace",
+                    "1",
+                    "--",
+                    &prog,
+                    "--steps",
+                    "600",
+                    "--step-ms",
+                    "10",
+                ];
+                c.spawn(h, RUN, &a, &env)
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs(4));
+        for h in &cut {
+            let s = Command::new("ip")
+                .args(["link", "set", &format!("{}-v{h}", c.name), "down"])
+                .status()
+                .expect("ip");
+            assert!(s.success());
+        }
+        let outs = wait_all(nodes, Duration::from_secs(120));
+        for h in &cut {
+            let _ = Command::new("ip")
+                .args(["link", "set", &format!("{}-v{h}", c.name), "up"])
+                .status();
+        }
+        let all = text(&outs);
+        let what = format!("hosts {cut:?} cut off");
+        for (h, o) in outs.iter().enumerate() {
+            let t = text(std::slice::from_ref(o));
+            let goes_on = cut.len() == 1 && !cut.contains(&h);
+            if goes_on {
+                assert!(o.status.success(), "{what}: host {h} failed:\n{all}");
+                assert_eq!(t.matches("DONE").count(), 2, "{what}: host {h}:\n{t}");
+                assert!(t.contains("RECOVERED"), "{what}: host {h} never recovered:\n{t}");
+            } else {
+                assert!(!o.status.success(), "{what}: host {h} went on:\n{all}");
+                assert!(!t.contains("DONE"), "{what}: host {h} finished:\n{t}");
+                let stopped = t
+                    .lines()
+                    .filter(|l| l.contains("] ERROR") && l.contains("cut off at membership"))
+                    .count();
+                assert_eq!(stopped, 2, "{what}: host {h}:\n{t}");
+                if !cut.contains(&h) {
+                    assert!(t.contains("not a strict majority"), "{what}: host {h}:\n{t}");
+                }
+            }
+        }
+        if cut.len() == 1 {
+            let weights: Vec<&str> = all
+                .lines()
+                .filter_map(|l| l.split_once("DONE ").map(|(_, d)| d))
+                .map(|d| d.split(" schedule ").next().unwrap_or_default())
+                .collect();
+            assert_eq!(weights.len(), 6, "{all}");
+            assert!(weights.windows(2).all(|w| w[0] == w[1]), "survivors differ: {weights:?}");
+        }
+    }
+}

@@ -440,6 +440,8 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
     // --elastic: the ranks whose end was already handled, and the replacements started.
     let mut ended = vec![false; children.len()];
     let mut restarts = 0;
+    // The first rank that finished the job (exit 0), and when.
+    let mut finished: Option<(usize, Instant)> = None;
     while running > 0 {
         if INTERRUPTED.load(Ordering::SeqCst) {
             eprintln!("tutti-run: interrupted; stopping all {} ranks", children.len());
@@ -455,7 +457,9 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
                     Ok(Some(st)) if !ended[i] => {
                         ended[i] = true;
                         code = exit_code(st);
-                        if !st.success() {
+                        if st.success() {
+                            finished.get_or_insert((*rank, Instant::now()));
+                        } else {
                             lost.push((*rank, describe(st)));
                         }
                     }
@@ -495,6 +499,27 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
             }
             if running > 0 {
                 std::thread::sleep(Duration::from_millis(20));
+            }
+            // A rank finished the job: the ranks still running after --grace are ones the others
+            // went on without (a stopped or cut-off process). Stop them; the job is done.
+            if let Some((done, at)) =
+                finished.filter(|(_, at)| running > 0 && at.elapsed() > job.grace)
+            {
+                let mut left: Vec<usize> = Vec::new();
+                for ((r, c), e) in children.iter_mut().zip(&ended) {
+                    if !*e && matches!(c.try_wait(), Ok(None)) {
+                        left.push(*r);
+                    }
+                }
+                eprintln!(
+                    "tutti-run: rank {done} finished the job {:.1} s ago and ranks {left:?} are \
+                     still running (left behind by the others); stopping them (--elastic)",
+                    at.elapsed().as_secs_f64()
+                );
+                let keep = code;
+                stop_all(&mut children, job.grace);
+                code = keep;
+                break;
             }
             continue;
         }

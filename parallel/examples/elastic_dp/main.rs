@@ -120,9 +120,7 @@ fn expand(s: &str) -> Option<Vec<usize>> {
 
 /// Microseconds since the Unix epoch (to time a recovery from outside).
 fn now_us() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros())
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros())
 }
 
 fn arg(name: &str) -> Option<String> {
@@ -166,7 +164,12 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
         }
         worlds.push(out.world);
         loss = out.loss;
-        println!("STEP {step} world {} rank {} t_us {}", out.world, el.dp().comm().rank(), now_us());
+        println!(
+            "STEP {step} world {} rank {} t_us {}",
+            out.world,
+            el.dp().comm().rank(),
+            now_us()
+        );
         if step_ms > 0 {
             std::thread::sleep(std::time::Duration::from_millis(step_ms));
         }

@@ -196,9 +196,21 @@ impl Core {
         self.links.get(peer).is_some_and(|l| l.up)
     }
 
-    /// The peers that are gone (closed, broken or silent), for the survivors' agreement.
-    pub(crate) fn gone_peers(&self) -> Vec<usize> {
-        self.links.iter().enumerate().filter(|(_, l)| l.gone).map(|(p, _)| p).collect()
+    /// The peers that are gone (closed, broken or silent), for the survivors' agreement; a
+    /// peer counts as silent here when nothing, not even a keep-alive, came from it for
+    /// `dead_after`, whether or not an operation waits on it.
+    pub(crate) fn gone_peers(&self, now: Instant) -> Vec<usize> {
+        // A link still up that has carried nothing for the dead-peer limit: after our own
+        // failure the live peers have closed theirs (answering our abort), so what stays up
+        // and silent is a peer we cannot reach.
+        let silent = |l: &Link| {
+            self.cfg.keepalive.is_some()
+                && l.up
+                && now.saturating_duration_since(l.last_rx) >= self.cfg.dead_after
+        };
+        (0..self.links.len())
+            .filter(|p| *p != self.rank && (self.links[*p].gone || silent(&self.links[*p])))
+            .collect()
     }
 
     /// Whether `peer` said it is leaving cleanly (its close frame arrived).
@@ -784,7 +796,9 @@ impl Core {
             return;
         }
         l.peer_closed = true;
-        l.gone = true;
+        // After our own failure a peer closing is no news of its health: it may be answering
+        // our abort.
+        l.gone |= self.poisoned.is_none();
         l.want = 0;
         self.queue_close(peer);
         matcher::fail_closed_peer(self.rank, peer, &mut self.ops, &mut self.queues[peer]);
@@ -802,7 +816,14 @@ impl Core {
         l.cur = None;
         l.hdr_have = 0;
         l.sendq.clear();
-        l.gone |= !matches!(f, LinkFail::Aborted(_));
+        // A peer that told us it aborted is alive. After our own failure (whose abort frames
+        // make live peers close their ends) a closed or reset link says nothing either; a
+        // silent one still does.
+        l.gone |= match &f {
+            LinkFail::Aborted(_) => false,
+            LinkFail::Silent(_) => true,
+            _ => self.poisoned.is_none(),
+        };
         self.down.push(peer);
         if l.peer_closed && matches!(f, LinkFail::Closed | LinkFail::Lost(_)) {
             // End of a clean shutdown.
