@@ -76,6 +76,8 @@ pub struct Outcome {
 /// the number of steps already applied (0 for a fresh model).
 pub struct ElasticDp {
     dp: DataParallel,
+    /// State beyond the parameters that a newcomer receives (an optimizer's moments).
+    state: Vec<candle_core::Var>,
     /// Steps applied so far.
     done: u64,
     /// When rank 0 last asked the store for newcomers, and what it found.
@@ -103,18 +105,36 @@ impl ElasticDp {
     /// # Errors
     /// Collective errors of a newcomer's transfer.
     pub fn new(dp: DataParallel, done: u64) -> Result<ElasticDp> {
-        let mut el = ElasticDp { dp, done, asked: None };
+        ElasticDp::with_state(dp, done, Vec::new())
+    }
+
+    /// As [`ElasticDp::new`], with state beyond the parameters that newcomers receive from
+    /// rank 0 as well (an optimizer's moments, kept in `Var`s the optimizer updates in
+    /// place). Every rank passes the same shapes, in the same order.
+    ///
+    /// # Errors
+    /// As [`ElasticDp::new`].
+    pub fn with_state(
+        dp: DataParallel,
+        done: u64,
+        state: Vec<candle_core::Var>,
+    ) -> Result<ElasticDp> {
+        let mut el = ElasticDp { dp, state, done, asked: None };
         if el.dp.comm().group().joined() {
-            el.share_done()?;
+            el.share()?;
         }
         Ok(el)
     }
 
-    /// Rank 0's step count, to everyone (the newcomers receive it).
-    fn share_done(&mut self) -> Result<()> {
+    /// Rank 0's step count and state, to everyone (the newcomers receive them).
+    fn share(&mut self) -> Result<()> {
         let mut d = [self.done as i64];
         self.dp.comm().broadcast(&mut d, 0)?;
         self.done = d[0] as u64;
+        for v in &self.state {
+            let t = crate::ops::broadcast(v.as_tensor(), self.dp.comm(), 0)?;
+            v.set(&t)?;
+        }
         Ok(())
     }
 
@@ -222,7 +242,7 @@ impl ElasticDp {
     fn take_in(&mut self) -> Result<usize> {
         let Some((comm, grown)) = self.dp.comm().grow()? else { return Ok(0) };
         self.dp.adopt(comm)?;
-        self.share_done()?;
+        self.share()?;
         self.asked = None;
         tracing::info!(
             world = self.dp.comm().size(),

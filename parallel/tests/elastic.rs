@@ -1,7 +1,8 @@
 //! Elastic data parallel across real processes (the `elastic_dp` example, one rank per
 //! process, a store served by this test that outlives every rank): a rank SIGKILLed or
 //! SIGSTOPped at a random step, over TCP and QUIC, at worlds 4 and 8; two ranks lost at once;
-//! a second rank lost while the survivors agree. Every survivor finishes every step, and its
+//! a second rank lost while the survivors agree; a replacement that joins and receives the
+//! parameters and the optimizer's momentum. Every survivor finishes every step, and its
 //! weights equal, bit for bit, a replay that used the smaller world from the step the
 //! survivors report on (`elastic_dp --schedule`, ranks as threads over memory). Losing half
 //! the world stops everyone with the cut-off error, at once. Nothing may hang: every wait
@@ -296,6 +297,15 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             n: 4,
             transport: "tcp",
             sig: libc::SIGSTOP,
+            victims: 1,
+            gap_ms: 0,
+            replace: false,
+        },
+        Case {
+            name: "quic, 8 ranks, SIGKILL",
+            n: 8,
+            transport: "quic",
+            sig: libc::SIGKILL,
             victims: 1,
             gap_ms: 0,
             replace: false,

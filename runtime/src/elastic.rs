@@ -289,7 +289,8 @@ impl Agreement<'_> {
             }
             Ok(())
         };
-        for k in 0u64.. {
+        let mut k = 0u64;
+        loop {
             if Instant::now() >= self.deadline {
                 return Err(Error::Store {
                     addr: self.store.describe(),
@@ -309,13 +310,14 @@ impl Agreement<'_> {
                     return Ok(proposal);
                 }
                 warn!(epoch = self.epoch, round = k, "my proposal came after the round was voided");
+                k += 1;
                 continue;
             }
             if let Some(d) = self.follow(k, &mut || refresh(&mut report))? {
                 return Ok(d);
             }
+            k += 1;
         }
-        unreachable!("the rounds end at the deadline")
     }
 
     /// Collect check-ins and make this round's proposal, beating the heartbeat meanwhile.
@@ -503,7 +505,7 @@ impl Group {
         let rejoin_epoch = rejoin.epoch;
         let mut cur = rejoin;
         loop {
-            let me = cur.ids[cur.ids.iter().position(|id| *id == first_ids[rank]).unwrap_or(0)];
+            let me = first_ids[rank];
             let lost_of = |kept: &[u64]| -> Vec<usize> {
                 (0..first_ids.len()).filter(|r| !kept.contains(&first_ids[*r])).collect()
             };

@@ -1,5 +1,5 @@
 //! Data-parallel training that survives a killed rank ([`ElasticDp`]): a small MLP
-//! (8 → 32 → ReLU → 1, MSE, SGD) on a fixed global batch of 48 samples per step, each rank
+//! (8 → 32 → ReLU → 1, MSE, SGD with momentum) on a fixed global batch of 48 samples per step, each rank
 //! taking `shard_range(48, rank, world)` of it. Kill a rank while it runs and the others agree
 //! on who is left, settle the step, and finish every step on the smaller world.
 //!
@@ -24,7 +24,6 @@
 //! bit for bit.
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Optimizer, SGD};
 use tutti_parallel::{
     shard_range, Comm, DataParallel, DpConfig, ElasticDp, Member, Result, Synced,
 };
@@ -64,6 +63,39 @@ fn init() -> Result<Vec<Var>> {
         Ok(Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu)?)?)
     };
     Ok(vec![w(&[IN, HIDDEN], 1, 0.35)?, w(&[HIDDEN], 2, 0.1)?, w(&[HIDDEN, 1], 3, 0.18)?])
+}
+
+/// SGD with momentum 0.9; the velocities live in `Var`s, so that `ElasticDp::with_state`
+/// hands them to a newcomer with the parameters.
+struct Momentum {
+    vars: Vec<Var>,
+    vel: Vec<Var>,
+}
+
+const MU: f64 = 0.9;
+
+impl Momentum {
+    fn new(vars: &[Var], vel: Option<&[Tensor]>) -> Result<Momentum> {
+        let vel = match vel {
+            Some(v) => v.iter().map(Var::from_tensor).collect::<std::result::Result<_, _>>()?,
+            None => vars
+                .iter()
+                .map(|v| Var::from_tensor(&v.as_tensor().zeros_like()?))
+                .collect::<std::result::Result<_, _>>()?,
+        };
+        Ok(Momentum { vars: vars.to_vec(), vel })
+    }
+
+    fn step(&self, s: &Synced) -> Result<()> {
+        for (w, v) in self.vars.iter().zip(&self.vel) {
+            if let Some(g) = s.grads.get(w.as_tensor()) {
+                let nv = (v.as_tensor().affine(MU, 0.0)? + g)?;
+                w.set(&(w.as_tensor() - nv.affine(LR, 0.0)?)?)?;
+                v.set(&nv)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 fn forward(vars: &[Var], x: &Tensor) -> Result<Tensor> {
@@ -131,9 +163,9 @@ fn arg(name: &str) -> Option<String> {
 fn launched(steps: u64, step_ms: u64) -> Result<()> {
     let comm = Comm::from_env()?;
     let vars = init()?;
-    let mut opt = SGD::new(vars.clone(), LR)?;
+    let opt = Momentum::new(&vars, None)?;
     let dp = DataParallel::new(comm, vars.clone(), DpConfig::default())?;
-    let mut el = ElasticDp::new(dp, 0)?;
+    let mut el = ElasticDp::with_state(dp, 0, opt.vel.clone())?;
     let first = el.done();
     if el.dp().comm().group().joined() {
         println!("JOINED rank {} at step {first}", el.dp().comm().rank());
@@ -142,8 +174,7 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
     let mut worlds = Vec::new();
     let mut loss = f64::NAN;
     for step in first..steps {
-        let out =
-            el.step(step, |dp, m| compute(dp, step, m), |s: &Synced| Ok(opt.step(&s.grads)?))?;
+        let out = el.step(step, |dp, m| compute(dp, step, m), |s: &Synced| opt.step(s))?;
         for r in &out.recoveries {
             println!(
                 "RECOVERED step {} lost {:?} world {} kept {} took_ms {:.1} after: {}",
@@ -185,6 +216,8 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
 /// The same training with the given world per step, ranks as threads over memory.
 fn replay(schedule: &[usize]) -> Result<()> {
     let vars = init()?;
+    let mut vel: Vec<Tensor> =
+        vars.iter().map(|v| v.as_tensor().zeros_like()).collect::<std::result::Result<_, _>>()?;
     let mut loss = f64::NAN;
     let mut step = 0usize;
     while step < schedule.len() {
@@ -192,36 +225,40 @@ fn replay(schedule: &[usize]) -> Result<()> {
         let end = (step..schedule.len()).find(|&j| schedule[j] != w).unwrap_or(schedule.len());
         let start_vals: Vec<Tensor> =
             vars.iter().map(|v| v.as_tensor().copy()).collect::<std::result::Result<_, _>>()?;
+        let start_vel: Vec<Tensor> =
+            vel.iter().map(|v| v.copy()).collect::<std::result::Result<_, _>>()?;
         let results = std::thread::scope(|s| {
             let hs: Vec<_> = Comm::mem_world(w)
                 .into_iter()
                 .map(|c| {
-                    let start_vals = &start_vals;
-                    s.spawn(move || -> Result<(f64, Vec<Tensor>)> {
+                    let (start_vals, start_vel) = (&start_vals, &start_vel);
+                    s.spawn(move || -> Result<(f64, Vec<Tensor>, Vec<Tensor>)> {
                         let mine: Vec<Var> = start_vals
                             .iter()
                             .map(Var::from_tensor)
                             .collect::<std::result::Result<_, _>>()?;
-                        let mut opt = SGD::new(mine.clone(), LR)?;
+                        let opt = Momentum::new(&mine, Some(start_vel))?;
                         let mut dp = DataParallel::new(c, mine.clone(), DpConfig::default())?;
                         let mut loss = f64::NAN;
                         for k in step..end {
                             let m = Member { rank: dp.comm().rank(), world: w };
                             compute(&mut dp, k as u64, m)?;
                             let s = dp.sync()?;
-                            opt.step(&s.grads)?;
+                            opt.step(&s)?;
                             loss = s.loss;
                         }
-                        Ok((loss, mine.iter().map(|v| v.as_tensor().clone()).collect()))
+                        let vel = opt.vel.iter().map(|v| v.as_tensor().clone()).collect();
+                        Ok((loss, mine.iter().map(|v| v.as_tensor().clone()).collect(), vel))
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().expect("a replay rank panicked")).collect::<Vec<_>>()
         });
-        let (l, vals) = results.into_iter().next().expect("one rank at least")?;
+        let (l, vals, vels) = results.into_iter().next().expect("one rank at least")?;
         for (v, t) in vars.iter().zip(vals) {
             v.set(&t)?;
         }
+        vel = vels;
         loss = l;
         step = end;
     }
