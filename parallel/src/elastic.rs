@@ -2,7 +2,7 @@
 //!
 //! [`ElasticDp::step`] runs one optimizer step — this rank's share of the global batch, the
 //! gradient exchange ([`DataParallel::sync`]), then a barrier, then the optimizer — and, when
-//! a rank is lost on the way, shrinks the world ([`Comm::shrink_with`]) and settles the step
+//! a rank is lost on the way, shrinks the world ([`Comm::shrink_with`](tutti_collectives::Comm::shrink_with)) and settles the step
 //! the same way on every survivor:
 //!
 //! - A rank applies a step only after the barrier that follows the gradient exchange. A rank
@@ -97,7 +97,7 @@ impl ElasticDp {
     /// Wrap `dp`, whose parameters have had `done` steps applied (the same on every rank).
     /// Its communicator must be able to shrink (made by rendezvous, over TCP or QUIC).
     ///
-    /// In a replacement process (its group [`joined`](tutti_runtime::Group::joined) the
+    /// In a replacement process (its group's `joined()` says it joined the
     /// job), `dp` was just made with [`DataParallel::new`], which received the parameters,
     /// and this receives the number of steps applied from rank 0 (`done` is ignored); then it
     /// calls [`ElasticDp::step`] with the others from [`ElasticDp::done`] on.

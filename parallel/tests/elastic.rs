@@ -8,7 +8,8 @@
 //! the world stops everyone with the cut-off error, at once. Nothing may hang: every wait
 //! here has a deadline.
 //!
-//! `TUTTI_ELASTIC_SEED` repeats a run's random choices.
+//! `TUTTI_ELASTIC_SEED` repeats a run's random choices. The example is the one `cargo test`
+//! builds for the whole package: `cargo test --test elastic` alone does not rebuild it.
 
 use std::io::BufRead;
 use std::path::PathBuf;
