@@ -103,6 +103,24 @@ pub enum Error {
         timeout: Duration,
     },
 
+    /// A receive from any source saw no message with its tag from any rank before its deadline.
+    ///
+    /// What to do: every rank that could send it is stuck, slow, or sends with another tag;
+    /// check their logs and stacks. Raise the timeout only if they are legitimately slower.
+    #[error(
+        "rank {rank}: no message with tag {tag} arrived from any rank within {timeout:?} \
+         (receive from any source): the ranks that should send it are stuck, slow, or use \
+         another tag"
+    )]
+    AnySourceTimeout {
+        /// Local rank.
+        rank: usize,
+        /// The user tag waited for.
+        tag: u32,
+        /// The configured timeout.
+        timeout: Duration,
+    },
+
     /// The peer sent a message whose descriptor differs from what this rank posted: the ranks are
     /// not calling the same collective with the same arguments.
     ///

@@ -348,6 +348,47 @@ impl Group {
         r.inspect_err(|e| self.p2p_failed("recv", e))
     }
 
+    /// Receive under `tag` into `buf` from whichever group rank sent first; returns that rank
+    /// and the bytes received. Messages of one (peer, tag) still arrive in order.
+    ///
+    /// It looks for an arrived message from each rank in turn ([`Transport::probe`]), then
+    /// sleeps (10 µs, doubling up to 1 ms) and looks again until the group's timeout: a message
+    /// is taken up to 1 ms after it arrived. Receives from a named rank wait without polling.
+    ///
+    /// # Collective contract
+    /// Point to point: some rank sends to this one with `tag`.
+    ///
+    /// # Errors
+    /// [`Error::AnySourceTimeout`] when nothing arrives in time (the group is poisoned, as
+    /// for a timed-out [`recv`](Group::recv)); as [`recv`](Group::recv) otherwise.
+    pub fn recv_any(&self, tag: u32, buf: &mut [u8]) -> Result<(usize, usize)> {
+        self.check()?;
+        let desc = self.p2p_desc(tag);
+        let start = Instant::now();
+        let timeout = self.timeout();
+        let n = self.size();
+        let mut nap = Duration::from_micros(10);
+        loop {
+            for src in 0..n {
+                let found = self
+                    .inner
+                    .transport
+                    .probe(self.global_rank(src), desc)
+                    .inspect_err(|e| self.p2p_failed("recv from any source", e))?;
+                if found {
+                    return Ok((src, self.recv(src, tag, buf)?));
+                }
+            }
+            if start.elapsed() >= timeout {
+                let e = Error::AnySourceTimeout { rank: self.rank(), tag, timeout };
+                self.p2p_failed("recv from any source", &e);
+                return Err(e);
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+    }
+
     /// Send `data` to `dst` and receive from `src` into `buf` at the same time (both under
     /// `tag`); returns the bytes received. Rings of sendrecv never deadlock.
     ///

@@ -196,6 +196,18 @@ impl Core {
         self.links.get(peer).is_some_and(|l| l.up)
     }
 
+    /// Whether a message with `tag` from `peer` has arrived (whole, or its header) and waits
+    /// for a receive.
+    pub(crate) fn probe(&self, peer: usize, tag: crate::wire::Tag) -> bool {
+        if self.queues.get(peer).is_some_and(|q| q.has_unexpected(tag)) {
+            return true;
+        }
+        match self.links.get(peer).and_then(|l| l.cur.as_ref()).map(|f| &f.dest) {
+            Some(RxDest::Parked(d)) | Some(RxDest::Unexpected { desc: d, .. }) => d.tag == tag,
+            _ => false,
+        }
+    }
+
     /// The peers that are gone (closed, broken or silent), for the survivors' agreement; a
     /// peer counts as silent here when nothing, not even a keep-alive, came from it for
     /// `dead_after`, whether or not an operation waits on it.

@@ -292,6 +292,21 @@ impl<D: Driver> Engine<D> {
         self.lock().core.poisoned().cloned()
     }
 
+    pub(crate) fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
+        crate::transport::matcher::check_peer(self.rank, self.world, peer, "probe")?;
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        if let Some(e) = s.core.poisoned() {
+            return Err(e.poisoned());
+        }
+        // Take in what the peer sent (a driver reads idle sockets only for a waiter).
+        if peer != self.rank {
+            s.driver.read(&mut s.core, peer, Instant::now());
+            s.settle();
+        }
+        Ok(s.core.probe(peer, desc.tag))
+    }
+
     pub(crate) fn lost_peers(&self) -> Vec<usize> {
         self.lock().core.gone_peers(Instant::now())
     }
@@ -507,5 +522,9 @@ impl<T: Wired> Transport for T {
 
     fn lost_peers(&self) -> Vec<usize> {
         self.engine().lost_peers()
+    }
+
+    fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
+        self.engine().probe(peer, desc)
     }
 }

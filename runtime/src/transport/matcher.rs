@@ -336,6 +336,11 @@ impl PeerQueues {
         }
     }
 
+    /// Whether a whole message with `tag` waits here for its receive.
+    pub(crate) fn has_unexpected(&self, tag: Tag) -> bool {
+        self.unexpected.iter().any(|(d, _)| d.tag == tag)
+    }
+
     /// Payload bytes of messages that arrived before their receive and wait here.
     pub(crate) fn buffered(&self) -> u64 {
         self.buffered

@@ -361,6 +361,16 @@ impl Transport for MemTransport {
         }
     }
 
+    fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
+        matcher::check_peer(self.rank, self.world_size(), peer, "probe")?;
+        let mut st = self.lock(self.rank);
+        if let Some(e) = &st.poisoned {
+            return Err(e.poisoned());
+        }
+        Self::release_delayed(self.rank, &mut st);
+        Ok(st.queues[peer].has_unexpected(desc.tag))
+    }
+
     fn test(&self, op: OpId) -> Result<Option<usize>> {
         let mut st = self.lock(self.rank);
         Self::release_delayed(self.rank, &mut st);

@@ -216,6 +216,14 @@ pub trait Transport: Send + Sync {
     /// The error that poisoned this transport, if any.
     fn poisoned(&self) -> Option<Error>;
 
+    /// Whether a message under `desc`'s tag from `peer` has arrived (whole, or its header)
+    /// and waits for a receive: a receive posted now would match it at once. Never blocks.
+    /// For receiving from whichever peer sends first ([`Group::recv_any`](crate::Group::recv_any)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad peer; the poisoning error once the transport failed.
+    fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool>;
+
     /// The peers this transport knows are gone: their connection closed or broke, or they
     /// fell silent past the dead-peer limit (a peer that sent an abort is alive, and not
     /// listed). What a survivor reports when the ranks agree on who is left. Default: none

@@ -430,3 +430,63 @@ mod refused {
         assert!(start.elapsed() < Duration::from_secs(15));
     }
 }
+
+transport_test!(probe_sees_arrived_messages_and_recv_any_takes_them, |kind| {
+    // Ranks 1..3 each send rank 0 two messages under one tag (a small one, then one too large
+    // to buffer eagerly over TCP, whose header alone has arrived). Rank 0 first probes, then
+    // takes all six with `recv_any`: from every sender, in each sender's order, intact.
+    let ts = world(kind, 4).unwrap();
+    let groups: Vec<crate::Group> = ts.into_iter().map(crate::Group::new).collect();
+    let sizes = [100usize, 3 << 20];
+    std::thread::scope(|s| {
+        for g in &groups {
+            s.spawn(move || {
+                let me = g.rank();
+                if me != 0 {
+                    for (k, len) in sizes.iter().enumerate() {
+                        g.send(0, 9, &pattern(*len, me, 0, k as u64)).unwrap();
+                    }
+                    return;
+                }
+                let t = g.transport();
+                let probe_desc = |tag: u32| {
+                    let mut d = desc(0, tag, 0);
+                    d.tag.group = crate::transport::matcher::P2P_GROUP_BIT;
+                    d.fp = Fingerprint::p2p(0);
+                    d
+                };
+                // Nothing is ever sent under tag 8; rank 1's first message shows under 9.
+                let start = Instant::now();
+                while !t.probe(1, probe_desc(9)).unwrap() {
+                    assert!(start.elapsed() < T, "rank 1's message never showed");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert!(!t.probe(1, probe_desc(8)).unwrap());
+                assert!(t.probe(9, probe_desc(9)).is_err(), "a rank outside the world");
+                let mut next = [0usize; 4];
+                for _ in 0..6 {
+                    let mut buf = vec![0u8; 3 << 20];
+                    let (src, got) = g.recv_any(9, &mut buf).unwrap();
+                    let k = next[src];
+                    next[src] += 1;
+                    assert_eq!(got, sizes[k], "from rank {src}");
+                    assert!(buf[..got] == pattern(got, src, 0, k as u64), "from rank {src}");
+                }
+                assert_eq!(next, [0, 2, 2, 2]);
+            });
+        }
+    });
+});
+
+transport_test!(recv_any_times_out_naming_the_tag_and_poisons, |kind| {
+    let ts = world(kind, 3).unwrap();
+    let groups: Vec<crate::Group> = ts.into_iter().map(crate::Group::new).collect();
+    let g = &groups[0];
+    g.set_timeout(Duration::from_millis(300));
+    let start = Instant::now();
+    let e = g.recv_any(5, &mut [0u8; 4]).unwrap_err();
+    assert!(matches!(e, Error::AnySourceTimeout { tag: 5, .. }), "{e}");
+    assert!(e.to_string().contains("tag 5") && e.to_string().contains("any rank"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert!(g.check().is_err(), "the group must be poisoned");
+});

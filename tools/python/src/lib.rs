@@ -101,6 +101,12 @@ enum Job {
         root: usize,
     },
     Barrier,
+    /// Receive under `tag` from whichever rank sends first; its rank goes to `source`.
+    RecvAny {
+        tag: u32,
+        buf: Raw,
+        source: Arc<std::sync::atomic::AtomicI64>,
+    },
     /// Point to point, in bytes: (peer, tag, buffer).
     Batch {
         sends: Vec<(usize, u32, Raw)>,
@@ -170,6 +176,7 @@ impl Job {
             | Job::Gather { inp, out, .. }
             | Job::Scatter { inp, out, .. } => vec![(*inp, false), (*out, true)],
             Job::Barrier => vec![],
+            Job::RecvAny { buf, .. } => vec![(*buf, true)],
             Job::Batch { sends, recvs } => sends
                 .iter()
                 .map(|(_, _, b)| (*b, false))
@@ -180,7 +187,8 @@ impl Job {
 
     /// Refuse null or misaligned buffers, and a written buffer that overlaps another one.
     fn check(&self, dt: Dt) -> PyResult<()> {
-        let esize = if matches!(self, Job::Batch { .. }) { 1 } else { dt.size() };
+        let esize =
+            if matches!(self, Job::Batch { .. } | Job::RecvAny { .. }) { 1 } else { dt.size() };
         let bufs = self.buffers();
         for (b, _) in &bufs {
             if b.count > 0 && (b.addr == 0 || b.addr % esize != 0) {
@@ -249,6 +257,11 @@ impl Job {
                     c.scatter(inp.slice::<T>(), out.slice(), *root).map(drop)
                 }
                 Job::Barrier => c.barrier().map(drop),
+                Job::RecvAny { tag, buf, source } => {
+                    let (src, _) = c.group().recv_any(*tag, buf.slice::<u8>())?;
+                    source.store(src as i64, std::sync::atomic::Ordering::SeqCst);
+                    Ok(())
+                }
                 Job::Batch { sends, recvs } => {
                     let s: Vec<(usize, u32, &[u8])> =
                         sends.iter().map(|(p, t, b)| (*p, *t, &*b.slice::<u8>())).collect();
@@ -333,6 +346,8 @@ struct Comm {
 #[pyclass(module = "tutti._tutti")]
 struct Work {
     pending: Mutex<Option<Pending<()>>>,
+    /// For a receive from any source: the sender's rank once it arrived (-1 before).
+    source: Option<Arc<std::sync::atomic::AtomicI64>>,
     /// The outcome once known: `None` ok, `Some(message)` failed.
     outcome: Mutex<Option<Option<String>>>,
 }
@@ -386,6 +401,13 @@ impl Work {
     /// The error message, if it failed.
     fn exception(&self) -> Option<String> {
         self.outcome.lock().unwrap_or_else(|e| e.into_inner()).clone().flatten()
+    }
+
+    /// For a receive from any source, the rank whose message arrived (`None` before, or for
+    /// other collectives).
+    fn source_rank(&self) -> Option<usize> {
+        let v = self.source.as_ref()?.load(std::sync::atomic::Ordering::SeqCst);
+        usize::try_from(v).ok()
     }
 }
 
@@ -523,6 +545,12 @@ impl Comm {
                 Job::Scatter { inp: need(a, "an input")?, out: need(b, "an output")?, root }
             }
             "barrier" => Job::Barrier,
+            "recv_any" => Job::RecvAny {
+                tag: u32::try_from(root)
+                    .map_err(|_| PyValueError::new_err(format!("tag {root} is too large")))?,
+                buf: need(a, "a receive buffer")?,
+                source: Arc::new(std::sync::atomic::AtomicI64::new(-1)),
+            },
             "batch" => Job::Batch {
                 sends: sends
                     .unwrap_or_default()
@@ -538,11 +566,19 @@ impl Comm {
             k => return Err(PyValueError::new_err(format!("tutti has no collective {k:?}"))),
         };
         job.check(dt)?;
+        let source = match &job {
+            Job::RecvAny { source, .. } => Some(source.clone()),
+            _ => None,
+        };
         if async_op {
             // SAFETY: the Python half keeps every buffer alive and untouched until this
             // Work is waited for (torch's contract for async work, and the Work keeps them).
             let p = self.inner.submit(move |c| unsafe { job.run(c, dt) });
-            return Ok(Some(Work { pending: Mutex::new(Some(p)), outcome: Mutex::new(None) }));
+            return Ok(Some(Work {
+                pending: Mutex::new(Some(p)),
+                source,
+                outcome: Mutex::new(None),
+            }));
         }
         // SAFETY: the buffers outlive this call, which the Python half makes while holding them.
         py.allow_threads(|| unsafe { job.run(&self.inner, dt) }).map_err(err)?;

@@ -53,7 +53,7 @@ def test_a_mismatched_call_raises_on_every_rank(mode, what, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_sparse_allreduce_and_monitored_barrier(n):
+def test_sparse_allreduce_any_source_recv_and_monitored_barrier(n):
     rc, out = torchrun("worker_extras.py", n)
     assert rc == 0, out[-3000:]
     assert out.count("EXTRAS OK") == n, out[-3000:]

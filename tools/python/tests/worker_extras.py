@@ -1,4 +1,5 @@
-"""The tutti backend's sparse allreduce and monitored barrier, under torchrun (world ≥ 2).
+"""The tutti backend's sparse allreduce, receive from any source and monitored barrier, under
+torchrun (world ≥ 2).
 
 Prints "EXTRAS OK" on every rank when every check held.
 """
@@ -48,6 +49,26 @@ def main():
         fail(f"sparse allreduce: got {t.to_dense().tolist()} want {want.tolist()}")
     if t.indices().shape[1] != int((want.abs().sum(1) != 0).sum()):
         fail("sparse allreduce: result not coalesced")
+
+    # Receive from any source: rank 0 takes one message from every other rank, in whatever
+    # order they come, and learns who sent each (dist.recv with no src, and irecv's work).
+    if r == 0:
+        senders = []
+        for k in range(n - 1):
+            t = torch.full((5,), -1, dtype=torch.int32)
+            if k % 2 == 0:
+                src = dist.recv(t)
+            else:
+                w = dist.irecv(t)
+                w.wait()
+                src = w._source_rank()
+            if not torch.equal(t, torch.full((5,), 10 * src + 7, dtype=torch.int32)):
+                fail(f"any-source recv from {src}: {t.tolist()}")
+            senders.append(src)
+        if sorted(senders) != list(range(1, n)):
+            fail(f"any-source senders {senders}")
+    else:
+        dist.send(torch.full((5,), 10 * r + 7, dtype=torch.int32), 0)
 
     # A monitored barrier that everyone reaches, twice (one with wait_all_ranks).
     two = datetime.timedelta(seconds=5)

@@ -70,6 +70,18 @@ def main():
         got = bytearray(1000)
         c.batch([(mine, (r + 1) % n, 5)], [(got, (r - 1) % n, 5)])
         assert got == bytearray(bytes([(r - 1) % n]) * 1000), got[:4]
+    # from any source: the last rank takes one message from every other rank, learning who
+    if n > 1:
+        if r == n - 1:
+            seen = []
+            for _ in range(n - 1):
+                buf = np.zeros(3, np.int32)
+                src = c.recv(buf, None, tag=6)
+                check("recv from any source", buf, np.full(3, 100 + src, np.int32))
+                seen.append(src)
+            assert sorted(seen) == list(range(n - 1)), seen
+        else:
+            c.send(np.full(3, 100 + r, np.int32), n - 1, tag=6)
     # a sub-communicator of the even ranks
     evens = c.split(range(0, n, 2))
     if r % 2 == 0:

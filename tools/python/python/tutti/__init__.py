@@ -201,9 +201,18 @@ class Comm:
         """Send ``buf`` to ``dst`` (which receives with the same tag)."""
         return self.batch([(buf, dst, tag)], [], async_op=async_op)
 
-    def recv(self, buf, src: int, tag: int = 0, async_op: bool = False):
-        """Receive into ``buf`` from ``src``."""
-        return self.batch([], [(buf, src, tag)], async_op=async_op)
+    def recv(self, buf, src: Optional[int], tag: int = 0, async_op: bool = False):
+        """Receive into ``buf`` from ``src``. With ``src=None``, from whichever rank sends
+        first under ``tag``: returns that rank (or, with ``async_op``, a work whose
+        ``source_rank()`` says it once waited for)."""
+        if src is not None:
+            return self.batch([], [(buf, src, tag)], async_op=async_op)
+        w = self._run("recv_any", "uint8", a=_bytes(buf, True), root=tag, async_op=True,
+                      keep=(buf,))
+        if async_op:
+            return w
+        w.wait()
+        return w.source_rank()
 
     def batch(self, sends, recvs, async_op: bool = False):
         """Post every ``(buf, peer, tag)`` send and receive at once; return when all are done
@@ -240,6 +249,10 @@ class _Held:
 
     def is_completed(self) -> bool:
         return self._w.is_completed()
+
+    def source_rank(self) -> Optional[int]:
+        """For a receive from any source: the sender's rank, once waited for."""
+        return self._w.source_rank()
 
     def __del__(self):
         # Dropped unwaited: the job may still use the buffers, so wait before they can go.

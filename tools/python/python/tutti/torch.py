@@ -112,6 +112,14 @@ class _Work(dist.Work):
     def result(self):
         return self._result
 
+    # torch asks the work of a receive from any source which rank sent (after `wait`).
+    def _source_rank(self) -> int:
+        self._finish()
+        src = self._native.source_rank() if self._native is not None else None
+        if src is None:
+            raise RuntimeError("this work is not a receive from any source")
+        return src
+
     def get_future(self) -> Future:
         fut: Future = Future()
         try:
@@ -495,7 +503,15 @@ class ProcessGroupTutti(dist.ProcessGroup):
         return self._p2p(tensors[0], src, tag, False)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("the tutti backend does not receive from any source: name the peer")
+        # Whichever rank sends first under `tag` (tutti looks for an arrived message from each
+        # rank in turn, then naps, 10 µs doubling to 1 ms); the work names it.
+        t = tensors[0]
+        if not t.is_contiguous():
+            raise ValueError("the tutti backend receives into contiguous tensors")
+        _dtype(t)
+        w = self._comm.run("recv_any", "uint8", a=(t.data_ptr(), t.numel() * t.element_size()),
+                           root=tag & 0x7FFFFFFF, async_op=True)
+        return _Work(w, (t,), None, tensors)
 
     def _start_coalescing(self, device=None):
         self._coalescing = ([], [], [])
