@@ -45,7 +45,7 @@ pub use error::{Error, Result};
 pub use nonblocking::{Lent, Pending, Scope};
 pub use select::Algo;
 pub use topo::Topology;
-pub use tutti_runtime::{Group, Transport};
+pub use tutti_runtime::{Error as RuntimeError, Group, Transport};
 
 /// The README's example compiles (doc-test only).
 #[doc = include_str!("../../README.md")]

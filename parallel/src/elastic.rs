@@ -209,8 +209,9 @@ impl ElasticDp {
                     if waiting[0] > 0 {
                         match self.take_in() {
                             Ok(n) => joined = n,
-                            // Someone did not come: go on over whoever is left.
-                            Err(e) if lost_rank(&e) => {
+                            // Someone did not come (a newcomer that died, a member lost while
+                            // connecting): go on over whoever is left.
+                            Err(e) if lost_rank(&e) || rendezvous_failed(&e) => {
                                 recoveries.push(self.recover(step, e, None, &mut apply)?)
                             }
                             Err(e) => return Err(e),
@@ -321,6 +322,16 @@ impl ElasticDp {
 
 fn internal(dp: &DataParallel, what: &str) -> Error {
     Error::Shape { rank: dp.comm().rank(), layer: "ElasticDp::step", detail: what.into() }
+}
+
+/// Whether `e` is a new world's connections failing (a newcomer or member that did not come).
+fn rendezvous_failed(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Collective(tutti_collectives::Error::Runtime(
+            tutti_collectives::RuntimeError::Rendezvous { .. }
+        ))
+    )
 }
 
 /// Whether `e` is a lost or unreachable rank (recovered by shrinking), rather than a bug.
