@@ -166,6 +166,8 @@ struct Case<'a> {
     gap_ms: u64,
     /// Start a replacement for the first victim once it is gone.
     replace: bool,
+    /// Kill that replacement right after it asked to join (before or after it was taken in).
+    replacement_dies: bool,
 }
 
 fn run(case: &Case<'_>, seed: u64) {
@@ -209,12 +211,17 @@ fn run(case: &Case<'_>, seed: u64) {
             "{what}: the survivors did not recover"
         );
         let idx = job.add(v, true);
-        assert!(
-            job.wait_line(idx, "JOINED", Duration::from_secs(60)),
-            "{what}: the replacement never joined:\n{}",
-            job.all(idx)
-        );
-        survivors.push(idx);
+        if case.replacement_dies {
+            std::thread::sleep(Duration::from_millis(150 + lcg(&mut s) % 200));
+            job.signal(idx, libc::SIGKILL);
+        } else {
+            assert!(
+                job.wait_line(idx, "JOINED", Duration::from_secs(60)),
+                "{what}: the replacement never joined:\n{}",
+                job.all(idx)
+            );
+            survivors.push(idx);
+        }
     }
     let codes = job.wait_exit(&survivors, Duration::from_secs(90));
     for (r, c) in survivors.iter().zip(&codes) {
@@ -251,7 +258,7 @@ fn run(case: &Case<'_>, seed: u64) {
     let worlds: Vec<usize> =
         schedule.split(',').map(|p| p.split('x').next().unwrap().parse().unwrap()).collect();
     assert_eq!(worlds.first(), Some(&case.n), "{what}: {schedule}");
-    let end = if case.replace { case.n } else { case.n - case.victims };
+    let end = if case.replace && !case.replacement_dies { case.n } else { case.n - case.victims };
     assert_eq!(worlds.last(), Some(&end), "{what}: {schedule}");
     assert_eq!(done[0], replay(&schedule), "{what}: survivors differ from the replay");
     if case.sig == libc::SIGSTOP {
@@ -283,6 +290,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 1,
             gap_ms: 0,
             replace: false,
+            replacement_dies: false,
         },
         Case {
             name: "quic, 4 ranks, SIGKILL",
@@ -292,6 +300,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 1,
             gap_ms: 0,
             replace: false,
+            replacement_dies: false,
         },
         Case {
             name: "tcp, 4 ranks, SIGSTOP",
@@ -301,6 +310,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 1,
             gap_ms: 0,
             replace: false,
+            replacement_dies: false,
         },
         Case {
             name: "quic, 8 ranks, SIGKILL",
@@ -310,6 +320,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 1,
             gap_ms: 0,
             replace: false,
+            replacement_dies: false,
         },
         Case {
             name: "quic, 8 ranks, SIGSTOP",
@@ -319,6 +330,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 1,
             gap_ms: 0,
             replace: false,
+            replacement_dies: false,
         },
         Case {
             name: "tcp, 4 ranks, SIGKILL, a replacement joins",
@@ -328,6 +340,17 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 1,
             gap_ms: 0,
             replace: true,
+            replacement_dies: false,
+        },
+        Case {
+            name: "tcp, 4 ranks, SIGKILL, the replacement dies as it joins",
+            n: 4,
+            transport: "tcp",
+            sig: libc::SIGKILL,
+            victims: 1,
+            gap_ms: 0,
+            replace: true,
+            replacement_dies: true,
         },
         Case {
             name: "tcp, 8 ranks, two at once",
@@ -337,6 +360,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 2,
             gap_ms: 0,
             replace: false,
+            replacement_dies: false,
         },
         Case {
             name: "tcp, 8 ranks, one during the agreement",
@@ -346,6 +370,7 @@ fn survivors_finish_every_step_with_the_replay_s_weights() {
             victims: 2,
             gap_ms: 60,
             replace: false,
+            replacement_dies: false,
         },
     ];
     for (i, case) in cases.iter().enumerate() {
@@ -366,6 +391,7 @@ fn half_the_world_lost_stops_everyone_with_the_cut_off_error() {
         victims: 2,
         gap_ms: 0,
         replace: false,
+        replacement_dies: false,
     };
     run(&case, base);
 }
