@@ -161,6 +161,10 @@ fn arg(name: &str) -> Option<String> {
 
 /// One process of a launched job.
 fn launched(steps: u64, step_ms: u64) -> Result<()> {
+    if std::env::var("TUTTI_JOIN").is_ok_and(|v| v == "1") {
+        // Before the wait to be taken in (a test kills a newcomer at this point).
+        println!("ASKING to join");
+    }
     let comm = Comm::from_env()?;
     let vars = init()?;
     let opt = Momentum::new(&vars, None)?;
