@@ -808,9 +808,9 @@ impl Core {
             return;
         }
         l.peer_closed = true;
-        // After our own failure a peer closing is no news of its health: it may be answering
-        // our abort.
-        l.gone |= self.poisoned.is_none();
+        // A close frame says the peer is leaving the job, whatever happened before (a peer
+        // answering our abort drops the connection without one).
+        l.gone = true;
         l.want = 0;
         self.queue_close(peer);
         matcher::fail_closed_peer(self.rank, peer, &mut self.ops, &mut self.queues[peer]);
