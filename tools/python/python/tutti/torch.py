@@ -204,7 +204,13 @@ class ProcessGroupTutti(dist.ProcessGroup):
             return []
         return [torch.device("cpu")]
 
-    def _run(self, kind, dtype, keep, after=None, result=None, **kw) -> _Work:
+    def _run(self, kind, dtype, keep, after=None, result=None, opts=None, **kw) -> _Work:
+        # torch says in the options whether the caller waits at once (`asyncOp` False, set by
+        # every collective since 2.14): then the call runs here, without the hand-off to the
+        # worker thread (after the worker's earlier jobs, so the order stays the program's).
+        if opts is not None and getattr(opts, "asyncOp", True) is False:
+            self._comm.run(kind, dtype, async_op=False, **kw)
+            return _Work(None, keep, after, result)
         w = self._comm.run(kind, dtype, async_op=True, **kw)
         return _Work(w, keep, after, result)
 
@@ -218,7 +224,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         works = []
         for t in tensors:
             c, back = _contig(t)
-            works.append(self._run("allreduce", _dtype(c), (t, c), back, tensors, a=_raw(c), op=op))
+            works.append(self._run("allreduce", _dtype(c), (t, c), back, tensors, a=_raw(c), op=op, opts=opts))
         return works[-1] if len(works) == 1 else _All(works, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -230,8 +236,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         c, back = _contig(t)
         return self._run(
             "reduce", _dtype(c), (t, c), back, tensors, a=_raw(c), op=_op(opts.reduceOp),
-            root=opts.rootRank,
-        )
+            root=opts.rootRank, opts=opts)
 
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
@@ -239,7 +244,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         for t in tensors:
             c, back = _contig(t)
             works.append(
-                self._run("broadcast", _dtype(c), (t, c), back, tensors, a=_raw(c), root=opts.rootRank)
+                self._run("broadcast", _dtype(c), (t, c), back, tensors, a=_raw(c), root=opts.rootRank, opts=opts)
             )
         return works[-1] if len(works) == 1 else _All(works, tensors)
 
@@ -351,7 +356,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 f"all_gather_into_tensor: output has {o.numel()} elements, expected "
                 f"{i.numel()} x {self.size()} ranks"
             )
-        return self._run("allgather", _dtype(i), (output, o, i), back, output, a=_raw(i), b=_raw(o))
+        return self._run("allgather", _dtype(i), (output, o, i), back, output, a=_raw(i), b=_raw(o), opts=opts)
 
     _allgather_base = all_gather_single
 
@@ -366,7 +371,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
                     o.copy_(flat[k * n:(k + 1) * n].view_as(o))
 
             works.append(self._run("allgather", _dtype(i), (outs, i, flat), after, output_tensors,
-                                   a=_raw(i), b=_raw(flat)))
+                                   a=_raw(i), b=_raw(flat), opts=opts))
         return works[-1] if len(works) == 1 else _All(works, output_tensors)
 
     def allgather_coalesced(self, output_tensor_lists, input_tensors, opts=None):
@@ -396,8 +401,8 @@ class ProcessGroupTutti(dist.ProcessGroup):
                     o.copy_(flat[k * n:(k + 1) * n].view_as(o))
 
             return self._run("gather", _dtype(i), (outs, i, flat), after, output_tensors,
-                             a=_raw(i), b=_raw(flat), root=root)
-        return self._run("gather", _dtype(i), (i,), None, output_tensors, a=_raw(i), b=(0, 0), root=root)
+                             a=_raw(i), b=_raw(flat), root=root, opts=opts)
+        return self._run("gather", _dtype(i), (i,), None, output_tensors, a=_raw(i), b=(0, 0), root=root, opts=opts)
 
     # -- scatters --------------------------------------------------------------------------
 
@@ -411,7 +416,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 f"{o.numel()} x {self.size()} ranks"
             )
         return self._run("reduce_scatter", _dtype(i), (output, o, i), back, output,
-                         a=_raw(i), b=_raw(o), op=_op(opts.reduceOp))
+                         a=_raw(i), b=_raw(o), op=_op(opts.reduceOp), opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -422,7 +427,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
             flat = torch.cat([t.reshape(-1) for t in ins])
             o, back = _contig(out)
             works.append(self._run("reduce_scatter", _dtype(flat), (out, o, flat), back,
-                                   output_tensors, a=_raw(flat), b=_raw(o), op=_op(opts.reduceOp)))
+                                   output_tensors, a=_raw(flat), b=_raw(o), op=_op(opts.reduceOp), opts=opts))
         return works[-1] if len(works) == 1 else _All(works, output_tensors)
 
     def reduce_scatter_single_coalesced(self, output_tensors, input_tensors, opts=None):
@@ -439,9 +444,9 @@ class ProcessGroupTutti(dist.ProcessGroup):
         if self.rank() == root:
             flat = torch.cat([t.reshape(-1) for t in input_tensors[0]])
             return self._run("scatter", _dtype(o), (out, o, flat), back, output_tensors,
-                             a=_raw(flat), b=_raw(o), root=root)
+                             a=_raw(flat), b=_raw(o), root=root, opts=opts)
         return self._run("scatter", _dtype(o), (out, o), back, output_tensors,
-                         a=(0, 0), b=_raw(o), root=root)
+                         a=(0, 0), b=_raw(o), root=root, opts=opts)
 
     # -- all-to-all ------------------------------------------------------------------------
 
@@ -450,7 +455,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         i = input.contiguous()
         n = self.size()
         if not output_split_sizes and not input_split_sizes:
-            return self._run("all_to_all", _dtype(i), (output, o, i), back, output, a=_raw(i), b=_raw(o))
+            return self._run("all_to_all", _dtype(i), (output, o, i), back, output, a=_raw(i), b=_raw(o), opts=opts)
         row_in = i[0].numel() if i.dim() > 0 and i.shape[0] > 0 else 0
         row_out = o[0].numel() if o.dim() > 0 and o.shape[0] > 0 else 0
         ins = list(input_split_sizes) or [i.shape[0] // n] * n
@@ -458,7 +463,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         send = [s * row_in for s in ins]
         recv = [s * row_out for s in outs]
         return self._run("all_to_all_v", _dtype(i), (output, o, i), back, output,
-                         a=_raw(i), b=_raw(o), counts=(send, recv))
+                         a=_raw(i), b=_raw(o), counts=(send, recv), opts=opts)
 
     alltoall_base = all_to_all_single
 
@@ -475,12 +480,12 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 off += c
 
         return self._run("all_to_all_v", _dtype(flat_in), (output_tensors, flat_in, flat_out), after,
-                         output_tensors, a=_raw(flat_in), b=_raw(flat_out), counts=(send, recv))
+                         output_tensors, a=_raw(flat_in), b=_raw(flat_out), counts=(send, recv), opts=opts)
 
     # -- barrier and point to point --------------------------------------------------------
 
     def barrier(self, opts=None):
-        return self._run("barrier", "uint8", ())
+        return self._run("barrier", "uint8", (), opts=opts)
 
     def _p2p(self, tensor: torch.Tensor, peer: int, tag: int, send: bool):
         c = tensor if send else tensor
