@@ -143,8 +143,7 @@ impl ElasticDp {
         if self.dp.comm().rank() != 0 {
             return 0;
         }
-        if let Some((t, n)) = self.asked.filter(|(t, _)| t.elapsed() < ASK_EVERY) {
-            let _ = t;
+        if let Some((_, n)) = self.asked.filter(|(t, _)| t.elapsed() < ASK_EVERY) {
             return n;
         }
         // A store that cannot be asked takes nobody in; the step goes on.

@@ -534,7 +534,7 @@ impl Group {
             };
             let decision = agreement.run(note);
             suspects = suspects_now();
-            let decided = match decision {
+            let (epoch, members) = match decision {
                 Err(e) => {
                     let lost = suspects
                         .iter()
@@ -565,7 +565,6 @@ impl Group {
                 }
                 Ok(Decision::Go(epoch, members)) => (epoch, members),
             };
-            let (epoch, members) = decided;
             let kept: Vec<u64> = members.iter().map(|(id, _)| *id).collect();
             let Some(new_rank) = kept.iter().position(|id| *id == me) else {
                 return Err(Error::CutOff {
@@ -581,31 +580,14 @@ impl Group {
                     ),
                 });
             };
-            let store = cur.epoch_store(epoch);
-            let mut opts = cur.opts.clone();
-            // Every member is inside its shrink by now: a member that does not connect
-            // soon died after the decision (agree again without it).
-            opts.link.connect_timeout = opts.link.connect_timeout.min(wait).min(REBUILD_CONNECT);
-            let job = cur.epoch_job(epoch);
-            let world = kept.len();
-            match crate::rendezvous::open_transport(
-                new_rank,
-                world,
-                job,
-                &cur.token,
-                store.as_ref(),
-                cur.master_ip,
-                &opts,
-            ) {
-                Ok(t) => {
-                    if let Some(fd) = cur.launcher_fd {
-                        let launch = kept.iter().map(|id| *id as usize).collect();
-                        crate::rendezvous::launcher::watch(fd, &t, launch);
-                    }
+            // Every member is inside its shrink by now: a member that does not connect soon
+            // died after the decision (agree again without it).
+            match connect_epoch(&cur, new_rank, epoch, kept.clone(), keep.clone(), false, wait) {
+                Ok(group) => {
                     info!(
                         rank,
                         new_rank,
-                        world,
+                        world = kept.len(),
                         epoch,
                         elapsed = ?start.elapsed(),
                         "shrunk: the survivors go on"
@@ -614,15 +596,6 @@ impl Group {
                         .iter()
                         .map(|k| first_ids.iter().position(|id| id == k).unwrap_or(usize::MAX))
                         .collect();
-                    let next = Rejoin {
-                        epoch,
-                        ids: kept.clone(),
-                        joined: false,
-                        grows: Default::default(),
-                        ..cur
-                    };
-                    let group = Group::with_parts(t, keep, Some(Arc::new(next)));
-                    group.set_timeout(wait);
                     return Ok(Shrunk {
                         group,
                         notes: members.into_iter().map(|(_, n)| n).collect(),
@@ -635,7 +608,8 @@ impl Group {
                     // Someone agreed and then did not come (a second failure): agree again
                     // on this membership, suspecting whoever never published an address.
                     warn!(rank, epoch, "connecting the survivors failed, agreeing again: {e}");
-                    suspects = (0..world)
+                    let store = cur.epoch_store(epoch);
+                    suspects = (0..kept.len())
                         .filter(|r| {
                             let key = crate::transport::tcp::addr_key(*r);
                             !store.check(&[key.as_str()]).unwrap_or(false)
@@ -771,7 +745,8 @@ const JOINERS: &str = "tutti/joiners";
 const JOINERS_TAKEN: &str = "tutti/joiners/taken";
 
 /// Connect this process's transport of membership `epoch` (members `ids`, this one at
-/// `rank`) and make its world group.
+/// `rank`) and make its world group, with the per-operation timeout `wait`; the connect
+/// itself may take `wait` or [`REBUILD_CONNECT`], whichever is shorter.
 fn connect_epoch(
     cur: &Rejoin,
     rank: usize,
@@ -798,7 +773,7 @@ fn connect_epoch(
     }
     let next = Rejoin { epoch, ids, joined, grows: Default::default(), ..cur.clone() };
     let g = Group::with_parts(t, keep, Some(Arc::new(next)));
-    g.set_timeout(cur.opts.timeout);
+    g.set_timeout(wait);
     Ok(g)
 }
 
@@ -815,13 +790,7 @@ pub(crate) fn join(
     keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
 ) -> Result<Group> {
     let wait = opts.link.connect_timeout;
-    let job_raw = crate::store::get_or(store.as_ref(), "tutti/job", wait, || Error::Rendezvous {
-        rank: id,
-        detail: "no job to join: its rank 0 never published the job id in this store".into(),
-    })?;
-    let job = <[u8; 8]>::try_from(job_raw.as_slice())
-        .map(u64::from_le_bytes)
-        .map_err(|_| unreadable(store.as_ref(), "tutti/job"))?;
+    let job = crate::rendezvous::job_id(store.as_ref(), id, wait)?;
     let ticket = store.add(JOINERS, 1)?;
     store.set(&format!("tutti/joiner/{ticket}"), &(id as u64).to_le_bytes())?;
     info!(id, ticket, "asked to join the running job; waiting to be taken in");

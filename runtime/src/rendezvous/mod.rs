@@ -506,15 +506,7 @@ fn connect(
         store.set("tutti/job", &job.to_le_bytes())?;
         (token, job)
     } else {
-        let job_raw =
-            crate::store::get_or(store.as_ref(), "tutti/job", deadline, || Error::Rendezvous {
-                rank,
-                detail: format!("rank 0 did not publish the job id within {deadline:?}"),
-            })?;
-        let job =
-            <[u8; 8]>::try_from(job_raw.as_slice()).map(u64::from_le_bytes).map_err(|_| {
-                Error::Rendezvous { rank, detail: "malformed job id in the store".into() }
-            })?;
+        let job = job_id(store.as_ref(), rank, deadline)?;
         let token = match token {
             Some(t) => t,
             None => String::from_utf8_lossy(&store.get("tutti/token", deadline)?).into_owned(),
@@ -540,6 +532,17 @@ fn connect(
     let g = Group::with_parts(t, keep, Some(Arc::new(rejoin)));
     g.set_timeout(opts.timeout);
     Ok(g)
+}
+
+/// The job id rank 0 published in `store`, waiting up to `deadline` for it.
+pub(crate) fn job_id(store: &dyn Store, rank: usize, deadline: Duration) -> Result<u64> {
+    let raw = crate::store::get_or(store, "tutti/job", deadline, || Error::Rendezvous {
+        rank,
+        detail: format!("rank 0 did not publish the job id within {deadline:?}"),
+    })?;
+    <[u8; 8]>::try_from(raw.as_slice())
+        .map(u64::from_le_bytes)
+        .map_err(|_| Error::Rendezvous { rank, detail: "malformed job id in the store".into() })
 }
 
 /// Connect this rank's transport of kind `opts.transport` to the `world` ranks of `job`
