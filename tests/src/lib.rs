@@ -316,3 +316,21 @@ pub fn now_us() -> u128 {
         .map(|d| d.as_micros())
         .unwrap_or(0)
 }
+
+/// An example of this workspace, built by `cargo test --workspace` next to the test binaries
+/// (`target/<profile>/examples/<name>`).
+///
+/// # Panics
+/// When it is missing, saying how to build it.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
+    let path = dir.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build it with `cargo test --workspace` (or `cargo build --example \
+         {name}` in this profile)",
+        path.display()
+    );
+    path
+}

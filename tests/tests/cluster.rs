@@ -326,11 +326,7 @@ fn a_host_that_drops_off_the_network_is_named() {
 
 /// The `elastic_dp` example (built by `cargo test --workspace`).
 fn elastic_example() -> String {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
-    let path = dir.join("examples").join("elastic_dp");
-    assert!(path.exists(), "{} is missing: run `cargo test --workspace`", path.display());
-    path.to_string_lossy().into_owned()
+    tutti_tests::example("elastic_dp").to_string_lossy().into_owned()
 }
 
 /// A network partition of an elastic data-parallel job, 8 ranks on 4 hosts (the store on host

@@ -8,16 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn example() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
-    let path = dir.join("examples").join("elastic_dp");
-    assert!(
-        path.exists(),
-        "{} is missing: build it with `cargo test --workspace` (or `cargo build -p \
-         tutti-parallel --example elastic_dp` in this profile)",
-        path.display()
-    );
-    path
+    tutti_tests::example("elastic_dp")
 }
 
 /// The pids of `parent`'s child processes.
