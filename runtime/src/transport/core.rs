@@ -182,6 +182,11 @@ impl Core {
         self.poisoned.as_ref()
     }
 
+    /// How many operations have ended (done or failed) so far.
+    pub(crate) fn ops_ended(&self) -> u64 {
+        self.ops.ended()
+    }
+
     /// The driver connected `peer`: its link carries frames from now on.
     pub(crate) fn link_up(&mut self, peer: usize, now: Instant) {
         if let Some(l) = self.links.get_mut(peer).filter(|_| peer != self.rank) {

@@ -14,7 +14,7 @@
 //! their driver (`tcp/driver.rs`, `quic/driver.rs`).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -73,6 +73,8 @@ pub(crate) trait Driver: Send + 'static {
 pub(crate) struct State<D> {
     pub(crate) core: Core,
     pub(crate) driver: D,
+    /// A waiting thread sleeps on the sockets for every waiter (see [`Engine::wait`]).
+    driving: bool,
 }
 
 impl<D: Driver> State<D> {
@@ -110,7 +112,10 @@ pub(crate) struct Engine<D> {
     rank: usize,
     world: usize,
     state: Mutex<State<D>>,
-    /// Wakes threads blocked in `ppoll` (abort, stop).
+    /// Waiters other than the one sleeping on the sockets wait here; notified whenever an
+    /// operation ends and when the sleeper leaves.
+    ended: Condvar,
+    /// Wakes threads blocked in `ppoll` (abort, stop, an operation ended by another thread).
     pipe: WakePipe,
     aborted: AtomicBool,
     /// Threads inside `wait` (they drive; the background thread stays out of the way).
@@ -125,7 +130,8 @@ impl<D: Driver> Engine<D> {
         Ok(Engine {
             rank: core.rank(),
             world: core.world(),
-            state: Mutex::new(State { core, driver }),
+            state: Mutex::new(State { core, driver, driving: false }),
+            ended: Condvar::new(),
             pipe: WakePipe::new()?,
             aborted: AtomicBool::new(false),
             waiters: AtomicUsize::new(0),
@@ -152,11 +158,17 @@ impl<D: Driver> Engine<D> {
     /// is ready, or `until` (at most one poll slice); µs precision, as protocol timers need.
     /// Returns whether a descriptor other than the pipe is ready.
     pub(crate) fn sleep(&self, fds: &mut [libc::pollfd], until: Instant) -> bool {
+        self.sleep_as(fds, until, false)
+    }
+
+    /// [`Engine::sleep`]; `background` for the background thread, which leaves a wake in the
+    /// pipe while threads wait: it may be meant for one about to sleep on the sockets.
+    fn sleep_as(&self, fds: &mut [libc::pollfd], until: Instant, background: bool) -> bool {
         let d = until.saturating_duration_since(Instant::now()).min(POLL_SLICE);
         let ts = libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ };
         // SAFETY: `fds` is a valid pollfd array of its length; a valid timespec; no mask change.
         unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
-        if fds[0].revents != 0 {
+        if fds[0].revents != 0 && (!background || self.waiters.load(Ordering::SeqCst) == 0) {
             self.pipe.drain();
         }
         fds[1..].iter().any(|f| f.revents != 0)
@@ -180,6 +192,7 @@ impl<D: Driver> Engine<D> {
     ) -> Result<OpId> {
         let mut guard = self.lock();
         let s = &mut *guard;
+        let before = s.core.ops_ended();
         // SAFETY: forwarded contract.
         let id = unsafe { s.core.post_send(peer, desc, data, len) }?;
         if peer != self.rank {
@@ -187,6 +200,7 @@ impl<D: Driver> Engine<D> {
             s.driver.flush(&mut s.core, peer, Instant::now());
             s.settle();
         }
+        self.woke_others(s, before);
         Ok(id)
     }
 
@@ -201,23 +215,32 @@ impl<D: Driver> Engine<D> {
     ) -> Result<OpId> {
         let mut guard = self.lock();
         let s = &mut *guard;
+        let before = s.core.ops_ended();
         // SAFETY: forwarded contract.
         let (id, attached) = unsafe { s.core.post_recv(peer, desc, buf, cap) }?;
         if attached {
             s.driver.read(&mut s.core, peer, Instant::now());
             s.settle();
         }
+        self.woke_others(s, before);
         Ok(id)
     }
 
     pub(crate) fn test(&self, op: OpId) -> Result<Option<usize>> {
         let mut guard = self.lock();
         let s = &mut *guard;
+        let before = s.core.ops_ended();
         s.driver.progress(&mut s.core, Mode::Wait, Instant::now());
         s.settle();
+        self.woke_others(s, before);
         s.core.take_finished(op).transpose()
     }
 
+    /// Wait for `op` until `deadline`. Several threads may wait at once (different
+    /// operations): one of them drives — sleeps on the sockets and moves the bytes of every
+    /// operation — and the others sleep on [`Engine::ended`] until an operation ends (theirs,
+    /// perhaps) or the driver leaves (one of them then drives). A thread that ends another's
+    /// operation outside the driver (a post, `test`) wakes the driver through the pipe.
     pub(crate) fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
         self.waiters.fetch_add(1, Ordering::SeqCst);
         let r = self.wait_inner(op, deadline);
@@ -229,36 +252,65 @@ impl<D: Driver> Engine<D> {
         let mut w = Waiter::new(op, Instant::now(), deadline);
         let mut spin_until = None;
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
+        let mut guard = self.lock();
         loop {
-            let until = {
-                let mut guard = self.lock();
-                let s = &mut *guard;
-                let now = Instant::now();
-                s.core.handle_timeout(now);
-                s.driver.progress(&mut s.core, Mode::Wait, now);
-                s.settle();
-                let until = match s.core.poll_wait(&mut w, now) {
-                    Step::Done(r) => return r,
-                    Step::Again => continue,
-                    Step::Sleep(t) => t,
-                };
-                let spin_end = *spin_until.get_or_insert(now + self.spin);
-                if now < spin_end {
-                    drop(guard);
-                    std::thread::yield_now();
-                    continue;
-                }
-                self.poll_set(s, Mode::Wait, &mut fds);
-                s.driver.next_timer().map_or(until, |t| t.min(until))
+            let s = &mut *guard;
+            let now = Instant::now();
+            let before = s.core.ops_ended();
+            s.core.handle_timeout(now);
+            s.driver.progress(&mut s.core, Mode::Wait, now);
+            s.settle();
+            self.woke_others(s, before);
+            let until = match s.core.poll_wait(&mut w, now) {
+                Step::Done(r) => return r,
+                Step::Again => continue,
+                Step::Sleep(t) => t,
             };
-            if self.sleep(&mut fds, until) {
-                let mut guard = self.lock();
-                let s = &mut *guard;
+            let spin_end = *spin_until.get_or_insert(now + self.spin);
+            if now < spin_end {
+                drop(guard);
+                std::thread::yield_now();
+                guard = self.lock();
+                continue;
+            }
+            if s.driving {
+                // Another waiter sleeps on the sockets; it wakes us when an operation ends.
+                let d = until.saturating_duration_since(now).min(POLL_SLICE);
+                guard = self.ended.wait_timeout(guard, d).unwrap_or_else(|e| e.into_inner()).0;
+                continue;
+            }
+            self.poll_set(s, Mode::Wait, &mut fds);
+            let until = s.driver.next_timer().map_or(until, |t| t.min(until));
+            s.driving = true;
+            drop(guard);
+            let ready = self.sleep(&mut fds, until);
+            guard = self.lock();
+            let s = &mut *guard;
+            s.driving = false;
+            let before = s.core.ops_ended();
+            if ready {
                 s.driver.ready(&mut s.core, Mode::Wait, &fds[1..], Instant::now());
                 s.settle();
             }
+            if s.core.ops_ended() != before || self.waiters.load(Ordering::SeqCst) > 1 {
+                // Operations ended, or others wait and this thread may not drive next (it may
+                // be done): wake them to look.
+                self.ended.notify_all();
+            }
             // After a sleep, spin again briefly: the next message often follows closely.
             spin_until = None;
+        }
+    }
+
+    /// After `s` was moved on outside the driver's sleep: if operations ended since `before`,
+    /// wake the waiters on [`Engine::ended`] and the driver asleep on the sockets (one of the
+    /// operations may be its own).
+    fn woke_others(&self, s: &State<D>, before: u64) {
+        if s.core.ops_ended() != before {
+            self.ended.notify_all();
+            if s.driving {
+                self.pipe.wake();
+            }
         }
     }
 
@@ -274,6 +326,7 @@ impl<D: Driver> Engine<D> {
         g.core.abort(reason);
         g.flush_all(Instant::now());
         drop(g);
+        self.ended.notify_all();
         self.pipe.wake();
     }
 
@@ -285,6 +338,7 @@ impl<D: Driver> Engine<D> {
         g.core.link_failed(peer, LinkFail::Lost(detail.to_string()));
         g.flush_all(Instant::now());
         drop(g);
+        self.ended.notify_all();
         self.pipe.wake();
     }
 
@@ -301,8 +355,10 @@ impl<D: Driver> Engine<D> {
         }
         // Take in what the peer sent (a driver reads idle sockets only for a waiter).
         if peer != self.rank {
+            let before = s.core.ops_ended();
             s.driver.read(&mut s.core, peer, Instant::now());
             s.settle();
+            self.woke_others(s, before);
         }
         Ok(s.core.probe(peer, desc.tag))
     }
@@ -325,9 +381,11 @@ impl<D: Driver> Engine<D> {
                 let s = &mut *guard;
                 let now = Instant::now();
                 // Keep-alives first: the pass writes them with everything else queued.
+                let before = s.core.ops_ended();
                 s.core.handle_timeout(now);
                 s.driver.progress(&mut s.core, Mode::Idle, now);
                 s.settle();
+                self.woke_others(s, before);
                 self.poll_set(s, Mode::Idle, &mut fds);
                 let mut until = now + POLL_SLICE;
                 if let Some(t) = s.core.poll_timeout() {
@@ -341,11 +399,13 @@ impl<D: Driver> Engine<D> {
             if self.stop.load(Ordering::SeqCst) {
                 break;
             }
-            if self.sleep(&mut fds, until) {
+            if self.sleep_as(&mut fds, until, true) {
                 let mut guard = self.lock();
                 let s = &mut *guard;
+                let before = s.core.ops_ended();
                 s.driver.ready(&mut s.core, Mode::Idle, &fds[1..], Instant::now());
                 s.settle();
+                self.woke_others(s, before);
             }
         }
     }

@@ -46,6 +46,9 @@ pub(crate) enum OpState {
 pub(crate) struct Ops {
     map: HashMap<u64, OpState>,
     next: u64,
+    /// Operations that have ended (done or failed) so far: threads waiting for others' work
+    /// compare it before and after to know whether to wake anyone.
+    ended: u64,
 }
 
 impl Ops {
@@ -60,6 +63,7 @@ impl Ops {
         if let Some(s) = self.map.get_mut(&id.0) {
             if matches!(s, OpState::Pending { .. }) {
                 *s = OpState::Done(bytes);
+                self.ended += 1;
             }
         }
     }
@@ -68,6 +72,7 @@ impl Ops {
         if let Some(s) = self.map.get_mut(&id.0) {
             if matches!(s, OpState::Pending { .. }) {
                 *s = OpState::Failed(err);
+                self.ended += 1;
             }
         }
     }
@@ -78,6 +83,7 @@ impl Ops {
             if let OpState::Pending { peer, desc, bytes, posted } = s {
                 let err = make(*peer, context(desc, 0, *bytes, *posted));
                 *s = OpState::Failed(err);
+                self.ended += 1;
             }
         }
     }
@@ -89,9 +95,15 @@ impl Ops {
                 if *p == peer {
                     let err = make(context(desc, 0, *bytes, *posted));
                     *s = OpState::Failed(err);
+                    self.ended += 1;
                 }
             }
         }
+    }
+
+    /// How many operations have ended (done or failed) since the table was made.
+    pub(crate) fn ended(&self) -> u64 {
+        self.ended
     }
 
     /// `Some(result)` when finished (and forgets the op); `None` while pending or unknown.
