@@ -27,12 +27,15 @@ pub enum Acc {
 }
 
 /// Append a ring reduce-scatter over `blocks` (byte offset and length per rank, in the source
-/// layout) to `p`. Tags start at `tag0`; returns the first unused tag.
+/// layout) to `p`. Tags start at `tag0`; returns the first unused tag. With `finish`, each
+/// segment of the own block gets the call's finishing transform right after its last
+/// reduction, while it is still in cache (instead of a pass over the whole block afterwards).
 pub fn reduce_scatter_phase(
     p: &mut Plan,
     sh: &PlanCtx,
     blocks: &[(usize, usize)],
     acc: Acc,
+    finish: bool,
     tag0: u32,
 ) -> u32 {
     let n = sh.n;
@@ -87,6 +90,10 @@ pub fn reduce_scatter_phase(
         let dst = acc_region(s, b, off, len);
         let a = Region::new(src, blocks[b].0 + off, len);
         p.reduce(dst, a, Region::new(slots[i % LOOKAHEAD], 0, len));
+        if finish && s == n - 2 {
+            // The own block's segment is complete (`rb(n - 2)` is this rank's block).
+            p.finish(dst);
+        }
         if let Some(&(s2, k2)) = units.get(i + LOOKAHEAD) {
             let len2 = segs[rb(s2)][k2].1;
             recv_h[i + LOOKAHEAD] =
@@ -169,11 +176,12 @@ pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
         }
         return p;
     }
-    let t = reduce_scatter_phase(&mut p, sh, &blocks, Acc::InPlace, 0);
+    // This rank's block is finished once, segment by segment as its reduction completes, and
+    // nobody else touches it before the all-gather spreads it.
+    let t = reduce_scatter_phase(&mut p, sh, &blocks, Acc::InPlace, true, 0);
+    p.finishes = true;
     p.wait_all();
     let (off, len) = blocks[sh.rank];
-    // This rank's block is complete and nobody else reduces it: finish it once, here.
-    p.finish(Region::new(Buf::Data, off, len));
     allgather_phase(&mut p, sh, &blocks, Region::new(Buf::Data, off, len), None, t);
     p
 }
@@ -190,7 +198,8 @@ pub fn reduce_scatter(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
         return p;
     }
     let acc = if sh.in_place { Acc::InPlace } else { Acc::Own };
-    reduce_scatter_phase(&mut p, sh, blocks, acc, 0);
+    reduce_scatter_phase(&mut p, sh, blocks, acc, true, 0);
+    p.finishes = true;
     p
 }
 

@@ -33,7 +33,7 @@ pub fn allreduce(sh: &PlanCtx, count: usize, topo: &Topology) -> Option<Plan> {
     // 1. Reduce-scatter within the host (reads the input directly when out of place).
     let local = PlanCtx { rank: i, n: l, ..*sh };
     let mut p = Plan::new();
-    let t1 = ring::reduce_scatter_phase(&mut p, &local, &blocks, Acc::InPlace, 0);
+    let t1 = ring::reduce_scatter_phase(&mut p, &local, &blocks, Acc::InPlace, false, 0);
     p.wait_all();
     let mut p = p.relabel(&hosts[j]);
 
