@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
 """torch.distributed with backend "tutti" against backend "gloo", and against collbench.
 
-    python tools/bench/torch_backends.py [--rounds 3] [--worlds 2,4] [--sizes 8,2M,64M]
+    python tools/bench/torch_backends.py [--rounds 5] [--worlds 2,4] [--sizes 8,2M,64M]
         [--colls all_reduce,all_gather_into_tensor,reduce_scatter_tensor,all_to_all_single,broadcast]
-        [--collbench target/release/collbench] [--json out.json]
+        [--collbench target/release/collbench] [--launcher torchrun|spawn] [--json out.json]
 
-After an untimed warm-up round, each round runs, for every world, both backends (alternating which goes first) and collbench
-(`--np N`) over every collective and size. A torch run starts N processes on 127.0.0.1
-(`init_method=tcp://`, one intra-op thread each), float32 tensors, nccl-tests' S (the whole
-gathered or scattered buffer; one rank's buffer for all_reduce and broadcast), 3 warm-up calls,
-the first element of one result checked, then as many calls back to back as fit in 0.3 s; it
-reports the mean time per call averaged over ranks, the statistic collbench prints. Prints the
-median over rounds per point, the ratio tutti / gloo (time, below 1 = tutti faster) and
-tutti-through-torch / collbench. A collective gloo lacks on CPU is reported as such.
+After an untimed warm-up round, each round runs, for every world, both backends (alternating
+which goes first) under torchrun (`--standalone`, env:// rendezvous, one intra-op thread each),
+then collbench (`--np N`) on the same points. A torch run goes over every collective and size
+in one job: float32 tensors, nccl-tests' S (the whole gathered or scattered buffer; one rank's
+buffer for all_reduce and broadcast), 3 warm-up calls, the first element of one result
+checked, then as many calls back to back as fit in `--secs`; it reports the mean time per call
+averaged over ranks, the statistic collbench prints. collbench then runs each point with as
+many iterations as tutti's torch run made in that round (at least 20) after 8 warm-up ones,
+so both time the same kind of loop. Each round gives a ratio tutti / gloo and tutti-through-
+torch / collbench per point; the table prints the medians over rounds of the times and of those
+per-round ratios. Inside tutti's torch runs, the timed calls go in 6 blocks, each followed by a
+block of the same call made on tutti's communicator directly (same processes, same tensors):
+the median of those per-block ratios, the slowest rank's, is the `torch/native` column — the
+binding's own cost, measured where the machine's drift cannot reach it. A collective gloo lacks
+on CPU is reported as such.
 """
 import argparse
 import json
@@ -44,10 +51,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+BLOCKS = 6
+
+
+def native_call(backend, coll, a, b):
+    """The call `coll` makes, on tutti's communicator directly (blocking, no torch)."""
+    if backend != "tutti":
+        return None
+    import torch.distributed as dist
+    import tutti.torch as tt
+
+    comm = dist.distributed_c10d._get_default_group().comm
+    dt = tt._dtype(a)
+    raw = tt._raw
+    kind, kw = {
+        "all_reduce": ("allreduce", dict(a=raw(a), op="sum")),
+        "broadcast": ("broadcast", dict(a=raw(a), root=0)),
+        "all_gather_into_tensor": ("allgather", dict(a=raw(a), b=raw(b) if b is not None else None)),
+        "reduce_scatter_tensor": ("reduce_scatter", dict(a=raw(a), b=raw(b) if b is not None else None, op="sum")),
+        "all_to_all_single": ("all_to_all", dict(a=raw(a), b=raw(b) if b is not None else None)),
+    }[coll]
+    return lambda: comm.run(kind, dt, async_op=False, **kw)
+
+
 # -- the worker (one process per rank) --------------------------------------------------------
 
 
-def worker(rank, n, backend, colls, sizes, secs, port, q):
+def worker(rank, n, backend, colls, sizes, secs, init, q):
     import torch
     import torch.distributed as dist
 
@@ -55,8 +85,7 @@ def worker(rank, n, backend, colls, sizes, secs, port, q):
         import tutti.torch  # noqa: F401
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=n)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=n)
     out = {}
     for coll in colls:
         for s in sizes:
@@ -106,43 +135,91 @@ def worker(rank, n, backend, colls, sizes, secs, port, q):
             probe = torch.tensor([(time.perf_counter() - t0) / 5])
             dist.all_reduce(probe, op=dist.ReduceOp.MAX)
             iters = max(5, int(secs / max(probe.item(), 1e-7)))
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                one()
-            per = torch.tensor([(time.perf_counter() - t0) / iters])
+            native = native_call(backend, coll, a, b)
+            # Blocks of calls through torch, alternating with blocks of the same call made on
+            # tutti's communicator directly (same processes, same tensors): the binding's own
+            # cost, free of the machine's drift between runs.
+            block = max(1, iters // BLOCKS)
+            spent, ratios = 0.0, []
+            for _ in range(BLOCKS):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    one()
+                td = time.perf_counter() - t0
+                spent += td
+                if native is not None:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(block):
+                        native()
+                    ratios.append(td / (time.perf_counter() - t0))
+            per = torch.tensor([spent / (block * BLOCKS)])
             dist.all_reduce(per)
-            out[(coll, s)] = per.item() / n * 1e6
+            ratio = statistics.median(ratios) if ratios else None
+            if ratio is not None:
+                # The slowest rank's ratio.
+                rt = torch.tensor([ratio])
+                dist.all_reduce(rt, op=dist.ReduceOp.MAX)
+                ratio = rt.item()
+            out[(coll, s)] = (per.item() / n * 1e6, block * BLOCKS, ratio)
     dist.destroy_process_group()
     if rank == 0:
         q.put(out)
 
 
-def run_torch(backend, n, colls, sizes, secs):
-    import torch.multiprocessing as mp
+class _File:
+    """Where rank 0 of a torchrun job leaves its results (a queue's `put`)."""
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, n, backend, colls, sizes, secs, port, q))
-             for r in range(n)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            sys.exit(f"torch_backends: a {backend} rank exited with {p.exitcode}")
-    return res
+    def __init__(self, path):
+        self.path = path
+
+    def put(self, out):
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump([[list(k), v] for k, v in out.items()], f)
 
 
-def run_collbench(exe, n, coll, s):
+def run_torch(backend, n, colls, sizes, secs, launcher):
+    if launcher == "spawn":
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        init = f"tcp://127.0.0.1:{free_port()}"
+        procs = [ctx.Process(target=worker, args=(r, n, backend, colls, sizes, secs, init, q))
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        res = q.get(timeout=1800)
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                sys.exit(f"torch_backends: a {backend} rank exited with {p.exitcode}")
+        return res
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "out.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={n}", os.path.abspath(__file__), "--worker", backend,
+               "--colls", ",".join(colls), "--sizes", ",".join(str(x) for x in sizes),
+               "--secs", str(secs), "--out", path]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=1800)
+        if r.returncode != 0:
+            sys.exit(f"torch_backends: torchrun with {backend} failed ({r.returncode}):\n"
+                     f"{r.stdout[-3000:]}")
+        with open(path, encoding="utf-8") as f:
+            return {tuple(k): tuple(v) if isinstance(v, list) else v for k, v in json.load(f)}
+
+
+def run_collbench(exe, n, coll, s, iters):
     name, mode = COLLBENCH_NAME[coll]
     # At least one float per rank, as the torch runs use.
     s = max(s - s % (4 * n), 4 * n)
-    cmd = [exe, name, "-b", str(s), "-e", str(s), "-n", "20", "-w", "3", "--np", str(n)]
-    if s < (1 << 20):
-        cmd[cmd.index("-n") + 1] = "2000"
+    cmd = [exe, name, "-b", str(s), "-e", str(s), "-n", str(max(20, iters)), "-w", "8",
+           "--np", str(n)]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          check=True).stdout
     for line in out.splitlines():
@@ -155,62 +232,86 @@ def run_collbench(exe, n, coll, s):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--sizes", default="8,2M,64M")
     ap.add_argument("--colls", default=",".join(COLLBENCH_NAME))
     ap.add_argument("--secs", type=float, default=0.3)
     ap.add_argument("--collbench", default=os.path.join(ROOT, "target", "release", "collbench"))
+    ap.add_argument("--launcher", choices=["torchrun", "spawn"], default="torchrun")
     ap.add_argument("--json")
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed rounds first (the first processes of a run are often slow)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    worlds = [int(x) for x in a.worlds.split(",")]
     sizes = [size(x) for x in a.sizes.split(",")]
     colls = a.colls.split(",")
+    if a.worker:
+        # One rank of a torchrun job.
+        rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        worker(rank, n, a.worker, colls, sizes, a.secs, "env://", _File(a.out))
+        return
+    worlds = [int(x) for x in a.worlds.split(",")]
     times = {}
+    ratios = {}
     for _ in range(a.warmup):
         for n in worlds:
             for backend in ("gloo", "tutti"):
-                run_torch(backend, n, colls[:1], sizes[-1:], 0.05)
+                run_torch(backend, n, colls[:1], sizes[-1:], 0.05, a.launcher)
+    have_cb = os.path.exists(a.collbench)
     for rnd in range(a.rounds):
         for n in worlds:
             order = ["gloo", "tutti"] if (rnd + n) % 2 == 0 else ["tutti", "gloo"]
-            for backend in order:
-                for k, v in run_torch(backend, n, colls, sizes, a.secs).items():
-                    times.setdefault((backend, n) + k, []).append(v)
-            if os.path.exists(a.collbench):
-                for coll in colls:
-                    for s in sizes:
-                        times.setdefault(("collbench", n, coll, s), []).append(
-                            run_collbench(a.collbench, n, coll, s))
+            got = {b: run_torch(b, n, colls, sizes, a.secs, a.launcher) for b in order}
+            for coll in colls:
+                for s in sizes:
+                    g, t = got["gloo"][(coll, s)], got["tutti"][(coll, s)]
+                    times.setdefault(("gloo", n, coll, s), []).append(
+                        g if isinstance(g, str) else g[0])
+                    times.setdefault(("tutti", n, coll, s), []).append(t[0])
+                    ratios.setdefault(("native", n, coll, s), []).append(t[2])
+                    if not isinstance(g, str):
+                        ratios.setdefault(("gloo", n, coll, s), []).append(t[0] / g[0])
+                    if have_cb:
+                        c = run_collbench(a.collbench, n, coll, s, t[1])
+                        times.setdefault(("collbench", n, coll, s), []).append(c)
+                        ratios.setdefault(("collbench", n, coll, s), []).append(t[0] / c)
         print(f"# round {rnd + 1} of {a.rounds} done", file=sys.stderr, flush=True)
 
-    def med(key):
-        v = times.get(key)
+    def med(d, key):
+        v = d.get(key)
         if not v:
             return None
         if isinstance(v[0], str):
             return v[0]
         return statistics.median(v)
 
-    print(f"# torch.distributed {a.rounds} interleaved rounds, medians of the mean µs per call")
+    print(f"# torch.distributed under {a.launcher}, {a.rounds} interleaved rounds: medians of the "
+          "mean µs per call, and medians of the per-round ratios")
     print(f"# {'coll':<24} {'n':>2} {'bytes':>10} {'gloo':>12} {'tutti':>12} {'collbench':>10} "
-          f"{'tutti/gloo':>10} {'tutti/cb':>9}")
+          f"{'tutti/gloo':>10} {'tutti/cb':>9} {'torch/native':>12}")
     rows = []
     for coll in colls:
         for n in worlds:
             for s in sizes:
-                g, t, c = med(("gloo", n, coll, s)), med(("tutti", n, coll, s)), med(("collbench", n, coll, s))
+                g, t, c = (med(times, (k, n, coll, s)) for k in ("gloo", "tutti", "collbench"))
+                rg, rc = med(ratios, ("gloo", n, coll, s)), med(ratios, ("collbench", n, coll, s))
+                rn = med(ratios, ("native", n, coll, s))
                 gs = g if isinstance(g, str) else f"{g:12.1f}"
-                tg = "-" if isinstance(g, str) or g is None else f"{t / g:10.2f}"
-                tc = "-" if c is None else f"{t / c:9.2f}"
+                tg = "-" if rg is None else f"{rg:10.2f}"
+                tc = "-" if rc is None else f"{rc:9.2f}"
                 print(f"  {coll:<24} {n:>2} {s:>10} {gs[:12]:>12} {t:12.1f} "
-                      f"{'-' if c is None else f'{c:10.1f}':>10} {tg:>10} {tc:>9}")
-                rows.append({"coll": coll, "n": n, "bytes": s, "gloo": g, "tutti": t, "collbench": c})
+                      f"{'-' if c is None else f'{c:10.1f}':>10} {tg:>10} {tc:>9} "
+                      f"{'-' if rn is None else f'{rn:12.2f}':>12}")
+                rows.append({"coll": coll, "n": n, "bytes": s, "gloo": g, "tutti": t,
+                             "collbench": c, "tutti_over_gloo": rg, "tutti_over_collbench": rc,
+                             "torch_over_native": rn})
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"rounds": a.rounds, "rows": rows, "all": {str(k): v for k, v in times.items()}}, f)
+            json.dump({"rounds": a.rounds, "launcher": a.launcher, "rows": rows,
+                       "all": {str(k): v for k, v in times.items()},
+                       "ratios": {str(k): v for k, v in ratios.items()}}, f)
 
 
 if __name__ == "__main__":
