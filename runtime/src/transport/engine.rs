@@ -75,6 +75,9 @@ pub(crate) struct State<D> {
     pub(crate) driver: D,
     /// A waiting thread sleeps on the sockets for every waiter (see [`Engine::wait`]).
     driving: bool,
+    /// Waiters asleep on [`Engine::ended`] (notified only when there are some: a notify is a
+    /// system call).
+    followers: usize,
 }
 
 impl<D: Driver> State<D> {
@@ -130,7 +133,7 @@ impl<D: Driver> Engine<D> {
         Ok(Engine {
             rank: core.rank(),
             world: core.world(),
-            state: Mutex::new(State { core, driver, driving: false }),
+            state: Mutex::new(State { core, driver, driving: false, followers: 0 }),
             ended: Condvar::new(),
             pipe: WakePipe::new()?,
             aborted: AtomicBool::new(false),
@@ -276,7 +279,9 @@ impl<D: Driver> Engine<D> {
             if s.driving {
                 // Another waiter sleeps on the sockets; it wakes us when an operation ends.
                 let d = until.saturating_duration_since(now).min(POLL_SLICE);
+                s.followers += 1;
                 guard = self.ended.wait_timeout(guard, d).unwrap_or_else(|e| e.into_inner()).0;
+                guard.followers -= 1;
                 continue;
             }
             self.poll_set(s, Mode::Wait, &mut fds);
@@ -292,9 +297,9 @@ impl<D: Driver> Engine<D> {
                 s.driver.ready(&mut s.core, Mode::Wait, &fds[1..], Instant::now());
                 s.settle();
             }
-            if s.core.ops_ended() != before || self.waiters.load(Ordering::SeqCst) > 1 {
-                // Operations ended, or others wait and this thread may not drive next (it may
-                // be done): wake them to look.
+            if s.followers > 0 {
+                // Operations may have ended, and this thread may not drive next (it may be
+                // done): the others look for themselves.
                 self.ended.notify_all();
             }
             // After a sleep, spin again briefly: the next message often follows closely.
@@ -307,7 +312,9 @@ impl<D: Driver> Engine<D> {
     /// operations may be its own).
     fn woke_others(&self, s: &State<D>, before: u64) {
         if s.core.ops_ended() != before {
-            self.ended.notify_all();
+            if s.followers > 0 {
+                self.ended.notify_all();
+            }
             if s.driving {
                 self.pipe.wake();
             }
