@@ -19,6 +19,9 @@ use crate::topo::Topology;
 /// Default pipeline segment size in bytes (`TUTTI_SEGMENT_BYTES`).
 pub const DEFAULT_SEGMENT: usize = 512 << 10;
 
+/// Default allreduce chunk in bytes (`TUTTI_CHUNK_BYTES`): see [`Config::chunk`].
+pub const DEFAULT_CHUNK: usize = 4 << 20;
+
 /// What one collective call did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stats {
@@ -39,6 +42,14 @@ pub struct Config {
     /// 128 KiB large messages lose bandwidth to per-segment overhead; above a few MiB the
     /// pipeline has too few segments to overlap.
     pub segment: usize,
+    /// Allreduces larger than this many bytes (and larger than 16 segments per rank) run as
+    /// back-to-back allreduces of pieces this large, each a whole reduce-scatter and
+    /// all-gather, on links as fast as loopback: a rank's block is then still in the
+    /// processor's cache when the all-gather sends it, instead of read back from memory.
+    /// Default 4 MiB ([`DEFAULT_CHUNK`]); 0 turns it off. Hazard: each piece pays the ring's
+    /// `2(n-1)` latency steps again, which on slow links (where the cost model chooses, and
+    /// pieces are never made) would cost more than the cache saves.
+    pub chunk: usize,
     /// Per-collective algorithm overrides (`TUTTI_ALGO`). Default none: automatic choice.
     pub overrides: Overrides,
     /// Choose algorithms by timing them on the first calls of each size class (`TUTTI_TUNE=1`;
@@ -49,12 +60,18 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Config {
-        Config { segment: DEFAULT_SEGMENT, overrides: Overrides::default(), tune: false }
+        Config {
+            segment: DEFAULT_SEGMENT,
+            chunk: DEFAULT_CHUNK,
+            overrides: Overrides::default(),
+            tune: false,
+        }
     }
 }
 
 impl Config {
-    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE` and `TUTTI_SEGMENT_BYTES` from the environment.
+    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE`, `TUTTI_SEGMENT_BYTES` and `TUTTI_CHUNK_BYTES`
+    /// from the environment.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the malformed variable.
@@ -75,6 +92,11 @@ impl Config {
         if let Ok(v) = std::env::var("TUTTI_SEGMENT_BYTES") {
             c.segment = v.trim().parse::<usize>().ok().filter(|s| *s > 0).ok_or_else(|| {
                 bad(format!("TUTTI_SEGMENT_BYTES={v:?} is not a positive integer"))
+            })?;
+        }
+        if let Ok(v) = std::env::var("TUTTI_CHUNK_BYTES") {
+            c.chunk = v.trim().parse::<usize>().map_err(|_| {
+                bad(format!("TUTTI_CHUNK_BYTES={v:?} is not an integer (0 turns chunks off)"))
             })?;
         }
         Ok(c)
@@ -293,6 +315,16 @@ impl Comm {
             let comm = Comm::with_config(g.group.clone(), (*self.cfg).clone());
             (Comm { force: self.force, ..comm }, g)
         }))
+    }
+
+    /// This communicator's settings.
+    pub(crate) fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Whether `coll`'s algorithm is forced ([`Comm::with_algo`] or `TUTTI_ALGO`).
+    pub(crate) fn forced(&self, coll: Coll) -> bool {
+        self.force.is_some() || self.cfg.overrides.0.contains_key(&coll)
     }
 
     pub(crate) fn invalid(&self, op: &'static str, detail: String) -> Error {

@@ -39,7 +39,7 @@ mod tune;
 pub mod verify;
 
 pub use coll::Coll;
-pub use comm::{Comm, Config, Stats, DEFAULT_SEGMENT};
+pub use comm::{Comm, Config, Stats, DEFAULT_CHUNK, DEFAULT_SEGMENT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use nonblocking::{Lent, Pending, Scope};

@@ -177,6 +177,17 @@ both!(diverging_settings_are_a_named_mismatch, |kind| {
         c.with_algo(Algo::Ring).allreduce(&mut vec![1.0f32; 1 << 20], ReduceOp::Sum).map(|_| ())
     });
     assert_all(&errs, t, &["settings", "mismatch"]);
+    // `TUTTI_CHUNK_BYTES` differs on rank 1: it cuts the allreduce into pieces, the others
+    // do not, so the first piece meets a whole call of another count.
+    let chunk = |r: usize| Config {
+        segment: 16 << 10,
+        chunk: if r == 1 { 256 << 10 } else { 0 },
+        ..Config::default()
+    };
+    let (errs, t) = run_cfg(kind, chunk, |c| {
+        c.allreduce(&mut vec![1.0f32; 1 << 20], ReduceOp::Sum).map(|_| ())
+    });
+    assert_all(&errs, t, &["count", "mismatch"]);
 });
 
 both!(poisoned_group_fails_fast_and_a_rebuilt_group_works, |kind| {

@@ -198,8 +198,7 @@ pub fn reduce_scatter(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
         return p;
     }
     let acc = if sh.in_place { Acc::InPlace } else { Acc::Own };
-    reduce_scatter_phase(&mut p, sh, blocks, acc, true, 0);
-    p.finishes = true;
+    reduce_scatter_phase(&mut p, sh, blocks, acc, false, 0);
     p
 }
 

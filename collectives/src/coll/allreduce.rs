@@ -25,6 +25,59 @@ impl Comm {
                 format!("input has {} elements, output {}", input.len(), out.len()),
             ));
         }
+        let Some(per) = self.allreduce_piece(out.len(), size_of::<T>())? else {
+            return self.allreduce_whole(input, out, op, scale);
+        };
+        // Back-to-back allreduces of cache-sized pieces (see `Config::chunk`).
+        let start = std::time::Instant::now();
+        let mut total: Option<Stats> = None;
+        for (k, piece) in out.chunks_mut(per).enumerate() {
+            let inp = input.map(|i| &i[k * per..k * per + piece.len()]);
+            let st = self.allreduce_whole(inp, piece, op, scale)?;
+            total = Some(match total {
+                None => st,
+                Some(t) => Stats { bytes_sent: t.bytes_sent + st.bytes_sent, ..t },
+            });
+        }
+        let total = total.ok_or_else(|| self.invalid("allreduce", "no piece ran".into()))?;
+        Ok(Stats { elapsed: start.elapsed(), ..total })
+    }
+
+    /// Elements per piece when an allreduce of `count` elements of `esize` bytes runs in
+    /// pieces ([`crate::Config::chunk`]): automatic choice only (no forced algorithm, no
+    /// tuning), links as fast as loopback (no cost model), at least two pieces of at least
+    /// the chunk and two segments per rank each.
+    fn allreduce_piece(&self, count: usize, esize: usize) -> Result<Option<usize>> {
+        let cfg = self.config();
+        let bytes = count * esize;
+        if cfg.chunk == 0
+            || bytes <= cfg.chunk
+            || self.size() < 2
+            || self.forced(Coll::Allreduce)
+            || cfg.tune
+        {
+            return Ok(None);
+        }
+        // The link probe (every rank makes this call at the same point).
+        self.link_scale()?;
+        if self.link_model().is_some() {
+            return Ok(None);
+        }
+        let piece = cfg.chunk.max(2 * cfg.segment * self.size());
+        let pieces = bytes.div_ceil(piece);
+        if pieces < 2 {
+            return Ok(None);
+        }
+        Ok(Some(count.div_ceil(pieces)))
+    }
+
+    fn allreduce_whole<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        op: ReduceOp,
+        scale: Option<f64>,
+    ) -> Result<Stats> {
         let count = out.len();
         let bytes = size_of_val(out);
         let req = Req {

@@ -292,7 +292,6 @@ impl<D: Driver> Engine<D> {
             guard = self.lock();
             let s = &mut *guard;
             s.driving = false;
-            let before = s.core.ops_ended();
             if ready {
                 s.driver.ready(&mut s.core, Mode::Wait, &fds[1..], Instant::now());
                 s.settle();
