@@ -165,6 +165,24 @@ fn alltoall_gather_scatter_cost() {
         let r = sim(n, pa, BIG_SEG);
         assert!(r.bytes_sent.iter().all(|b| *b == (n as u64 - 1) * 40));
         assert!(r.critical_steps <= 1);
+        // Bruck: round k moves the blocks whose position has bit k set, one message a round.
+        let br = |sh: &PlanCtx| {
+            let mut p = Plan::new();
+            algo::alltoall::bruck(
+                &mut p,
+                &PlanCtx { in_place: false, ..*sh },
+                Buf::Input,
+                &blocks,
+                &blocks,
+            );
+            p
+        };
+        let r = sim(n, br, BIG_SEG);
+        let moved: u64 =
+            (0..log2_ceil(n)).map(|k| (0..n).filter(|i| i >> k & 1 == 1).count() as u64).sum();
+        assert!(r.bytes_sent.iter().all(|b| *b == moved * 40), "bruck n={n}: {:?}", r.bytes_sent);
+        assert!(r.messages.iter().all(|m| *m as u64 == log2_ceil(n)), "bruck n={n}");
+        assert_eq!(r.critical_steps, log2_ceil(n), "bruck n={n}");
         let r = sim(
             n,
             |sh| algo::linear::gather(&PlanCtx { in_place: false, ..*sh }, &blocks, n - 1),

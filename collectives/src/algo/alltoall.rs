@@ -1,9 +1,17 @@
-//! All-to-all: pairwise exchange and post-all.
+//! All-to-all: pairwise exchange, post-all and Bruck.
 //!
 //! Pairwise: in round `i` (1..n) rank `r` sends its block for `r+i` and receives from `r-i`, a
 //! few rounds in flight at once; every rank talks to one peer per round, so no link is
 //! oversubscribed and no world size can deadlock. Post-all posts every send and receive at once
 //! and lets the transport sort them out (best for small blocks). Both send `(n-1)/n·S` bytes.
+//!
+//! Bruck (equal blocks): `⌈log2 n⌉` messages per rank instead of `n-1`, for tiny blocks, where
+//! each message's fixed cost is what counts. Rank `r` first rotates its blocks so that position
+//! `i` holds the block for `r+i`. In round `k` it sends every block whose position has bit `k`
+//! set, packed into one message, to `r+2^k`, and puts the blocks it gets from `r-2^k` at the same
+//! positions. Afterwards position `i` holds the block from `r-i`, which a last copy puts in place.
+//! Each round moves about half the blocks: `⌈log2 n⌉·S/2` bytes sent per rank.
+//!
 //! In place, the buffer is first copied to scratch (`coll/alltoall.rs`).
 
 use super::PlanCtx;
@@ -58,4 +66,49 @@ pub fn post_all(
     }
     p.copy(Region::new(Buf::Data, recv[r].0, recv[r].1), Region::new(src, send[r].0, send[r].1));
     p.wait_all();
+}
+
+/// Append a Bruck all-to-all of equal blocks (same arguments as [`pairwise`]; every block has
+/// the length of the first).
+pub fn bruck(
+    p: &mut Plan,
+    sh: &PlanCtx,
+    src: Buf,
+    send: &[(usize, usize)],
+    recv: &[(usize, usize)],
+) {
+    let (n, r) = (sh.n, sh.rank);
+    let blk = send.first().map_or(0, |b| b.1);
+    // Position i holds the block for rank r+i.
+    let rot = p.scratch(n * blk);
+    for i in 0..n {
+        let to = (r + i) % n;
+        p.copy(Region::new(rot, i * blk, blk), Region::new(src, send[to].0, blk));
+    }
+    let most = n.div_ceil(2);
+    let (out, inb) = (p.scratch(most * blk), p.scratch(most * blk));
+    let mut d = 1;
+    let mut round = 0u32;
+    while d < n {
+        let moved: Vec<usize> = (0..n).filter(|i| i & d != 0).collect();
+        let len = moved.len() * blk;
+        let hr = p.recv((r + n - d) % n, round, Region::new(inb, 0, len));
+        for (j, &i) in moved.iter().enumerate() {
+            p.copy(Region::new(out, j * blk, blk), Region::new(rot, i * blk, blk));
+        }
+        let hs = p.send((r + d) % n, round, Region::new(out, 0, len));
+        p.wait(hr);
+        for (j, &i) in moved.iter().enumerate() {
+            p.copy(Region::new(rot, i * blk, blk), Region::new(inb, j * blk, blk));
+        }
+        // The next round packs into `out` again.
+        p.wait(hs);
+        d <<= 1;
+        round += 1;
+    }
+    // Position i holds the block from rank r-i.
+    for i in 0..n {
+        let from = (r + n - i) % n;
+        p.copy(Region::new(Buf::Data, recv[from].0, blk), Region::new(rot, i * blk, blk));
+    }
 }

@@ -113,7 +113,7 @@ impl Comm {
 }
 
 /// The algorithms that implement all-to-all.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Pairwise, Algo::PostAll];
+pub(crate) const ALGOS: &[Algo] = &[Algo::Pairwise, Algo::PostAll, Algo::Bruck];
 
 /// The schedule `algo` runs for an all-to-all of `send` and `recv` blocks (byte offset and
 /// length per peer); in place, the data is first copied to a scratch buffer of `total` bytes.
@@ -135,13 +135,13 @@ pub(crate) fn plan(
     match algo {
         Algo::Pairwise => algo::alltoall::pairwise(&mut p, ctx, src, send, recv),
         Algo::PostAll => algo::alltoall::post_all(&mut p, ctx, src, send, recv),
+        Algo::Bruck => algo::alltoall::bruck(&mut p, ctx, src, send, recv),
         Algo::Ring
         | Algo::RecursiveDoubling
         | Algo::Rabenseifner
         | Algo::RecursiveHalving
         | Algo::Tree
         | Algo::Chain
-        | Algo::Bruck
         | Algo::Linear
         | Algo::Dissemination
         | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::AllToAll, algo)),

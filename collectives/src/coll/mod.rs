@@ -119,7 +119,9 @@ impl Coll {
             {
                 "needs a power-of-two world"
             }
-            (Coll::Allgather, Algo::Bruck) if !uniform => "needs equal counts on every rank",
+            (Coll::Allgather | Coll::AllToAll, Algo::Bruck) if !uniform => {
+                "needs equal counts on every rank"
+            }
             _ => return Ok(()),
         };
         Err(format!("{algo} {why} ({n} ranks)"))
