@@ -12,7 +12,9 @@ world × size) for both in every round, alternating which goes first, and prints
 median over rounds of the mean time per call averaged over ranks (the statistic both harnesses
 report: collbench's `time` column — in place for broadcast, as MPI_Bcast is, out of place
 otherwise — and mpibench's mean), busbw by nccl-tests' formulas, and the
-ratio of tutti's busbw to the best peer's (above 1: tutti faster). Open MPI is forced onto TCP
+ratio of tutti's busbw to the best peer's (above 1: tutti faster), and the median over rounds of
+that ratio taken within each round (the three run back to back there, so a drift of the
+machine between rounds moves it less). Open MPI is forced onto TCP
 (`--mca btl tcp,self`), as tutti is. gloo (torch.distributed, CPU tensors, `gloo_bench.py`)
 runs where a Python with torch is found (`--gloo`, else $TUTTI_TORCH_PYTHON, else
 ~/.cache/tutti/venv-torch, as CI makes it) and for the collectives gloo has on CPU (allreduce,
@@ -165,9 +167,12 @@ def main():
                             b, t = run_tutti(cb, coll, n, size, a.seconds, probe)
                         res.setdefault((coll, n, size, who), []).append((b, t))
         print(f"# round {r + 1} of {a.rounds} done", file=sys.stderr)
-    print(f"# {a.rounds} rounds interleaved; median time per call (mean over ranks), busbw GB/s")
+    print(f"# {a.rounds} rounds interleaved; median time per call (mean over ranks), busbw GB/s;"
+          " ratio: the faster peer's median time over tutti's; per-round: the median over rounds"
+          " of that ratio within each round")
     print(f"# {'collective':<15} {'n':>2} {'bytes':>10} {'tutti_us':>10} {'mpi_us':>10} "
-          f"{'gloo_us':>10} {'tutti_bw':>9} {'mpi_bw':>9} {'gloo_bw':>9} {'ratio':>6}")
+          f"{'gloo_us':>10} {'tutti_bw':>9} {'mpi_bw':>9} {'gloo_bw':>9} {'ratio':>6} "
+          f"{'per-round':>9}")
     for coll in colls:
         for n in worlds:
             for size in sizes:
@@ -179,12 +184,18 @@ def main():
                 b = mpi_bytes(n, size)
                 bw = {w: b / x * FACTOR[coll](n) / 1e9 for w, x in t.items()}
                 best_peer = min(x for w, x in t.items() if w != "tutti")
+                # Per round: the faster peer's time over tutti's, the three run back to back.
+                per_round = [
+                    min(res[(coll, n, size, w)][r][1] for w in ("mpi", "gloo")
+                        if (coll, n, size, w) in res) / res[(coll, n, size, "tutti")][r][1]
+                    for r in range(a.rounds)
+                ]
                 cell = lambda w, f: f.format(t[w] * 1e6) if w in t else f"{'-':>10}"
                 bcell = lambda w: f"{bw[w]:>9.3f}" if w in bw else f"{'-':>9}"
                 print(f"  {coll:<15} {n:>2} {size:>10} {cell('tutti', '{:>10.1f}')} "
                       f"{cell('mpi', '{:>10.1f}')} {cell('gloo', '{:>10.1f}')} "
                       f"{bcell('tutti')} {bcell('mpi')} {bcell('gloo')} "
-                      f"{best_peer / t['tutti']:>6.2f}")
+                      f"{best_peer / t['tutti']:>6.2f} {statistics.median(per_round):>9.2f}")
 
 
 if __name__ == "__main__":
