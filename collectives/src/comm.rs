@@ -42,7 +42,7 @@ pub struct Config {
     /// 128 KiB large messages lose bandwidth to per-segment overhead; above a few MiB the
     /// pipeline has too few segments to overlap.
     pub segment: usize,
-    /// Allreduces larger than this many bytes (and larger than 16 segments per rank) run as
+    /// Allreduces larger than this many bytes (and than two segments per rank) run as
     /// back-to-back allreduces of pieces this large, each a whole reduce-scatter and
     /// all-gather, on links as fast as loopback: a rank's block is then still in the
     /// processor's cache when the all-gather sends it, instead of read back from memory.
@@ -344,11 +344,8 @@ impl Comm {
             Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll => uniform,
             Coll::Gather | Coll::Scatter | Coll::Barrier => false,
         };
-        (self.cfg.tune
-            && tunable
-            && self.force.is_none()
-            && !self.cfg.overrides.0.contains_key(&coll))
-        .then(|| crate::tune::Key::new(coll, bytes, uniform))
+        (self.cfg.tune && tunable && !self.forced(coll))
+            .then(|| crate::tune::Key::new(coll, bytes, uniform))
     }
 
     /// The same communicator told which host each rank is on (`hosts[r]`, any numbering;

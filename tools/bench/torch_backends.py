@@ -62,15 +62,18 @@ def native_call(backend, coll, a, b):
     import tutti.torch as tt
 
     comm = dist.distributed_c10d._get_default_group().comm
-    dt = tt._dtype(a)
-    raw = tt._raw
-    kind, kw = {
-        "all_reduce": ("allreduce", dict(a=raw(a), op="sum")),
-        "broadcast": ("broadcast", dict(a=raw(a), root=0)),
-        "all_gather_into_tensor": ("allgather", dict(a=raw(a), b=raw(b) if b is not None else None)),
-        "reduce_scatter_tensor": ("reduce_scatter", dict(a=raw(a), b=raw(b) if b is not None else None, op="sum")),
-        "all_to_all_single": ("all_to_all", dict(a=raw(a), b=raw(b) if b is not None else None)),
+    kw = {"a": tt._raw(a)}
+    if b is not None:  # the out-of-place collectives' output
+        kw["b"] = tt._raw(b)
+    kind, extra = {
+        "all_reduce": ("allreduce", {"op": "sum"}),
+        "broadcast": ("broadcast", {"root": 0}),
+        "all_gather_into_tensor": ("allgather", {}),
+        "reduce_scatter_tensor": ("reduce_scatter", {"op": "sum"}),
+        "all_to_all_single": ("all_to_all", {}),
     }[coll]
+    kw.update(extra)
+    dt = tt._dtype(a)
     return lambda: comm.run(kind, dt, async_op=False, **kw)
 
 

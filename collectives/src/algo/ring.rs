@@ -29,7 +29,8 @@ pub enum Acc {
 /// Append a ring reduce-scatter over `blocks` (byte offset and length per rank, in the source
 /// layout) to `p`. Tags start at `tag0`; returns the first unused tag. With `finish`, each
 /// segment of the own block gets the call's finishing transform right after its last
-/// reduction, while it is still in cache (instead of a pass over the whole block afterwards).
+/// reduction, while it is still in cache (instead of a pass over the whole block afterwards),
+/// and the plan counts as finishing the result itself even where the own block is empty.
 pub fn reduce_scatter_phase(
     p: &mut Plan,
     sh: &PlanCtx,
@@ -42,6 +43,7 @@ pub fn reduce_scatter_phase(
     if n == 1 {
         return tag0;
     }
+    p.finishes |= finish;
     let (r, right, left) = (sh.rank, sh.right(1), sh.left(1));
     let sb = |s: usize| (r + 2 * n - s - 1) % n;
     let rb = |s: usize| (r + 2 * n - s - 2) % n;
@@ -179,7 +181,6 @@ pub fn allreduce(sh: &PlanCtx, count: usize) -> Plan {
     // This rank's block is finished once, segment by segment as its reduction completes, and
     // nobody else touches it before the all-gather spreads it.
     let t = reduce_scatter_phase(&mut p, sh, &blocks, Acc::InPlace, true, 0);
-    p.finishes = true;
     p.wait_all();
     let (off, len) = blocks[sh.rank];
     allgather_phase(&mut p, sh, &blocks, Region::new(Buf::Data, off, len), None, t);

@@ -203,7 +203,7 @@ impl<D: Driver> Engine<D> {
             s.driver.flush(&mut s.core, peer, Instant::now());
             s.settle();
         }
-        self.woke_others(s, before);
+        self.wake_others(s, before);
         Ok(id)
     }
 
@@ -225,7 +225,7 @@ impl<D: Driver> Engine<D> {
             s.driver.read(&mut s.core, peer, Instant::now());
             s.settle();
         }
-        self.woke_others(s, before);
+        self.wake_others(s, before);
         Ok(id)
     }
 
@@ -235,7 +235,7 @@ impl<D: Driver> Engine<D> {
         let before = s.core.ops_ended();
         s.driver.progress(&mut s.core, Mode::Wait, Instant::now());
         s.settle();
-        self.woke_others(s, before);
+        self.wake_others(s, before);
         s.core.take_finished(op).transpose()
     }
 
@@ -259,11 +259,7 @@ impl<D: Driver> Engine<D> {
         loop {
             let s = &mut *guard;
             let now = Instant::now();
-            let before = s.core.ops_ended();
-            s.core.handle_timeout(now);
-            s.driver.progress(&mut s.core, Mode::Wait, now);
-            s.settle();
-            self.woke_others(s, before);
+            self.pass(s, Mode::Wait, now);
             let until = match s.core.poll_wait(&mut w, now) {
                 Step::Done(r) => return r,
                 Step::Again => continue,
@@ -306,10 +302,20 @@ impl<D: Driver> Engine<D> {
         }
     }
 
+    /// One pass outside the driver's sleep: the core's timers (keep-alives, dead peers), then
+    /// the driver over every connection with work, in `mode`.
+    fn pass(&self, s: &mut State<D>, mode: Mode, now: Instant) {
+        let before = s.core.ops_ended();
+        s.core.handle_timeout(now);
+        s.driver.progress(&mut s.core, mode, now);
+        s.settle();
+        self.wake_others(s, before);
+    }
+
     /// After `s` was moved on outside the driver's sleep: if operations ended since `before`,
     /// wake the waiters on [`Engine::ended`] and the driver asleep on the sockets (one of the
     /// operations may be its own).
-    fn woke_others(&self, s: &State<D>, before: u64) {
+    fn wake_others(&self, s: &State<D>, before: u64) {
         if s.core.ops_ended() != before {
             if s.followers > 0 {
                 self.ended.notify_all();
@@ -364,7 +370,7 @@ impl<D: Driver> Engine<D> {
             let before = s.core.ops_ended();
             s.driver.read(&mut s.core, peer, Instant::now());
             s.settle();
-            self.woke_others(s, before);
+            self.wake_others(s, before);
         }
         Ok(s.core.probe(peer, desc.tag))
     }
@@ -387,11 +393,7 @@ impl<D: Driver> Engine<D> {
                 let s = &mut *guard;
                 let now = Instant::now();
                 // Keep-alives first: the pass writes them with everything else queued.
-                let before = s.core.ops_ended();
-                s.core.handle_timeout(now);
-                s.driver.progress(&mut s.core, Mode::Idle, now);
-                s.settle();
-                self.woke_others(s, before);
+                self.pass(s, Mode::Idle, now);
                 self.poll_set(s, Mode::Idle, &mut fds);
                 let mut until = now + POLL_SLICE;
                 if let Some(t) = s.core.poll_timeout() {
@@ -411,7 +413,7 @@ impl<D: Driver> Engine<D> {
                 let before = s.core.ops_ended();
                 s.driver.ready(&mut s.core, Mode::Idle, &fds[1..], Instant::now());
                 s.settle();
-                self.woke_others(s, before);
+                self.wake_others(s, before);
             }
         }
     }
