@@ -1,4 +1,4 @@
-//! The staging engine on the simulated device: every staged collective bit-exact against the
+//! The staging engine on the simulated device (or a GPU, `TUTTI_TEST_DEVICE=cuda`): every staged collective bit-exact against the
 //! host collective on the same data, at worlds 1–4 (memory) and 3 (TCP), with segment sizes that
 //! leave a short last segment and pool depths 2 and 3; the pipeline order (segment k+1's copy
 //! down queued before segment k's collective); and a failing copy reported on every rank.
@@ -12,6 +12,15 @@ use tutti_collectives::dtype::{as_bytes, as_bytes_mut};
 use tutti_collectives::verify::input;
 use tutti_collectives::{Comm, Element, Error, ReduceOp};
 use tutti_runtime::testing::{groups, run, Kind};
+
+/// The device under test: the simulated one, or with `TUTTI_TEST_DEVICE=cuda` GPU 0 (the GPU
+/// check script runs this suite that way on a GPU machine).
+fn device() -> Arc<dyn Device> {
+    if std::env::var("TUTTI_TEST_DEVICE").is_ok_and(|v| v == "cuda") {
+        return tutti_collectives::device::open("cuda", 0).unwrap();
+    }
+    Arc::new(SimDevice::new(SimConfig { latency: Duration::ZERO, ..SimConfig::default() }))
+}
 
 fn world<T: Send>(kind: Kind, n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
     run(groups(kind, n).unwrap(), |g| f(Comm::new(g)))
@@ -36,8 +45,7 @@ fn bits<T: Element>(v: &[T]) -> Vec<u8> {
 fn check<T: Element>(kind: Kind, n: usize, count: usize, cfg: StagingConfig) {
     world(kind, n, |c: Comm| {
         let r = c.rank();
-        let dev: Arc<dyn Device> =
-            Arc::new(SimDevice::new(SimConfig { latency: Duration::ZERO, ..SimConfig::default() }));
+        let dev = device();
         let st = c.staged(dev.clone(), cfg);
         let op = ReduceOp::Sum;
         // Allreduce.
@@ -81,6 +89,20 @@ fn check<T: Element>(kind: Kind, n: usize, count: usize, cfg: StagingConfig) {
         let (bi, bo) = (up(&*dev, &big), dev.alloc(n * count * size_of::<T>()).unwrap());
         st.all_to_all::<T>(&*bi, &*bo, count).unwrap();
         assert_eq!(bits(&down::<T>(&*dev, &*bo, n * count)), bits(&want), "all_to_all");
+        // Broadcast from the last rank: the root's buffer stays, everyone gets it.
+        let root = n - 1;
+        let b = up(&*dev, &x);
+        let mut want = x.clone();
+        c.broadcast(&mut want, root).unwrap();
+        st.broadcast::<T>(&*b, count, root).unwrap();
+        assert_eq!(bits(&down::<T>(&*dev, &*b, count)), bits(&want), "broadcast");
+        // Reduce to rank 0: the others' buffers stay as they were.
+        let b = up(&*dev, &x);
+        let mut want = x.clone();
+        c.reduce(&mut want, op, 0).unwrap();
+        st.reduce::<T>(&*b, count, op, 0).unwrap();
+        let want = if r == 0 { want } else { x.clone() };
+        assert_eq!(bits(&down::<T>(&*dev, &*b, count)), bits(&want), "reduce");
         // In place again, now on pooled slots that carry output stages from the calls above.
         let mut want = x.clone();
         c.allreduce(&mut want, op).unwrap();
@@ -120,7 +142,7 @@ fn staged_collectives_are_bit_exact_tcp() {
 #[test]
 fn the_next_copy_down_is_queued_before_the_collective() {
     world(Kind::Mem, 2, |c: Comm| {
-        let dev: Arc<dyn Device> = Arc::new(SimDevice::new(SimConfig::default()));
+        let dev = device();
         let st = c.staged(dev.clone(), StagingConfig { segment_bytes: 1024, depth: 3 });
         let b = dev.alloc(4 * 10_000).unwrap();
         let s = st.allreduce::<f32>(&*b, 10_000, ReduceOp::Sum).unwrap();
@@ -193,4 +215,18 @@ fn cuda_requested_without_a_gpu_is_a_typed_error_not_a_panic() {
     let e =
         tutti_collectives::device::open("tpu", 0).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("unknown device \"tpu\""), "{e}");
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_requested_without_the_library_is_a_typed_error() {
+    use tutti_collectives::device::nccl;
+    match nccl::require_library(3) {
+        Ok(()) => assert!(nccl::library_present()),
+        Err(Error::CudaUnavailable { rank, detail }) => {
+            assert_eq!(rank, 3);
+            assert!(detail.contains("NCCL library") && detail.contains("libnccl.so"), "{detail}");
+        }
+        Err(e) => panic!("expected CudaUnavailable, got {e}"),
+    }
 }

@@ -1,6 +1,9 @@
-//! tutti-tools: `collbench`, the nccl-tests-style benchmark, and `tutti-run`, the launcher.
+//! tutti-tools: `collbench`, the nccl-tests-style benchmark, `tutti-run`, the launcher, and
+//! (feature `cuda`) `gpucheck`, the GPU checks.
 
 pub mod collbench;
+#[cfg(feature = "cuda")]
+pub mod gpucheck;
 pub mod launch;
 pub mod run;
 

@@ -9,10 +9,11 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
-use super::{Device, DeviceBuffer, HostStage, Ticket};
+use super::{CopySpan, Device, DeviceBuffer, HostStage, Ticket};
 use crate::error::{Error, Result};
 
 /// True when the CUDA driver library can be loaded (checked before any cudarc call, which
@@ -20,6 +21,22 @@ use crate::error::{Error, Result};
 pub fn driver_present() -> bool {
     // SAFETY: only tries to open the library.
     unsafe { sys::is_culib_present() }
+}
+
+/// GPUs the driver sees.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] without the driver library or when the driver cannot count.
+pub fn device_count() -> Result<usize> {
+    if !driver_present() {
+        return Err(Error::CudaUnavailable {
+            rank: 0,
+            detail: "the CUDA driver library (libcuda.so) is not installed on this machine".into(),
+        });
+    }
+    CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .map_err(|e| Error::CudaUnavailable { rank: 0, detail: format!("cannot count GPUs: {e}") })
 }
 
 fn dev_err(op: &'static str, e: impl std::fmt::Display) -> Error {
@@ -77,12 +94,24 @@ impl Drop for PinnedStage {
 /// Recorded events: the last ticket issued, and the events not yet known to be complete.
 type Events = (u64, VecDeque<(u64, Arc<CudaEvent>)>);
 
+/// A copy timed on the device: direction, bytes, and events before and after it.
+type Timed = (bool, usize, CudaEvent, CudaEvent);
+
+/// Copy timing: a base event with the host instant it completed at, and the timed copies
+/// since; `None` when timing is off.
+struct Timing {
+    base: CudaEvent,
+    at: Instant,
+    copies: Vec<Timed>,
+}
+
 /// One GPU with a copy stream.
 pub struct CudaDevice {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     events: Mutex<Events>,
+    timing: Mutex<Option<Timing>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -109,12 +138,57 @@ impl CudaDevice {
             detail: format!("cannot open GPU {ordinal}: {e}"),
         })?;
         let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
-        Ok(CudaDevice { ordinal, ctx, stream, events: Mutex::new((0, VecDeque::new())) })
+        Ok(CudaDevice {
+            ordinal,
+            ctx,
+            stream,
+            events: Mutex::new((0, VecDeque::new())),
+            timing: Mutex::new(None),
+        })
     }
 
     /// The cudarc stream the copies run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The CUDA context (for callers' own streams and events).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// A timing base: an event recorded on the copy stream, waited for, and the host instant
+    /// right after (the event's device time maps to host time within the wait's latency).
+    fn base(&self) -> Result<(CudaEvent, Instant)> {
+        let ev = self
+            .stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| dev_err("time_copies", e))?;
+        ev.synchronize().map_err(|e| dev_err("time_copies", e))?;
+        Ok((ev, Instant::now()))
+    }
+
+    /// Queue `copy` on the stream, between two timing events when timing is on.
+    fn timed(
+        &self,
+        d2h: bool,
+        len: usize,
+        copy: impl FnOnce() -> std::result::Result<(), cudarc::driver::DriverError>,
+    ) -> Result<()> {
+        let mut g = self.timing.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(t) = g.as_mut() else {
+            return copy().map_err(|e| dev_err("copy", e));
+        };
+        let ev = || {
+            self.stream
+                .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| dev_err("copy", e))
+        };
+        let a = ev()?;
+        copy().map_err(|e| dev_err("copy", e))?;
+        let b = ev()?;
+        t.copies.push((d2h, len, a, b));
+        Ok(())
     }
 
     fn buf<'a>(&self, b: &'a dyn DeviceBuffer) -> Result<&'a CudaBuffer> {
@@ -183,8 +257,9 @@ impl Device for CudaDevice {
         // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.
         let host = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(dst_off), len) };
         // SAFETY: as above.
-        unsafe { result::memcpy_dtoh_async(host, p, self.stream.cu_stream()) }
-            .map_err(|e| dev_err("copy", e))
+        self.timed(true, len, || unsafe {
+            result::memcpy_dtoh_async(host, p, self.stream.cu_stream())
+        })
     }
 
     unsafe fn h2d(
@@ -201,8 +276,9 @@ impl Device for CudaDevice {
         // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.
         let host = unsafe { std::slice::from_raw_parts(src.ptr().add(src_off), len) };
         // SAFETY: as above.
-        unsafe { result::memcpy_htod_async(p, host, self.stream.cu_stream()) }
-            .map_err(|e| dev_err("copy", e))
+        self.timed(false, len, || unsafe {
+            result::memcpy_htod_async(p, host, self.stream.cu_stream())
+        })
     }
 
     fn record(&self) -> Result<Ticket> {
@@ -228,5 +304,39 @@ impl Device for CudaDevice {
             }
         };
         ev.synchronize().map_err(|e| dev_err("wait", e))
+    }
+
+    fn time_copies(&self, on: bool) -> Result<()> {
+        let next = if on {
+            let (base, at) = self.base()?;
+            Some(Timing { base, at, copies: Vec::new() })
+        } else {
+            None
+        };
+        *self.timing.lock().unwrap_or_else(|p| p.into_inner()) = next;
+        Ok(())
+    }
+
+    fn copy_spans(&self) -> Vec<CopySpan> {
+        let mut g = self.timing.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(t) = g.as_mut() else { return Vec::new() };
+        let copies = std::mem::take(&mut t.copies);
+        let at = |ev: &CudaEvent| -> Option<Instant> {
+            // Milliseconds after the base, as f32: about 8 µs of resolution 100 s after it,
+            // so the base moves forward at every read.
+            let ms = t.base.elapsed_ms(ev).ok()?;
+            Some(t.at + Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        };
+        let spans = copies
+            .iter()
+            .filter_map(|(d2h, bytes, a, b)| {
+                Some(CopySpan { d2h: *d2h, bytes: *bytes, start: at(a)?, end: at(b)? })
+            })
+            .collect();
+        if let Ok((base, at)) = self.base() {
+            t.base = base;
+            t.at = at;
+        }
+        spans
     }
 }

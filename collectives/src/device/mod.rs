@@ -134,10 +134,21 @@ pub trait Device: Send + Sync {
     /// # Errors
     /// [`Error::Device`] when a copy failed.
     fn wait(&self, t: Ticket) -> Result<()>;
-    /// Copy spans the backend measured (the simulated device records them), for overlap
-    /// reports; empty when the backend does not measure.
+    /// Copy spans the backend measured since the last call (the simulated device always
+    /// records them; CUDA after [`Device::time_copies`]), for overlap reports; empty when the
+    /// backend does not measure.
     fn copy_spans(&self) -> Vec<CopySpan> {
         Vec::new()
+    }
+    /// Start (or stop) timing every queued copy on the device itself (CUDA: an event with
+    /// timing before and after each copy), so that [`Device::copy_spans`] reports when the
+    /// copies really ran. Costs two event records per copy; off by default. A backend that
+    /// always records (the simulation) ignores it.
+    ///
+    /// # Errors
+    /// [`Error::Device`] when the timing base cannot be recorded.
+    fn time_copies(&self, _on: bool) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -164,18 +175,20 @@ pub(crate) fn bytes(parts: &[usize]) -> Option<usize> {
 /// Settings of the staging engine.
 #[derive(Clone, Copy, Debug)]
 pub struct StagingConfig {
-    /// Elements of one block per segment are `segment_bytes / size_of::<T>()`. Default 1 MiB:
-    /// large enough that the network runs at full speed per segment, small enough that the first
-    /// copy down and the last copy up (not overlapped) are short.
+    /// Elements of one block per segment are `segment_bytes / size_of::<T>()`. Default 4 MiB,
+    /// measured on an H100 over PCIe 5 (pinned copies at 55 GB/s, an order of magnitude faster
+    /// than the loopback wire): each segment is a separate host collective with its own fixed
+    /// cost, so 1 MiB segments lost up to 40 % at 16 MiB with 4 ranks, while a 4 MiB first copy
+    /// down and last copy up cost about 80 µs each (docs/gpu.md has the table).
     pub segment_bytes: usize,
     /// Host staging slots in the pool (each holds one segment in and out). Default 3: one being
-    /// copied down, one on the network, one being copied up.
+    /// copied down, one on the network, one being copied up (2 and 4 measured no better).
     pub depth: usize,
 }
 
 impl Default for StagingConfig {
     fn default() -> Self {
-        StagingConfig { segment_bytes: 1 << 20, depth: 3 }
+        StagingConfig { segment_bytes: 4 << 20, depth: 3 }
     }
 }
 
@@ -299,6 +312,17 @@ struct Shape {
     n_out: usize,
     count: usize,
     in_place: bool,
+    /// This rank copies its input down (a broadcast's non-roots do not: they only receive).
+    down: bool,
+    /// This rank copies the result up (a reduce's non-roots and a broadcast's root do not:
+    /// their device buffer keeps its contents).
+    up: bool,
+}
+
+impl Shape {
+    fn new(n_in: usize, n_out: usize, count: usize, in_place: bool) -> Shape {
+        Shape { n_in, n_out, count, in_place, down: true, up: true }
+    }
 }
 
 impl Staged {
@@ -327,6 +351,16 @@ impl Staged {
 
     fn invalid(&self, op: &'static str, detail: String) -> Error {
         Error::InvalidArgument { rank: self.comm.rank(), op, detail }
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.comm.size() {
+            return Err(self.invalid(
+                op,
+                format!("root {root} is outside the group of {} ranks", self.comm.size()),
+            ));
+        }
+        Ok(())
     }
 
     fn check_len(
@@ -364,7 +398,7 @@ impl Staged {
     ) -> Result<StagedStats> {
         self.comm.call("allreduce", || {
             self.check_len("allreduce", "buffer", buf, bytes(&[count, size_of::<T>()]))?;
-            let shape = Shape { n_in: 1, n_out: 1, count, in_place: true };
+            let shape = Shape::new(1, 1, count, true);
             self.run::<T>("allreduce", buf, buf, shape, |c, inp, _out| c.allreduce(inp, op))
         })
     }
@@ -386,7 +420,7 @@ impl Staged {
         self.comm.call("allreduce", || {
             self.check_len("allreduce", "input", input, bytes(&[count, size_of::<T>()]))?;
             self.check_len("allreduce", "output", output, bytes(&[count, size_of::<T>()]))?;
-            let shape = Shape { n_in: 1, n_out: 1, count, in_place: false };
+            let shape = Shape::new(1, 1, count, false);
             self.run::<T>("allreduce", input, output, shape, |c, inp, out| {
                 c.allreduce_from(inp, out, op)
             })
@@ -410,7 +444,7 @@ impl Staged {
             let n = self.comm.size();
             self.check_len("allgather", "input", input, bytes(&[count, size_of::<T>()]))?;
             self.check_len("allgather", "output", output, bytes(&[n, count, size_of::<T>()]))?;
-            let shape = Shape { n_in: 1, n_out: n, count, in_place: false };
+            let shape = Shape::new(1, n, count, false);
             self.run::<T>("allgather", input, output, shape, |c, inp, out| c.allgather(inp, out))
         })
     }
@@ -434,10 +468,57 @@ impl Staged {
             let n = self.comm.size();
             self.check_len("reduce_scatter", "input", input, bytes(&[n, count, size_of::<T>()]))?;
             self.check_len("reduce_scatter", "output", output, bytes(&[count, size_of::<T>()]))?;
-            let shape = Shape { n_in: n, n_out: 1, count, in_place: false };
+            let shape = Shape::new(n, 1, count, false);
             self.run::<T>("reduce_scatter", input, output, shape, |c, inp, out| {
                 c.reduce_scatter(inp, out, op)
             })
+        })
+    }
+
+    /// Broadcast `count` elements of `buf` from `root`: the root's buffer is copied down and
+    /// sent, every other rank's is overwritten (the root's is left as it is).
+    ///
+    /// # Collective contract
+    /// As [`Comm::broadcast`].
+    ///
+    /// # Errors
+    /// As [`Staged::allreduce`]; [`Error::InvalidArgument`] for a root outside the group.
+    pub fn broadcast<T: Element>(
+        &self,
+        buf: &dyn DeviceBuffer,
+        count: usize,
+        root: usize,
+    ) -> Result<StagedStats> {
+        self.comm.call("broadcast", || {
+            self.check_root("broadcast", root)?;
+            self.check_len("broadcast", "buffer", buf, bytes(&[count, size_of::<T>()]))?;
+            let me = self.comm.rank() == root;
+            let shape = Shape { down: me, up: !me, ..Shape::new(1, 1, count, true) };
+            self.run::<T>("broadcast", buf, buf, shape, |c, inp, _out| c.broadcast(inp, root))
+        })
+    }
+
+    /// Reduce `count` elements of every rank's `buf` into `root`'s `buf` (the other ranks'
+    /// buffers are left as they are).
+    ///
+    /// # Collective contract
+    /// As [`Comm::reduce`].
+    ///
+    /// # Errors
+    /// As [`Staged::broadcast`].
+    pub fn reduce<T: Element>(
+        &self,
+        buf: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<StagedStats> {
+        self.comm.call("reduce", || {
+            self.check_root("reduce", root)?;
+            self.check_len("reduce", "buffer", buf, bytes(&[count, size_of::<T>()]))?;
+            let me = self.comm.rank() == root;
+            let shape = Shape { up: me, ..Shape::new(1, 1, count, true) };
+            self.run::<T>("reduce", buf, buf, shape, |c, inp, _out| c.reduce(inp, op, root))
         })
     }
 
@@ -459,7 +540,7 @@ impl Staged {
             let n = self.comm.size();
             self.check_len("alltoall", "input", input, bytes(&[n, count, size_of::<T>()]))?;
             self.check_len("alltoall", "output", output, bytes(&[n, count, size_of::<T>()]))?;
-            let shape = Shape { n_in: n, n_out: n, count, in_place: false };
+            let shape = Shape::new(n, n, count, false);
             self.run::<T>("alltoall", input, output, shape, |c, inp, out| c.all_to_all(inp, out))
         })
     }
@@ -526,7 +607,7 @@ impl Staged {
                 let (first, len) = range(k);
                 let slot = &slots[k % depth];
                 act(Action::QueueDown(k));
-                for b in 0..shape.n_in {
+                for b in (0..shape.n_in).filter(|_| shape.down) {
                     // SAFETY: in bounds (lengths checked by the callers, slots sized for a full
                     // segment of every block); the slot is free (its previous copy up was waited
                     // for above) and nothing touches the range until this segment's ticket is
@@ -583,7 +664,7 @@ impl Staged {
                 algo = Some(st.algo);
                 let src: &dyn HostStage = out_stage.unwrap_or(&*slot.input);
                 act(Action::QueueUp(k));
-                for b in 0..shape.n_out {
+                for b in (0..shape.n_out).filter(|_| shape.up) {
                     // SAFETY: as for the copy down; the destination range is this segment's
                     // part of block b, written by no one else.
                     unsafe {

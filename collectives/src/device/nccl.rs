@@ -14,10 +14,52 @@ use crate::comm::Comm;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 
+/// NCCL's own words for a failed call: the result code, its description and, when NCCL kept
+/// one, the last error message (which says why, e.g. two ranks on one GPU).
+fn describe(e: &result::NcclError, comm: sys::ncclComm_t) -> String {
+    let text = |p: *const std::ffi::c_char| -> String {
+        if p.is_null() {
+            return String::new();
+        }
+        // SAFETY: NCCL returns a NUL-terminated string that stays valid until its next call
+        // on this thread; it is copied at once.
+        unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().trim().to_string()
+    };
+    // SAFETY: both only read NCCL's error state; a null communicator asks for the last
+    // error of this thread.
+    let (what, last) =
+        unsafe { (text(sys::ncclGetErrorString(e.0)), text(sys::ncclGetLastError(comm))) };
+    let mut s = format!("{:?}: {what}", e.0);
+    if !last.is_empty() {
+        s.push_str(&format!(" ({last})"));
+    }
+    s
+}
+
 /// True when the NCCL library can be loaded.
 pub fn library_present() -> bool {
     // SAFETY: only tries to open the library.
     unsafe { sys::is_culib_present() }
+}
+
+/// `Ok` when the NCCL library can be loaded; otherwise [`Error::CudaUnavailable`] for `rank`,
+/// saying which file names the loader tries and how to make a wheel's copy visible. Callers that
+/// open a GPU before building an [`NcclComm`] check this first, so a missing NCCL is reported as
+/// such rather than as a later failure.
+///
+/// # Errors
+/// As above.
+pub fn require_library(rank: usize) -> Result<()> {
+    if library_present() {
+        return Ok(());
+    }
+    Err(Error::CudaUnavailable {
+        rank,
+        detail: "the NCCL library is not installed here, or not under a name the loader tries \
+                 (libnccl.so or libnccl.so.1; a wheel's lib folder has only libnccl.so.2: put a \
+                 libnccl.so link to it on LD_LIBRARY_PATH)"
+            .into(),
+    })
 }
 
 /// An NCCL communicator bound to one GPU's copy stream.
@@ -80,16 +122,11 @@ impl NcclComm {
     /// exchange; [`Error::Device`] when NCCL cannot initialise.
     pub fn new(comm: &Comm, device: std::sync::Arc<CudaDevice>) -> Result<NcclComm> {
         let rank = comm.rank();
-        if !library_present() {
-            return Err(Error::CudaUnavailable {
-                rank,
-                detail: "the NCCL library (libnccl.so.2) is not installed on this machine".into(),
-            });
-        }
+        require_library(rank)?;
         let err = |op: &'static str, e: result::NcclError| Error::Device {
             rank,
             op,
-            detail: format!("{e:?}"),
+            detail: describe(&e, std::ptr::null_mut()),
         };
         let mut id = [0u8; 128];
         if rank == 0 {
@@ -162,7 +199,7 @@ impl NcclComm {
         op: &'static str,
         r: std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
-        r.map_err(|e| Error::Device { rank: self.rank, op, detail: format!("{e:?}") })?;
+        r.map_err(|e| Error::Device { rank: self.rank, op, detail: describe(&e, self.comm) })?;
         self.device.stream().synchronize().map_err(|e| Error::Device {
             rank: self.rank,
             op,
@@ -278,11 +315,105 @@ impl NcclComm {
         count: usize,
         root: usize,
     ) -> Result<()> {
+        self.check_root("broadcast", root)?;
         let p = self.ptr("broadcast", buf, bytes(&[count, size_of::<T>()]))?;
         let dt = self.dtype::<T>("broadcast")?;
         // SAFETY: size checked; synchronised before return.
         let r = unsafe { result::broadcast(p, p, count, dt, root as i32, self.comm, self.stream) };
         self.finish("broadcast", r)
+    }
+
+    /// Reduce `count` elements of every rank's `buf` into `root`'s `buf`, in place.
+    ///
+    /// # Collective contract
+    /// As [`Comm::reduce`].
+    ///
+    /// # Errors
+    /// As [`NcclComm::allreduce`]; [`Error::InvalidArgument`] for a root outside the group.
+    pub fn reduce<T: Element>(
+        &self,
+        buf: &dyn DeviceBuffer,
+        count: usize,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root("reduce", root)?;
+        let p = self.ptr("reduce", buf, bytes(&[count, size_of::<T>()]))?;
+        let dt = self.dtype::<T>("reduce")?;
+        // SAFETY: size checked; synchronised before return.
+        let r = unsafe {
+            result::reduce(p, p, count, dt, nccl_op(op), root as i32, self.comm, self.stream)
+        };
+        self.finish("reduce", r)
+    }
+
+    /// All-to-all: block `j` (`count` elements) of `input` goes to rank `j`, block `i` of
+    /// `output` comes from rank `i` (NCCL has no all-to-all call: one group of sends and
+    /// receives, one pair per peer, as NCCL's documentation describes).
+    ///
+    /// # Collective contract
+    /// As [`Comm::all_to_all`].
+    ///
+    /// # Errors
+    /// As [`NcclComm::allreduce`].
+    pub fn all_to_all<T: Element>(
+        &self,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        count: usize,
+    ) -> Result<()> {
+        let block = bytes(&[count, size_of::<T>()]);
+        let total = bytes(&[self.size, count, size_of::<T>()]);
+        let i = self.ptr("alltoall", input, total)?.cast::<u8>();
+        let o = self.ptr("alltoall", output, total)?.cast::<u8>();
+        let (dt, block) = (self.dtype::<T>("alltoall")?, block.unwrap_or(0));
+        let err = |e: result::NcclError| Error::Device {
+            rank: self.rank,
+            op: "alltoall",
+            detail: describe(&e, self.comm),
+        };
+        result::group_start().map_err(err)?;
+        let mut first = Ok(result::NcclStatus::Success);
+        for peer in 0..self.size {
+            // SAFETY: block `peer` of both buffers lies within the checked totals; the group
+            // is ended below whatever happened, and the stream synchronised before return.
+            let r = unsafe {
+                result::send(
+                    i.add(peer * block).cast(),
+                    count,
+                    dt,
+                    peer as i32,
+                    self.comm,
+                    self.stream,
+                )
+                .and_then(|_| {
+                    result::recv(
+                        o.add(peer * block).cast(),
+                        count,
+                        dt,
+                        peer as i32,
+                        self.comm,
+                        self.stream,
+                    )
+                })
+            };
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        let end = result::group_end();
+        self.finish("alltoall", first.and(end))
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op,
+                detail: format!("root {root} is outside the group of {} ranks", self.size),
+            });
+        }
+        Ok(())
     }
 }
 

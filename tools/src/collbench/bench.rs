@@ -32,7 +32,8 @@ struct DevCtx {
 }
 
 /// Collectives a device run covers.
-const DEVICE_COLLS: [&str; 4] = ["allreduce", "allgather", "reduce_scatter", "alltoall"];
+const DEVICE_COLLS: [&str; 6] =
+    ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "reduce"];
 
 /// The shape of one size of one collective.
 #[derive(Debug, Clone, Copy)]
@@ -110,7 +111,8 @@ impl Bench {
         Bench { comm, s, transport: transport.to_string(), progress, dev: None }
     }
 
-    /// Open the device of `--device` (GPU `LOCAL_RANK` for cuda/nccl).
+    /// Open the device of `--device` (for cuda/nccl GPU `LOCAL_RANK` modulo the GPUs present,
+    /// so more local ranks than GPUs share them round-robin).
     ///
     /// # Errors
     /// [`Error::CudaUnavailable`] when the GPU path is not compiled in or not present.
@@ -119,14 +121,27 @@ impl Bench {
         if name == "host" {
             return Ok(());
         }
-        let local: usize =
+        #[cfg(feature = "nccl")]
+        if name == "nccl" {
+            tutti_collectives::device::nccl::require_library(self.comm.rank())?;
+        }
+        let mut local: usize =
             std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        #[cfg(feature = "cuda")]
+        if name != "sim" {
+            if let Ok(gpus) = tutti_collectives::device::cuda::device_count() {
+                local %= gpus.max(1);
+            }
+        }
         let device = tutti_collectives::device::open(&name, local).map_err(|e| match e {
             Error::CudaUnavailable { detail, .. } => {
                 Error::CudaUnavailable { rank: self.comm.rank(), detail }
             }
             e => e,
         })?;
+        if self.s.args.copy_timing {
+            device.time_copies(true)?;
+        }
         let staged = self.comm.staged(device.clone(), StagingConfig::from_env()?);
         #[cfg(feature = "nccl")]
         let nccl = if name == "nccl" {
@@ -479,7 +494,9 @@ impl Bench {
         let din = device.alloc(d.in_len.max(1) * esz)?;
         let dout = device.alloc(d.out_len.max(1) * esz)?;
         let in_place = ip && coll == "allreduce";
-        device.upload(as_bytes(&inp), if in_place { &*dout } else { &*din })?;
+        // Broadcast and reduce work in place on the output buffer.
+        let into_out = in_place || matches!(coll, "broadcast" | "reduce");
+        device.upload(as_bytes(&inp), if into_out { &*dout } else { &*din })?;
         let mut call = |b: &Bench| -> Result<Option<String>> {
             b.call_dev::<T>(coll, d, in_place, &*din, &*dout).map(Some)
         };
@@ -512,6 +529,9 @@ impl Bench {
                 "allreduce" => nc.allreduce_from::<T>(din, dout, d.count, op)?,
                 "allgather" => nc.allgather::<T>(din, dout, d.count)?,
                 "reduce_scatter" => nc.reduce_scatter::<T>(din, dout, d.count, op)?,
+                "broadcast" => nc.broadcast::<T>(dout, d.count, self.s.args.root)?,
+                "reduce" => nc.reduce::<T>(dout, d.count, op, self.s.args.root)?,
+                "alltoall" => nc.all_to_all::<T>(din, dout, d.count / self.comm.size().max(1))?,
                 _ => {
                     return Err(Error::InvalidArgument {
                         rank: self.rank(),
@@ -527,6 +547,8 @@ impl Bench {
             "allreduce" => dev.staged.allreduce_from::<T>(din, dout, d.count, op)?,
             "allgather" => dev.staged.allgather::<T>(din, dout, d.count)?,
             "reduce_scatter" => dev.staged.reduce_scatter::<T>(din, dout, d.count, op)?,
+            "broadcast" => dev.staged.broadcast::<T>(dout, d.count, self.s.args.root)?,
+            "reduce" => dev.staged.reduce::<T>(dout, d.count, op, self.s.args.root)?,
             _ => dev.staged.all_to_all::<T>(din, dout, d.count / self.comm.size().max(1))?,
         };
         Ok(format!("staged:{}", st.algo.map_or("-", |a| a.name())))

@@ -108,9 +108,14 @@ pub struct Args {
     /// Where the buffers live: host, sim (simulated device: staged through host buffers with
     /// modelled copy latency and bandwidth), cuda (GPU buffers staged through pinned memory;
     /// feature `cuda`) or nccl (GPU buffers, NCCL; feature `nccl`). Device runs cover
-    /// allreduce, allgather, reduce_scatter and alltoall.
+    /// allreduce, allgather, reduce_scatter, alltoall, broadcast and reduce; cuda/nccl ranks use
+    /// GPU LOCAL_RANK modulo the GPUs present.
     #[arg(long, default_value = "host")]
     pub device: String,
+    /// With --device cuda: time every staging copy with CUDA events and report the share of
+    /// copy time that ran while a segment was on the network (two event records per copy).
+    #[arg(long)]
+    pub copy_timing: bool,
     /// Force an algorithm (ring, rd, rabenseifner, halving, tree, chain, bruck, pairwise,
     /// postall, linear, dissemination).
     #[arg(long)]
