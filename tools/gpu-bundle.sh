@@ -16,4 +16,9 @@ for b in collbench tutti-run gpucheck; do
     strip -o "$DIR/$b" "target/release/$b"
 done
 strip -o "$DIR/staging-tests" "$test_bin"
+# tutti-golden with CUDA tensors needs candle's CUDA build (nvcc, docs/gpu.md); bundled when built.
+if [ -n "${WITH_GOLDEN:-}" ]; then
+    cargo build --release -p tutti-parallel --features cuda --bin tutti-golden
+    strip -o "$DIR/tutti-golden" target/release/tutti-golden
+fi
 du -sh "$DIR"

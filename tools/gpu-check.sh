@@ -10,14 +10,14 @@
 # that, stripped). Default DIR: target/release.
 #
 # Phases (default all, in this order): info suite copy correct fault nccl sanitizer perf tune
-# overlap. Each writes OUT/<phase>.log; the summary table at the end is read from those logs.
+# overlap golden. Each writes OUT/<phase>.log; the summary table at the end is read from those logs.
 # torch (for the gloo-CUDA comparison), compute-sanitizer and NCCL (a wheel's libnccl.so.2) are
 # used when present and reported missing otherwise.
 set -u
 BIN=target/release
 OUT=gpu-check-out
 ROUNDS=3
-PHASES="info suite copy correct fault nccl sanitizer perf tune overlap"
+PHASES="info suite copy correct fault nccl sanitizer perf tune overlap golden"
 while [ $# -gt 0 ]; do
     case "$1" in
         --bin) BIN=$2; shift 2 ;;
@@ -119,20 +119,24 @@ phase_nccl() {
 
 phase_sanitizer() {
     if ! command -v compute-sanitizer >/dev/null; then log "sanitizer: compute-sanitizer not found"; return; fi
-    run 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    run 60 compute-sanitizer --tool memcheck --error-exitcode 9 \
         "$BIN/gpucheck" copy --sizes 1048576 --reps 1
-    run 240 compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
+    run 150 compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
         "$BIN/tutti-run" --nproc 2 --no-prefix "$BIN/gpucheck" correct --counts 1,1000,65537 --dtypes f32 --big 0
     log "sanitizer-staged rc=$?"
     if [ -n "$NCCL_DIR" ]; then
-        with_nccl run 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
-            "$BIN/gpucheck" nccl --counts 1,1000
+        with_nccl run 100 compute-sanitizer --tool memcheck --error-exitcode 9 \
+            --target-processes all "$BIN/tutti-run" --nproc 1 --no-prefix "$BIN/gpucheck" nccl \
+            --counts 1,1000
         log "sanitizer-nccl rc=$?"
     fi
 }
 
 SIZES=1M,4M,16M,64M,256M,1G
 gloo_sizes=1048576,4194304,16777216,67108864,268435456,1073741824
+PERF_MAX=1G
+# PERF_MAX_256M=1: stop the timing sweep at 256 MiB (a shorter run).
+if [ -n "${PERF_MAX_256M:-}" ]; then gloo_sizes=${gloo_sizes%,*}; PERF_MAX=256M; fi
 phase_perf() {
     local have_torch=1
     "$PY" -c 'import torch, torch.distributed' 2>/dev/null || have_torch=0
@@ -144,10 +148,10 @@ phase_perf() {
                     gloo)
                         [ $have_torch = 1 ] || continue
                         run 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" \
-                            "$HERE/bench/gloo_cuda.py" --sizes $gloo_sizes --iters 5 \
+                            "$HERE/bench/gloo_cuda.py" --sizes "$gloo_sizes" --iters 5 \
                             --json "$OUT/perf-r$r-n$n-gloo.json" ;;
                     *)
-                        run 240 "$BIN/collbench" allreduce -b 1M -e 1G -f 4 -n 5 -w 1 --np "$n" \
+                        run 240 "$BIN/collbench" allreduce -b 1M -e "$PERF_MAX" -f 4 -n 5 -w 1 --np "$n" \
                             --device "$dev" -J "$OUT/perf-r$r-n$n-$dev.json" ;;
                 esac
             done
@@ -186,6 +190,30 @@ phase_overlap() {
     for n in 2 4; do
         log "overlap n=$n"
         run 120 "$BIN/collbench" allreduce -b 256M -e 256M -n 5 -w 1 --np "$n" --device cuda --copy-timing
+    done
+}
+
+# The parallel layers with CUDA tensors: the golden cases G1-G3 under each strategy at worlds 1,
+# 2 and 4 (processes over TCP, one GPU shared), against PyTorch's reference within each case's
+# tolerance. Needs tutti-golden built with tutti-parallel's `cuda` feature (docs/gpu.md).
+phase_golden() {
+    if [ ! -x "$BIN/tutti-golden" ]; then log "golden: $BIN/tutti-golden missing"; return; fi
+    local libdirs
+    libdirs=$(find / \( -path /proc -o -path /sys -o -path /dev \) -prune -o \( \
+        -name 'libcublas.so.13' -o -name 'libcurand.so.10' -o -name 'libcudart.so.13' \) \
+        -print 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+    log "golden: CUDA libraries from ${libdirs:-nowhere}"
+    local g=${GOLDEN_DIR:-$HERE/../parallel/golden}
+    for spec in g1_linear_step:dp g1_linear_step:accum g1_linear_step:tp g2_mlp_train:dp \
+        g2_mlp_train:tp g3_transformer_block:tp g3_transformer_block:tp-sp \
+        g3_transformer_block:ulysses; do
+        for n in 1 2 4; do
+            log "golden case=${spec%:*} strategy=${spec#*:} n=$n"
+            run 120 env LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}" "$BIN/tutti-run" \
+                --nproc "$n" --no-prefix "$BIN/tutti-golden" --case "$g/${spec%:*}.json" \
+                --strategy "${spec#*:}" --device cuda
+            log "golden-rc case=${spec%:*} strategy=${spec#*:} n=$n rc=$?"
+        done
     done
 }
 

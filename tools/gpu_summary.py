@@ -129,10 +129,25 @@ def main():
 
     san = read(out, "sanitizer.log")
     if san:
+        # One block per sanitized command; memcheck also reports CUDA API calls that returned an
+        # error ("Program hit ..."), which are not memory errors: count them apart, with the
+        # function that made them.
         print("\ncompute-sanitizer memcheck:")
-        for l in san.splitlines():
-            if "ERROR SUMMARY" in l or "rc=" in l:
-                print("  ", l.strip())
+        for block in re.split(r"^\$ ", san, flags=re.M)[1:]:
+            cmd = block.splitlines()[0]
+            what = "NCCL" if " nccl" in cmd else ("staged, 2 ranks" if "correct" in cmd else "copies")
+            summary = re.findall(r"ERROR SUMMARY: (\d+) error", block)
+            if not summary:
+                print(f"  {what}: no summary (see sanitizer.log)")
+                ok = False
+                continue
+            api = re.findall(r"Program hit (\w+).*?Host Frame: ([A-Za-z_]\w*)", block, re.S)
+            total = sum(int(x) for x in summary)
+            memory = total - len(api)
+            where = sorted({f"{e} in {f}" for e, f in api})
+            note = f"; {len(api)} CUDA API errors returned to {', '.join(where)}" if api else ""
+            print(f"  {what}: {memory} memory errors{note}")
+            ok &= memory == 0
 
     # Performance: medians over rounds and per-round ratios.
     perf = {}
@@ -191,6 +206,15 @@ def main():
         print("\ncopy/network overlap, measured with CUDA events:")
         for l in lines:
             print("  ", l.lstrip("# "))
+    gold = read(out, "golden.log")
+    if gold:
+        rcs = re.findall(r"^golden-rc case=(\S+) strategy=(\S+) n=(\d+) rc=(\d+)", gold, re.M)
+        good = [r for r in rcs if r[3] == "0"]
+        print(f"\nparallel layers with CUDA tensors (golden cases vs PyTorch): {len(good)}/{len(rcs)} runs PASS")
+        for r in rcs:
+            if r[3] != "0":
+                print(f"  FAIL {r[0]} {r[1]} n={r[2]} rc={r[3]}")
+        ok &= bool(rcs) and len(good) == len(rcs)
     print(f"\ngpu-check: {'all checks passed' if ok else 'SOME CHECKS FAILED'}")
     return 0 if ok else 1
 

@@ -43,6 +43,15 @@ impl Case {
     /// # Errors
     /// [`Error::Golden`] for unreadable or malformed files.
     pub fn load(json: &Path) -> Result<Case> {
+        Case::load_on(json, &Device::Cpu)
+    }
+
+    /// [`Case::load`], with the tensors on `device` (a CUDA device runs the case's parameters,
+    /// inputs and communication on the GPU).
+    ///
+    /// # Errors
+    /// As [`Case::load`]; candle errors moving the tensors.
+    pub fn load_on(json: &Path, device: &Device) -> Result<Case> {
         let bad = |detail: String| Error::Golden { case: json.display().to_string(), detail };
         let text = std::fs::read_to_string(json).map_err(|e| bad(format!("cannot read: {e}")))?;
         let meta: serde_json::Value =
@@ -54,6 +63,10 @@ impl Case {
         let st = json.parent().unwrap_or(Path::new(".")).join(file);
         let tensors = candle_core::safetensors::load(&st, &Device::Cpu)
             .map_err(|e| bad(format!("cannot load {}: {e}", st.display())))?;
+        let tensors = tensors
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_device(device)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
         Ok(Case { path: json.to_path_buf(), meta, tensors })
     }
 
@@ -660,6 +673,26 @@ pub fn run_threads(
     Ok(reports.swap_remove(0))
 }
 
+/// The candle device `--device` names.
+fn golden_device(name: &str) -> std::result::Result<Device, String> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            let local: usize =
+                std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+            let gpus =
+                tutti_collectives::device::cuda::device_count().map_err(|e| e.to_string())?;
+            Device::new_cuda(local % gpus.max(1)).map_err(|e| format!("cannot open GPU: {e}"))
+        }
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err("tutti-golden was built without the `cuda` feature \
+                       (cargo build -p tutti-parallel --features cuda, with nvcc: docs/gpu.md)"
+            .into()),
+        other => Err(format!("unknown device {other:?} (cpu, cuda)")),
+    }
+}
+
 /// `tutti-golden`'s main: `--case FILE --strategy S [--micro-batches M] [--threads N]`. Under
 /// a launcher (tutti-run, torchrun, srun) the group comes from the environment; with
 /// `--threads N`, N ranks run as threads over the in-memory transport; with neither, one rank.
@@ -691,6 +724,10 @@ pub fn main() -> std::process::ExitCode {
         /// Run N ranks as threads in this process (in-memory transport).
         #[arg(long)]
         threads: Option<usize>,
+        /// Where the tensors live: cpu, or cuda (GPU LOCAL_RANK modulo the GPUs present;
+        /// needs the `cuda` feature).
+        #[arg(long, default_value = "cpu")]
+        device: String,
     }
     let a = Args::parse();
     let fail = |msg: String| {
@@ -703,7 +740,11 @@ pub fn main() -> std::process::ExitCode {
             a.strategy
         ));
     };
-    let case = match Case::load(&a.case) {
+    let device = match golden_device(&a.device) {
+        Ok(d) => d,
+        Err(e) => return fail(e),
+    };
+    let case = match Case::load_on(&a.case, &device) {
         Ok(c) => c,
         Err(e) => return fail(e.to_string()),
     };
@@ -727,6 +768,7 @@ pub fn main() -> std::process::ExitCode {
     match report {
         Ok(r) => {
             if rank == 0 {
+                println!("tensors on {:?}", device.location());
                 println!("{r}");
             }
             if r.ok() {

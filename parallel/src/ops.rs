@@ -223,6 +223,23 @@ impl CustomOp1 for CommOp {
         )
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::RequiresContiguous { op: self.name });
+        };
+        let shape = layout.dims().to_vec();
+        with_dtype!(
+            storage.dtype(),
+            T => cuda::fwd::<T>(&self.comm, self.name, self.fwd, storage, a..b, &shape),
+            |d| Err(unsupported(&self.comm, self.name, d).into())
+        )
+    }
+
     fn bwd(
         &self,
         _arg: &Tensor,
@@ -230,6 +247,87 @@ impl CustomOp1 for CommOp {
         grad_res: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(move_tensor(&self.comm, self.name, self.bwd, grad_res)?))
+    }
+}
+
+/// CUDA tensors: an allreduce goes through tutti's staging engine (pinned host buffers,
+/// copies overlapped with the wire) straight from and to the tensors' device memory; the other
+/// moves copy the tensor to the host, run the same code as the CPU path and copy the result back
+/// (their reshuffles around the collective are host code).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::borrow::Cow;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    use candle_core::backend::BackendDevice;
+    use candle_core::cuda::cudarc::driver::{DevicePtr, DeviceRepr};
+    use candle_core::cuda::CudaDType;
+    use candle_core::{CudaStorage, DeviceLocation, Shape};
+    use tutti_collectives::device::cuda::{CudaDevice, CudaView};
+    use tutti_collectives::device::StagingConfig;
+    use tutti_collectives::{Comm, Element};
+
+    use super::{run_move, Move};
+    use crate::error::Error;
+
+    /// The tutti devices opened so far, by GPU ordinal.
+    type Devices = Mutex<Vec<(usize, Arc<CudaDevice>)>>;
+
+    /// One tutti device (copy stream, events) per GPU, shared by every op on it.
+    fn device(ordinal: usize) -> crate::error::Result<Arc<CudaDevice>> {
+        static DEVICES: OnceLock<Devices> = OnceLock::new();
+        let mut g = DEVICES
+            .get_or_init(|| Mutex::new(Vec::new()))
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some((_, d)) = g.iter().find(|(o, _)| *o == ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(CudaDevice::new(ordinal)?);
+        g.push((ordinal, d.clone()));
+        Ok(d)
+    }
+
+    pub(super) fn fwd<T: Element + CudaDType + DeviceRepr + candle_core::WithDType>(
+        comm: &Comm,
+        name: &'static str,
+        mv: Move,
+        st: &CudaStorage,
+        range: std::ops::Range<usize>,
+        shape: &[usize],
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let dev = st.device.clone();
+        let n = range.len();
+        let view = st.as_cuda_slice::<T>()?.slice(range);
+        if let (Move::AllReduce(op), true) = (mv, n > 0) {
+            let DeviceLocation::Cuda { gpu_id } = dev.location() else {
+                return Err(candle_core::Error::Msg(format!("{name}: not a CUDA device")));
+            };
+            let stream = dev.cuda_stream();
+            // The kernels that produced the input ran on candle's stream: done before the
+            // staging engine's copy stream reads it.
+            stream.synchronize().map_err(candle_core::Error::wrap)?;
+            // SAFETY: every element is written by the allreduce below before anyone reads it.
+            let out = unsafe { dev.alloc::<T>(n)? };
+            let bytes = n * size_of::<T>();
+            let staged =
+                comm.staged(device(gpu_id)?, StagingConfig::from_env().map_err(Error::from)?);
+            {
+                let (pi, _ri) = view.device_ptr(&stream);
+                let (po, _ro) = out.device_ptr(&stream);
+                // SAFETY: both are allocations of candle's context on this GPU (the primary
+                // context, which tutti's device uses too), alive for this block; the input is
+                // complete (synchronised above), and nothing else touches either until the
+                // staged call returns (it waits for its own copies).
+                let (vi, vo) = unsafe { (CudaView::new(pi, bytes), CudaView::new(po, bytes)) };
+                staged.allreduce_from::<T>(&vi, &vo, n, op).map_err(Error::from)?;
+            }
+            return Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(shape.to_vec())));
+        }
+        let host: Vec<T> = dev.clone_dtoh(&view)?;
+        let (out, out_shape) = run_move(comm, name, mv, Cow::Owned(host), shape)?;
+        let s = dev.clone_htod(&out)?;
+        Ok((CudaStorage::wrap_cuda_slice(s, dev), Shape::from(out_shape)))
     }
 }
 

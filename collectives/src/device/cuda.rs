@@ -18,9 +18,16 @@ use crate::error::{Error, Result};
 
 /// True when the CUDA driver library can be loaded (checked before any cudarc call, which
 /// would panic without it).
+#[cfg(feature = "cuda")]
 pub fn driver_present() -> bool {
     // SAFETY: only tries to open the library.
     unsafe { sys::is_culib_present() }
+}
+
+/// True: a build that links the driver (feature `cuda-linked` alone) does not start without it.
+#[cfg(not(feature = "cuda"))]
+pub fn driver_present() -> bool {
+    true
 }
 
 /// GPUs the driver sees.
@@ -56,6 +63,37 @@ impl CudaBuffer {
 impl DeviceBuffer for CudaBuffer {
     fn len_bytes(&self) -> usize {
         self.0.len()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// GPU memory someone else owns (a framework tensor's storage), lent for the staged calls made
+/// while the view lives. Made by [`CudaView::new`].
+#[derive(Debug)]
+pub struct CudaView {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl CudaView {
+    /// A view of `len` bytes of device memory at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is device memory of the context the [`CudaDevice`] it is used with
+    /// belongs to (the device's primary context: frameworks built on cudarc, candle among
+    /// them, use it too); it stays allocated while the view lives, and nothing else writes it
+    /// (nor, when the view is a call's output, reads it) during a call that uses the view.
+    /// Work queued on other streams that produces it must be complete before the call.
+    pub unsafe fn new(ptr: sys::CUdeviceptr, len: usize) -> CudaView {
+        CudaView { ptr, len }
+    }
+}
+
+impl DeviceBuffer for CudaView {
+    fn len_bytes(&self) -> usize {
+        self.len
     }
     fn as_any(&self) -> &dyn Any {
         self
@@ -191,15 +229,21 @@ impl CudaDevice {
         Ok(())
     }
 
-    fn buf<'a>(&self, b: &'a dyn DeviceBuffer) -> Result<&'a CudaBuffer> {
-        b.as_any()
-            .downcast_ref::<CudaBuffer>()
-            .ok_or_else(|| dev_err("copy", "the buffer was not allocated by a CUDA device"))
+    /// Start and length of a buffer this device can copy to and from.
+    fn raw(&self, b: &dyn DeviceBuffer) -> Result<(sys::CUdeviceptr, usize)> {
+        if let Some(c) = b.as_any().downcast_ref::<CudaBuffer>() {
+            let (p, _sync) = c.0.device_ptr(&self.stream);
+            return Ok((p, c.0.len()));
+        }
+        if let Some(v) = b.as_any().downcast_ref::<CudaView>() {
+            return Ok((v.ptr, v.len));
+        }
+        Err(dev_err("copy", "the buffer is neither a CUDA allocation nor a CudaView"))
     }
 
-    fn ptr(&self, b: &CudaBuffer, off: usize, len: usize) -> Result<sys::CUdeviceptr> {
-        super::check_range("device", off, len, b.0.len())?;
-        let (p, _sync) = b.0.device_ptr(&self.stream);
+    fn ptr(&self, b: &dyn DeviceBuffer, off: usize, len: usize) -> Result<sys::CUdeviceptr> {
+        let (p, cap) = self.raw(b)?;
+        super::check_range("device", off, len, cap)?;
         Ok(p + off as u64)
     }
 }
@@ -224,8 +268,7 @@ impl Device for CudaDevice {
     }
 
     fn upload(&self, src: &[u8], dst: &dyn DeviceBuffer) -> Result<()> {
-        let d = self.buf(dst)?;
-        let p = self.ptr(d, 0, src.len())?;
+        let p = self.ptr(dst, 0, src.len())?;
         self.ctx.bind_to_thread().map_err(|e| dev_err("upload", e))?;
         // SAFETY: in bounds; synchronised before `src` can go away.
         unsafe { result::memcpy_htod_async(p, src, self.stream.cu_stream()) }
@@ -234,8 +277,7 @@ impl Device for CudaDevice {
     }
 
     fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> Result<()> {
-        let s = self.buf(src)?;
-        let p = self.ptr(s, 0, dst.len())?;
+        let p = self.ptr(src, 0, dst.len())?;
         self.ctx.bind_to_thread().map_err(|e| dev_err("download", e))?;
         // SAFETY: in bounds; synchronised before `dst` can go away.
         unsafe { result::memcpy_dtoh_async(dst, p, self.stream.cu_stream()) }
@@ -251,7 +293,7 @@ impl Device for CudaDevice {
         dst_off: usize,
         len: usize,
     ) -> Result<()> {
-        let p = self.ptr(self.buf(src)?, src_off, len)?;
+        let p = self.ptr(src, src_off, len)?;
         super::check_range("host destination", dst_off, len, dst.len_bytes())?;
         self.ctx.bind_to_thread().map_err(|e| dev_err("copy", e))?;
         // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.
@@ -270,7 +312,7 @@ impl Device for CudaDevice {
         dst_off: usize,
         len: usize,
     ) -> Result<()> {
-        let p = self.ptr(self.buf(dst)?, dst_off, len)?;
+        let p = self.ptr(dst, dst_off, len)?;
         super::check_range("host source", src_off, len, src.len_bytes())?;
         self.ctx.bind_to_thread().map_err(|e| dev_err("copy", e))?;
         // SAFETY: in bounds (checked); the caller keeps both alive and untouched until waited.

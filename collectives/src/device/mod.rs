@@ -30,7 +30,7 @@
 
 pub mod sim;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-linked")]
 pub mod cuda;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -178,8 +178,9 @@ pub struct StagingConfig {
     /// Elements of one block per segment are `segment_bytes / size_of::<T>()`. Default 4 MiB,
     /// measured on an H100 over PCIe 5 (pinned copies at 55 GB/s, an order of magnitude faster
     /// than the loopback wire): each segment is a separate host collective with its own fixed
-    /// cost, so 1 MiB segments lost up to 40 % at 16 MiB with 4 ranks, while a 4 MiB first copy
-    /// down and last copy up cost about 80 µs each (docs/gpu.md has the table).
+    /// cost. In one sweep a 16 MiB allreduce with 4 ranks took 1.06× the host allreduce with
+    /// 1 MiB segments and 0.93× with 4 MiB, while a 4 MiB first copy down and last copy up cost
+    /// about 80 µs each (docs/gpu.md has the table).
     pub segment_bytes: usize,
     /// Host staging slots in the pool (each holds one segment in and out). Default 3: one being
     /// copied down, one on the network, one being copied up (2 and 4 measured no better).
@@ -577,7 +578,8 @@ impl Staged {
     ) -> Result<StagedStats> {
         let start = Instant::now();
         let esz = size_of::<T>();
-        let seg = (self.cfg.segment_bytes / esz).max(1);
+        // A call smaller than a segment gets slots of its own size, not a whole segment's.
+        let seg = (self.cfg.segment_bytes / esz).max(1).min(shape.count.max(1));
         let nseg = shape.count.div_ceil(seg);
         let depth = self.cfg.depth;
         let mut slots = Vec::with_capacity(depth.min(nseg));
@@ -686,7 +688,18 @@ impl Staged {
         let drained = self.device.record().and_then(|t| self.device.wait(t));
         copy_wait += w.elapsed();
         let res = res.and(drained);
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).extend(slots);
+        {
+            // Keep the largest slots, at most two calls' worth: a call smaller than a segment
+            // has slots of its own size, and sizes that keep growing must not pile up.
+            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+            pool.extend(slots);
+            if pool.len() > 2 * depth {
+                let size =
+                    |s: &Slot| s.input.len_bytes() + s.output.as_ref().map_or(0, |o| o.len_bytes());
+                pool.sort_by_key(|s| std::cmp::Reverse(size(s)));
+                pool.truncate(2 * depth);
+            }
+        }
         self.trace.lock().unwrap_or_else(|p| p.into_inner()).extend(spans);
         self.actions
             .lock()
@@ -741,12 +754,12 @@ pub(crate) fn check_range(what: &str, off: usize, len: usize, cap: usize) -> Res
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-linked")]
 fn open_cuda(ordinal: usize) -> Result<Arc<dyn Device>> {
     Ok(Arc::new(cuda::CudaDevice::new(ordinal)?))
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-linked"))]
 fn open_cuda(_ordinal: usize) -> Result<Arc<dyn Device>> {
     Err(Error::CudaUnavailable {
         rank: 0,

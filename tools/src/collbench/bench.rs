@@ -26,6 +26,8 @@ pub struct Bench {
 /// Device buffers: the device, its staging engine, and (feature `nccl`) the NCCL communicator.
 struct DevCtx {
     device: std::sync::Arc<dyn Device>,
+    /// The GPU (or simulated device) index this rank uses.
+    ordinal: usize,
     staged: Staged,
     #[cfg(feature = "nccl")]
     nccl: Option<tutti_collectives::device::nccl::NcclComm>,
@@ -125,14 +127,15 @@ impl Bench {
         if name == "nccl" {
             tutti_collectives::device::nccl::require_library(self.comm.rank())?;
         }
-        let mut local: usize =
+        let local: usize =
             std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         #[cfg(feature = "cuda")]
-        if name != "sim" {
-            if let Ok(gpus) = tutti_collectives::device::cuda::device_count() {
-                local %= gpus.max(1);
+        let local = match name.as_str() {
+            "sim" => local,
+            _ => {
+                tutti_collectives::device::cuda::device_count().map_or(local, |g| local % g.max(1))
             }
-        }
+        };
         let device = tutti_collectives::device::open(&name, local).map_err(|e| match e {
             Error::CudaUnavailable { detail, .. } => {
                 Error::CudaUnavailable { rank: self.comm.rank(), detail }
@@ -161,6 +164,7 @@ impl Bench {
         }
         self.dev = Some(DevCtx {
             device,
+            ordinal: local,
             staged,
             #[cfg(feature = "nccl")]
             nccl,
@@ -205,12 +209,19 @@ impl Bench {
                 a.agg,
                 a.check
             );
+        }
+        // Every rank's device index, for the header (ranks may share a GPU).
+        let mut ords = vec![0i64; n];
+        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64)];
+        self.comm.allgather(&mine, &mut ords)?;
+        if me == 0 {
             println!("#");
             println!("# Using devices");
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            for r in 0..n {
+            for (r, ord) in ords.iter().enumerate() {
                 let kind = match a.device.as_str() {
                     "host" => "cpu".to_string(),
+                    "nccl" => "nccl".to_string(),
                     d => format!("{d}, staged through host memory"),
                 };
                 let on = if topo.hosts() > 1 {
@@ -218,7 +229,8 @@ impl Bench {
                 } else {
                     host.trim().to_string()
                 };
-                println!("#  Rank {r:>2} Group  0 on {on:>10} device {:>2} [{kind}]", r);
+                let dev = if *ord < 0 { "-".to_string() } else { ord.to_string() };
+                println!("#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}]");
             }
             match model {
                 Some(m) => println!(
