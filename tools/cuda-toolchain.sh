@@ -10,14 +10,23 @@ set -euo pipefail
 DIR=${1:-$HOME/.cache/tutti/cuda13}
 ROOT=$DIR/x/nvidia/cu13
 if [ ! -x "$ROOT/bin/nvcc" ] || [ ! -d "$ROOT/include/nv" ]; then
+    # A Python with pip: $PYTHON, else python3, else CI's torch virtualenv.
+    PY=${PYTHON:-}
+    for p in python3 "${TUTTI_TORCH_PYTHON:-}"; do
+        if [ -z "$PY" ] && [ -n "$p" ] && "$p" -m pip --version >/dev/null 2>&1; then PY=$p; fi
+    done
+    if [ -z "$PY" ]; then
+        echo "cuda-toolchain: no Python with pip here (set PYTHON)" >&2
+        exit 2
+    fi
     mkdir -p "$DIR/whl"
-    python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
         --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 -d "$DIR/whl" \
         nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
         nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 >&2
     for w in "$DIR"/whl/*.whl; do
-        python3 -m zipfile -e "$w" "$DIR/x" >&2
+        "$PY" -m zipfile -e "$w" "$DIR/x" >&2
     done
     chmod +x "$ROOT"/bin/* "$ROOT"/nvvm/bin/*
 fi

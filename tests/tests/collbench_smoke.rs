@@ -160,8 +160,9 @@ fn device_sim_is_staged_verified_and_reports_overlap() {
     assert!(!killed, "collbench hung:\n{text}");
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     let rs = rows(&text);
-    // allreduce, allgather, reduce_scatter, alltoall x 3 sizes; nothing else on a device.
-    assert_eq!(rs.len(), 4 * 3, "{text}");
+    // allreduce, allgather, reduce_scatter, alltoall, broadcast, reduce x 3 sizes; nothing else
+    // on a device.
+    assert_eq!(rs.len(), 6 * 3, "{text}");
     for r in &rs {
         assert_eq!(r[r.len() - 1], "0", "in-place #wrong in {r:?}");
         assert_eq!(r[r.len() - 5], "0", "out-of-place #wrong in {r:?}");
