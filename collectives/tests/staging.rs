@@ -230,3 +230,116 @@ fn nccl_requested_without_the_library_is_a_typed_error() {
         Err(e) => panic!("expected CudaUnavailable, got {e}"),
     }
 }
+
+/// A simulated device that counts the staging buffers it has handed out and how many are alive.
+struct Counting {
+    sim: SimDevice,
+    made: std::sync::atomic::AtomicUsize,
+    largest: std::sync::atomic::AtomicUsize,
+    live: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct CountedStage(
+    Box<dyn tutti_collectives::device::HostStage>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
+
+impl tutti_collectives::device::HostStage for CountedStage {
+    fn len_bytes(&self) -> usize {
+        self.0.len_bytes()
+    }
+    fn ptr(&self) -> *mut u8 {
+        self.0.ptr()
+    }
+}
+
+impl Drop for CountedStage {
+    fn drop(&mut self) {
+        self.1.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Device for Counting {
+    fn name(&self) -> String {
+        self.sim.name()
+    }
+    fn alloc(&self, bytes: usize) -> tutti_collectives::Result<Box<dyn DeviceBuffer>> {
+        self.sim.alloc(bytes)
+    }
+    fn alloc_stage(
+        &self,
+        bytes: usize,
+    ) -> tutti_collectives::Result<Box<dyn tutti_collectives::device::HostStage>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.made.fetch_add(1, Relaxed);
+        self.largest.fetch_max(bytes, Relaxed);
+        self.live.fetch_add(1, Relaxed);
+        Ok(Box::new(CountedStage(self.sim.alloc_stage(bytes)?, self.live.clone())))
+    }
+    fn upload(&self, src: &[u8], dst: &dyn DeviceBuffer) -> tutti_collectives::Result<()> {
+        self.sim.upload(src, dst)
+    }
+    fn download(&self, src: &dyn DeviceBuffer, dst: &mut [u8]) -> tutti_collectives::Result<()> {
+        self.sim.download(src, dst)
+    }
+    unsafe fn d2h(
+        &self,
+        src: &dyn DeviceBuffer,
+        src_off: usize,
+        dst: &dyn tutti_collectives::device::HostStage,
+        dst_off: usize,
+        len: usize,
+    ) -> tutti_collectives::Result<()> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.sim.d2h(src, src_off, dst, dst_off, len) }
+    }
+    unsafe fn h2d(
+        &self,
+        src: &dyn tutti_collectives::device::HostStage,
+        src_off: usize,
+        dst: &dyn DeviceBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> tutti_collectives::Result<()> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.sim.h2d(src, src_off, dst, dst_off, len) }
+    }
+    fn record(&self) -> tutti_collectives::Result<tutti_collectives::device::Ticket> {
+        self.sim.record()
+    }
+    fn wait(&self, t: tutti_collectives::device::Ticket) -> tutti_collectives::Result<()> {
+        self.sim.wait(t)
+    }
+}
+
+#[test]
+fn staging_slots_fit_the_call_and_the_pool_stays_bounded() {
+    use std::sync::atomic::Ordering::Relaxed;
+    world(Kind::Mem, 2, |c: Comm| {
+        let dev = Arc::new(Counting {
+            sim: SimDevice::new(SimConfig { latency: Duration::ZERO, ..SimConfig::default() }),
+            made: 0.into(),
+            largest: 0.into(),
+            live: Arc::new(0.into()),
+        });
+        let cfg = StagingConfig { segment_bytes: 1 << 20, depth: 3 };
+        let st = c.staged(dev.clone(), cfg);
+        // A call far smaller than a segment gets a slot of its own size, not a segment's.
+        let b = dev.alloc(40).unwrap();
+        st.allreduce::<f32>(&*b, 10, ReduceOp::Sum).unwrap();
+        assert_eq!(dev.largest.load(Relaxed), 40);
+        // The same call again takes the pooled slot.
+        let made = dev.made.load(Relaxed);
+        st.allreduce::<f32>(&*b, 10, ReduceOp::Sum).unwrap();
+        assert_eq!(dev.made.load(Relaxed), made);
+        // Ever larger calls (each needing new slots) leave at most two calls' worth alive.
+        for count in [100, 1_000, 10_000, 100_000, 1 << 20, 3 << 20] {
+            let b = dev.alloc(count * 4).unwrap();
+            st.allreduce::<f32>(&*b, count, ReduceOp::Sum).unwrap();
+            let live = dev.live.load(Relaxed);
+            assert!(live <= 2 * cfg.depth, "{live} stages alive after a call of {count}");
+        }
+        // Slots never exceed a segment.
+        assert_eq!(dev.largest.load(Relaxed), 1 << 20);
+    });
+}
