@@ -3,8 +3,8 @@
 //! down and segment `k - 1` up while segment `k` is on the network (Gloo's
 //! `cuda_allreduce_ring_chunked` pattern) — and the backends: [`sim::SimDevice`] (host memory
 //! with an artificial copy latency and bandwidth, so the pipeline's ordering, overlap and errors
-//! are tested without a GPU), `cuda::CudaDevice` (feature `cuda`) and `nccl::NcclComm` (feature
-//! `nccl`).
+//! are tested without a GPU), `cuda::CudaDevice` (feature `cuda`, or `cuda-linked` in a build
+//! that links the driver) and `nccl::NcclComm` (feature `nccl`).
 //!
 //! ```
 //! use std::sync::Arc;
