@@ -39,9 +39,16 @@ pub fn broadcast(sh: &PlanCtx, len: usize, root: usize) -> Plan {
     let real = |x: usize| (x + root) % n;
     let data = Region::new(Buf::Data, 0, len);
     let segs = segments(len, sh.seg, sh.esize);
-    let kids: Vec<usize> = children(v, n).into_iter().map(real).collect();
+    // An edge from the root to a leaf carries the whole buffer as one message: the root has all
+    // of it at once and a leaf forwards nothing, so segments there buy no overlap and only add
+    // frames (with 2 ranks, 2 MiB: 0.86 of the segmented time, median of 5 interleaved rounds).
+    let whole: Vec<(usize, usize)> = if segs.is_empty() { Vec::new() } else { vec![(0, len)] };
+    let leaf = |x: usize| children(x, n).is_empty();
+    let kids: Vec<usize> = children(v, n);
     let src = if v == 0 { Region::new(sh.src(), 0, len) } else { data };
-    if let Some(par) = parent(v).map(real) {
+    if let Some(par) = parent(v) {
+        let segs = if par == 0 && kids.is_empty() { &whole } else { &segs };
+        let par = real(par);
         let mut hs = vec![None; segs.len()];
         for (k, &(off, l)) in segs.iter().enumerate().take(2 * LOOKAHEAD) {
             hs[k] = p.recv(par, k as u32, data.sub(off, l));
@@ -52,13 +59,19 @@ pub fn broadcast(sh: &PlanCtx, len: usize, root: usize) -> Plan {
                 hs[k + 2 * LOOKAHEAD] = p.recv(par, (k + 2 * LOOKAHEAD) as u32, data.sub(o2, l2));
             }
             for &c in &kids {
-                p.send(c, k as u32, data.sub(off, l));
+                p.send(real(c), k as u32, data.sub(off, l));
             }
         }
     } else {
+        // Segmented subtrees first, segment by segment, then each leaf's whole message.
         for (k, &(off, l)) in segs.iter().enumerate() {
-            for &c in &kids {
-                p.send(c, k as u32, src.sub(off, l));
+            for &c in kids.iter().filter(|c| !leaf(**c)) {
+                p.send(real(c), k as u32, src.sub(off, l));
+            }
+        }
+        for &c in kids.iter().filter(|c| leaf(**c)) {
+            for (k, &(off, l)) in whole.iter().enumerate() {
+                p.send(real(c), k as u32, src.sub(off, l));
             }
         }
         p.copy(data, src);
