@@ -355,13 +355,7 @@ impl Staged {
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root >= self.comm.size() {
-            return Err(self.invalid(
-                op,
-                format!("root {root} is outside the group of {} ranks", self.comm.size()),
-            ));
-        }
-        Ok(())
+        check_root(self.comm.rank(), self.comm.size(), op, root)
     }
 
     fn check_len(
@@ -737,6 +731,18 @@ pub fn open(name: &str, ordinal: usize) -> Result<Arc<dyn Device>> {
             detail: format!("unknown device {other:?} (sim, cuda)"),
         }),
     }
+}
+
+/// A root must be a rank of the group of `size` (checked before anything is queued).
+pub(crate) fn check_root(rank: usize, size: usize, op: &'static str, root: usize) -> Result<()> {
+    if root >= size {
+        return Err(Error::InvalidArgument {
+            rank,
+            op,
+            detail: format!("root {root} is outside the group of {size} ranks"),
+        });
+    }
+    Ok(())
 }
 
 /// `off..off + len` must lie within `cap` bytes (`what` names the range in the error).

@@ -406,14 +406,7 @@ impl NcclComm {
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(Error::InvalidArgument {
-                rank: self.rank,
-                op,
-                detail: format!("root {root} is outside the group of {} ranks", self.size),
-            });
-        }
-        Ok(())
+        super::check_root(self.rank, self.size, op, root)
     }
 }
 
