@@ -679,11 +679,9 @@ fn golden_device(name: &str) -> std::result::Result<Device, String> {
         "cpu" => Ok(Device::Cpu),
         #[cfg(feature = "cuda")]
         "cuda" => {
-            let local: usize =
-                std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-            let gpus =
-                tutti_collectives::device::cuda::device_count().map_err(|e| e.to_string())?;
-            Device::new_cuda(local % gpus.max(1)).map_err(|e| format!("cannot open GPU: {e}"))
+            let gpu =
+                tutti_collectives::device::cuda::local_ordinal().map_err(|e| e.to_string())?;
+            Device::new_cuda(gpu).map_err(|e| format!("cannot open GPU: {e}"))
         }
         #[cfg(not(feature = "cuda"))]
         "cuda" => Err("tutti-golden was built without the `cuda` feature \

@@ -91,16 +91,11 @@ pub fn main() -> std::process::ExitCode {
     }
 }
 
-fn ordinal(gpu: Option<usize>) -> Result<usize> {
-    if let Some(g) = gpu {
-        return Ok(g);
-    }
-    let local: usize = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    Ok(local % device::cuda::device_count()?.max(1))
-}
-
 fn run(cli: Cli) -> Result<bool> {
-    let gpu = ordinal(cli.gpu)?;
+    let gpu = match cli.gpu {
+        Some(g) => g,
+        None => device::cuda::local_ordinal()?,
+    };
     let dev = Arc::new(CudaDevice::new(gpu)?);
     match cli.cmd {
         Cmd::Copy { sizes, reps } => copy(&dev, &sizes, reps),

@@ -30,20 +30,35 @@ pub fn driver_present() -> bool {
     true
 }
 
+fn require_driver() -> Result<()> {
+    if driver_present() {
+        return Ok(());
+    }
+    Err(Error::CudaUnavailable {
+        rank: 0,
+        detail: "the CUDA driver library (libcuda.so) is not installed on this machine".into(),
+    })
+}
+
 /// GPUs the driver sees.
 ///
 /// # Errors
 /// [`Error::CudaUnavailable`] without the driver library or when the driver cannot count.
 pub fn device_count() -> Result<usize> {
-    if !driver_present() {
-        return Err(Error::CudaUnavailable {
-            rank: 0,
-            detail: "the CUDA driver library (libcuda.so) is not installed on this machine".into(),
-        });
-    }
+    require_driver()?;
     CudaContext::device_count()
         .map(|n| n.max(0) as usize)
         .map_err(|e| Error::CudaUnavailable { rank: 0, detail: format!("cannot count GPUs: {e}") })
+}
+
+/// This process's GPU: `LOCAL_RANK` (0 when unset) modulo the GPUs present, so more local ranks
+/// than GPUs share them round-robin.
+///
+/// # Errors
+/// As [`device_count`].
+pub fn local_ordinal() -> Result<usize> {
+    let local: usize = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    Ok(local % device_count()?.max(1))
 }
 
 fn dev_err(op: &'static str, e: impl std::fmt::Display) -> Error {
@@ -100,11 +115,67 @@ impl DeviceBuffer for CudaView {
     }
 }
 
-/// Page-locked host memory.
+/// Page-locked buffers most recently given back, kept for the next stages: pinning memory costs
+/// far more than copying it, and a caller that makes a `Staged` per call (the parallel layers'
+/// CUDA path does) would otherwise pin and unpin on every call.
+struct Recycled {
+    ctx: Arc<CudaContext>,
+    /// (start, capacity) of free pinned buffers, at most [`KEEP_PINNED`].
+    free: Mutex<Vec<(*mut u8, usize)>>,
+}
+
+/// Free pinned buffers a device keeps (a few calls' worth of staging slots).
+const KEEP_PINNED: usize = 16;
+
+// SAFETY: the pointers are page-locked host memory owned by this list, touched only under its
+// lock (to hand out or free).
+unsafe impl Send for Recycled {}
+// SAFETY: as above.
+unsafe impl Sync for Recycled {}
+
+impl Recycled {
+    /// The smallest kept buffer of at least `bytes`.
+    fn take(&self, bytes: usize) -> Option<(*mut u8, usize)> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let i = (0..free.len()).filter(|&i| free[i].1 >= bytes).min_by_key(|&i| free[i].1)?;
+        Some(free.swap_remove(i))
+    }
+
+    /// Keep a buffer; when too many are kept, free the smallest.
+    fn give(&self, ptr: *mut u8, cap: usize) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.push((ptr, cap));
+        if free.len() > KEEP_PINNED {
+            if let Some(i) = (0..free.len()).min_by_key(|&i| free[i].1) {
+                let (p, _) = free.swap_remove(i);
+                self.release(p);
+            }
+        }
+    }
+
+    fn release(&self, ptr: *mut u8) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `cuMemHostAlloc` in `alloc_stage`; it left the list (or the list
+        // is being dropped), so it is freed once.
+        let _ = unsafe { result::free_host(ptr.cast()) };
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        let free = std::mem::take(self.free.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (p, _) in free {
+            self.release(p);
+        }
+    }
+}
+
+/// Page-locked host memory; when dropped it goes back to its device, which keeps a few such
+/// buffers for the next stages.
 pub struct PinnedStage {
     ptr: *mut u8,
     len: usize,
-    ctx: Arc<CudaContext>,
+    home: Arc<Recycled>,
 }
 
 // SAFETY: plain host memory; access is ordered by the staging engine.
@@ -123,9 +194,7 @@ impl HostStage for PinnedStage {
 
 impl Drop for PinnedStage {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by `cuMemHostAlloc` in `alloc_stage`, freed once.
-        let _ = unsafe { result::free_host(self.ptr.cast()) };
+        self.home.give(self.ptr, self.len);
     }
 }
 
@@ -150,6 +219,7 @@ pub struct CudaDevice {
     stream: Arc<CudaStream>,
     events: Mutex<Events>,
     timing: Mutex<Option<Timing>>,
+    pinned: Arc<Recycled>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -164,13 +234,7 @@ impl CudaDevice {
     /// # Errors
     /// [`Error::CudaUnavailable`] when the driver is not installed or the GPU does not exist.
     pub fn new(ordinal: usize) -> Result<CudaDevice> {
-        if !driver_present() {
-            return Err(Error::CudaUnavailable {
-                rank: 0,
-                detail: "the CUDA driver library (libcuda.so) is not installed on this machine"
-                    .into(),
-            });
-        }
+        require_driver()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| Error::CudaUnavailable {
             rank: 0,
             detail: format!("cannot open GPU {ordinal}: {e}"),
@@ -178,21 +242,17 @@ impl CudaDevice {
         let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
         Ok(CudaDevice {
             ordinal,
-            ctx,
             stream,
             events: Mutex::new((0, VecDeque::new())),
             timing: Mutex::new(None),
+            pinned: Arc::new(Recycled { ctx: ctx.clone(), free: Mutex::new(Vec::new()) }),
+            ctx,
         })
     }
 
     /// The cudarc stream the copies run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
-    }
-
-    /// The CUDA context (for callers' own streams and events).
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
     }
 
     /// A timing base: an event recorded on the copy stream, waited for, and the host instant
@@ -259,12 +319,16 @@ impl Device for CudaDevice {
     }
 
     fn alloc_stage(&self, bytes: usize) -> Result<Box<dyn HostStage>> {
+        let home = self.pinned.clone();
+        if let Some((ptr, len)) = home.take(bytes) {
+            return Ok(Box::new(PinnedStage { ptr, len, home }));
+        }
         self.ctx.bind_to_thread().map_err(|e| dev_err("alloc_stage", e))?;
+        let len = bytes.max(16);
         // SAFETY: a plain page-locked allocation (flags 0: portable to this context only,
-        // cached), freed by `PinnedStage::drop`.
-        let ptr = unsafe { result::malloc_host(bytes.max(16), 0) }
-            .map_err(|e| dev_err("alloc_stage", e))?;
-        Ok(Box::new(PinnedStage { ptr: ptr.cast(), len: bytes, ctx: self.ctx.clone() }))
+        // cached), given back to `pinned` by `PinnedStage::drop` and freed by it.
+        let ptr = unsafe { result::malloc_host(len, 0) }.map_err(|e| dev_err("alloc_stage", e))?;
+        Ok(Box::new(PinnedStage { ptr: ptr.cast(), len, home }))
     }
 
     fn upload(&self, src: &[u8], dst: &dyn DeviceBuffer) -> Result<()> {

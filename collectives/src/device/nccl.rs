@@ -199,7 +199,7 @@ impl NcclComm {
         op: &'static str,
         r: std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
-        r.map_err(|e| Error::Device { rank: self.rank, op, detail: describe(&e, self.comm) })?;
+        r.map_err(|e| self.error(op, &e))?;
         self.device.stream().synchronize().map_err(|e| Error::Device {
             rank: self.rank,
             op,
@@ -367,12 +367,7 @@ impl NcclComm {
         let i = self.ptr("alltoall", input, total)?.cast::<u8>();
         let o = self.ptr("alltoall", output, total)?.cast::<u8>();
         let (dt, block) = (self.dtype::<T>("alltoall")?, block.unwrap_or(0));
-        let err = |e: result::NcclError| Error::Device {
-            rank: self.rank,
-            op: "alltoall",
-            detail: describe(&e, self.comm),
-        };
-        result::group_start().map_err(err)?;
+        result::group_start().map_err(|e| self.error("alltoall", &e))?;
         let mut first = Ok(result::NcclStatus::Success);
         for peer in 0..self.size {
             // SAFETY: block `peer` of both buffers lies within the checked totals; the group
@@ -407,6 +402,11 @@ impl NcclComm {
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
         super::check_root(self.rank, self.size, op, root)
+    }
+
+    /// A failed NCCL call of `op`, in NCCL's words.
+    fn error(&self, op: &'static str, e: &result::NcclError) -> Error {
+        Error::Device { rank: self.rank, op, detail: describe(e, self.comm) }
     }
 }
 

@@ -132,9 +132,7 @@ impl Bench {
         #[cfg(feature = "cuda")]
         let local = match name.as_str() {
             "sim" => local,
-            _ => {
-                tutti_collectives::device::cuda::device_count().map_or(local, |g| local % g.max(1))
-            }
+            _ => tutti_collectives::device::cuda::local_ordinal().unwrap_or(local),
         };
         let device = tutti_collectives::device::open(&name, local).map_err(|e| match e {
             Error::CudaUnavailable { detail, .. } => {
