@@ -18,14 +18,23 @@ fn threads(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.count()).unwrap_or(0)
 }
 
+/// The store a rank was started with, from its environment. Right after the spawn the child may
+/// not have reached `exec` yet (its environment is still the test's), so look again until the
+/// rank's own environment shows.
 fn store_of(pid: u32) -> SocketAddr {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
-    let url = env
-        .split(|b| *b == 0)
-        .find_map(|v| v.strip_prefix(b"TUTTI_STORE=tcp://"))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .unwrap();
-    url.parse().unwrap()
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let url = env
+            .split(|b| *b == 0)
+            .find_map(|v| v.strip_prefix(b"TUTTI_STORE=tcp://"))
+            .map(|v| String::from_utf8_lossy(v).into_owned());
+        if let Some(url) = url {
+            return url.parse().unwrap();
+        }
+        assert!(Instant::now() < deadline, "rank {pid} never showed TUTTI_STORE");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 #[test]
