@@ -48,6 +48,11 @@ pub(crate) trait Driver: Send + 'static {
     /// How long the background thread naps while a thread waits (and drives). QUIC needs its
     /// timers served soon after a wait ends; TCP's background has nothing urgent.
     const WAITING_NAP: Duration;
+    /// Whether a spinning wait should look at readiness (one `poll` without a timeout over
+    /// every descriptor) instead of reading blindly: true where a read that finds nothing
+    /// costs more than a look (TCP: `recv` takes the socket's lock, which the sender's
+    /// delivery into that socket then contends for; `poll` does not).
+    const PROBE_SPIN: bool = false;
     /// Write what the core queued for `peer` (eagerly, right after a post).
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant);
     /// `peer`'s frame in progress got a destination (a receive was posted for a parked
@@ -254,12 +259,17 @@ impl<D: Driver> Engine<D> {
     fn wait_inner(&self, op: OpId, deadline: Instant) -> Result<usize> {
         let mut w = Waiter::new(op, Instant::now(), deadline);
         let mut spin_until = None;
+        let mut spun = false;
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
         let mut guard = self.lock();
         loop {
             let s = &mut *guard;
             let now = Instant::now();
-            self.pass(s, Mode::Wait, now);
+            if spun && D::PROBE_SPIN {
+                self.look(s, now, &mut fds);
+            } else {
+                self.pass(s, Mode::Wait, now);
+            }
             let until = match s.core.poll_wait(&mut w, now) {
                 Step::Done(r) => return r,
                 Step::Again => continue,
@@ -270,6 +280,7 @@ impl<D: Driver> Engine<D> {
                 drop(guard);
                 std::thread::yield_now();
                 guard = self.lock();
+                spun = true;
                 continue;
             }
             if s.driving {
@@ -299,6 +310,7 @@ impl<D: Driver> Engine<D> {
             }
             // After a sleep, spin again briefly: the next message often follows closely.
             spin_until = None;
+            spun = false;
         }
     }
 
@@ -308,6 +320,22 @@ impl<D: Driver> Engine<D> {
         let before = s.core.ops_ended();
         s.core.handle_timeout(now);
         s.driver.progress(&mut s.core, mode, now);
+        s.settle();
+        self.wake_others(s, before);
+    }
+
+    /// A spinning waiter's pass (drivers with [`Driver::PROBE_SPIN`]): the core's timers, then
+    /// one `poll` without a timeout over the descriptors a sleep would watch, and the driver
+    /// serves only what it flagged.
+    fn look(&self, s: &mut State<D>, now: Instant, fds: &mut Vec<libc::pollfd>) {
+        let before = s.core.ops_ended();
+        s.core.handle_timeout(now);
+        self.poll_set(s, Mode::Wait, fds);
+        // SAFETY: `fds` is a valid pollfd array of its length; a zero timeout never blocks.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        if r > 0 && fds[1..].iter().any(|f| f.revents != 0) {
+            s.driver.ready(&mut s.core, Mode::Wait, &fds[1..], now);
+        }
         s.settle();
         self.wake_others(s, before);
     }

@@ -126,8 +126,17 @@ impl TcpDriver {
                 return;
             }
             match c.read_some(core, peer, now) {
-                Ok(0) => return,
-                Ok(_) => c.consume(core, peer, now),
+                Ok(n) if n.bytes == 0 => return,
+                Ok(n) => {
+                    c.consume(core, peer, now);
+                    if n.drained {
+                        // The kernel had less than we asked for: the socket was empty a
+                        // moment ago. Asking again would cost a `recv` that finds nothing
+                        // (and takes the socket's lock, which the sender's delivery needs);
+                        // poll is level-triggered, so later bytes are seen on the next pass.
+                        return;
+                    }
+                }
                 Err(f) => {
                     core.link_failed(peer, f);
                     return;
@@ -178,6 +187,7 @@ impl TcpDriver {
 
 impl Driver for TcpDriver {
     const WAITING_NAP: Duration = Duration::from_millis(100);
+    const PROBE_SPIN: bool = true;
 
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
         self.progress_tx(core, peer, now);
@@ -299,6 +309,13 @@ impl Driver for TcpDriver {
     }
 }
 
+/// What one [`Conn::read_some`] got.
+#[derive(Debug, Clone, Copy)]
+struct Read {
+    bytes: usize,
+    drained: bool,
+}
+
 impl Conn {
     /// Write queued frames until the socket is full or the queue empty.
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<(), LinkFail> {
@@ -359,14 +376,15 @@ impl Conn {
     }
 
     /// One read: straight into the destination for a large payload, else into the staging
-    /// buffer. Returns the bytes read, 0 when nothing is available.
-    fn read_some(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<usize, LinkFail> {
+    /// buffer. Returns the bytes read (0 when nothing is available) and whether the read took
+    /// less than there was room for (the socket was drained).
+    fn read_some(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<Read, LinkFail> {
         let direct = if self.start == self.end { core.rx_direct(peer, DIRECT_MIN) } else { None };
         let (ptr, room) = match direct {
             Some(d) => d,
             None => {
                 if self.end == self.stage.len() {
-                    return Ok(0);
+                    return Ok(Read { bytes: 0, drained: false });
                 }
                 // SAFETY: `end < stage.len()`.
                 (unsafe { self.stage.as_mut_ptr().add(self.end) }, self.stage.len() - self.end)
@@ -378,7 +396,7 @@ impl Conn {
             if r < 0 {
                 let e = std::io::Error::last_os_error();
                 return match e.kind() {
-                    std::io::ErrorKind::WouldBlock => Ok(0),
+                    std::io::ErrorKind::WouldBlock => Ok(Read { bytes: 0, drained: true }),
                     std::io::ErrorKind::Interrupted => continue,
                     _ => Err(io_fail(&e)),
                 };
@@ -392,7 +410,7 @@ impl Conn {
             } else {
                 self.end += r;
             }
-            return Ok(r);
+            return Ok(Read { bytes: r, drained: r < room });
         }
     }
 }
