@@ -188,3 +188,20 @@ fn device_cuda_without_a_gpu_fails_with_the_reason() {
     }
     assert!(err.contains("CUDA unavailable"), "{err}");
 }
+
+#[test]
+fn isolated_mode_times_single_calls_and_still_verifies() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["broadcast", "-b", "8", "-e", "64K", "-f", "64", "-n", "5", "-w", "1", "-c", "1"]);
+    cmd.args(["--isolated", "--np", "3", "--transport", "mem"]);
+    let (out, _) = run_with_deadline(cmd, Duration::from_secs(60));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("# isolated: a barrier before every timed iteration"), "{text}");
+    let r = rows(&text);
+    assert_eq!(r.len(), 3, "one row per size: {text}");
+    for row in &r {
+        // Both modes verified, nothing wrong.
+        assert_eq!((row[8].as_str(), row[12].as_str()), ("0", "0"), "{row:?}");
+    }
+}

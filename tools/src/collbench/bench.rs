@@ -207,6 +207,11 @@ impl Bench {
                 a.agg,
                 a.check
             );
+            if a.isolated {
+                println!(
+                    "# isolated: a barrier before every timed iteration; times are single calls"
+                );
+            }
         }
         // Every rank's device index, for the header (ranks may share a GPU).
         let mut ords = vec![0i64; n];
@@ -586,6 +591,9 @@ impl Bench {
         self.comm.barrier()?;
         let mut iter_us = Vec::with_capacity(a.iters);
         for _ in 0..a.iters {
+            if a.isolated {
+                self.comm.barrier()?;
+            }
             let t = Instant::now();
             for _ in 0..a.agg.max(1) {
                 if let Some(x) = call(self)? {

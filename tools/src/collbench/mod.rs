@@ -116,6 +116,11 @@ pub struct Args {
     /// copy time that ran while a segment was on the network (two event records per copy).
     #[arg(long)]
     pub copy_timing: bool,
+    /// Time each call on its own: a barrier before every timed iteration (untimed), so a
+    /// call's time is its latency from a common start, not its share of a back-to-back loop in
+    /// which ranks run ahead of each other.
+    #[arg(long)]
+    pub isolated: bool,
     /// Force an algorithm (ring, rd, rabenseifner, halving, tree, chain, bruck, pairwise,
     /// postall, linear, dissemination).
     #[arg(long)]
