@@ -30,7 +30,16 @@ pub fn pairwise(
     recv: &[(usize, usize)],
 ) {
     let (n, r) = (sh.n, sh.rank);
-    p.copy(Region::new(Buf::Data, recv[r].0, recv[r].1), Region::new(src, send[r].0, send[r].1));
+    let own = own_copy(sh, src, send, recv);
+    if n == 2 && send.iter().chain(recv).any(|b| b.1 >= super::INTERLEAVE_MIN) {
+        // One exchange: the own block's copy goes along with it (`exchange_interleaved`).
+        let o = 1 - r;
+        let out = (o, Region::new(src, send[o].0, send[o].1));
+        let inc = (o, Region::new(Buf::Data, recv[o].0, recv[o].1));
+        super::exchange_interleaved(p, sh, out, inc, own, 1);
+        return;
+    }
+    p.copy(own.0, own.1);
     let mut inflight: Vec<(Option<usize>, Option<usize>)> = Vec::new();
     for i in 1..n {
         let to = (r + i) % n;
@@ -45,6 +54,19 @@ pub fn pairwise(
         }
     }
     p.wait_all();
+}
+
+/// The own block's copy into place `(dst, src)`: empty in place, where the block already is at
+/// its offset and the in-place setup did not save it to scratch (`coll/alltoall.rs`).
+fn own_copy(
+    sh: &PlanCtx,
+    src: Buf,
+    send: &[(usize, usize)],
+    recv: &[(usize, usize)],
+) -> (Region, Region) {
+    let r = sh.rank;
+    let len = if sh.in_place { 0 } else { recv[r].1 };
+    (Region::new(Buf::Data, recv[r].0, len), Region::new(src, send[r].0, len))
 }
 
 /// Append a post-all all-to-all (same arguments as [`pairwise`]).
@@ -64,7 +86,8 @@ pub fn post_all(
         let to = (r + i) % n;
         p.send(to, 0, Region::new(src, send[to].0, send[to].1));
     }
-    p.copy(Region::new(Buf::Data, recv[r].0, recv[r].1), Region::new(src, send[r].0, send[r].1));
+    let own = own_copy(sh, src, send, recv);
+    p.copy(own.0, own.1);
     p.wait_all();
 }
 

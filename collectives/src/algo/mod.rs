@@ -14,7 +14,7 @@ pub mod ring;
 pub mod tree;
 pub mod two_level;
 
-use crate::plan::Plan;
+use crate::plan::{Plan, Region};
 use crate::topo::Topology;
 
 /// A ring algorithm's plan on `topo`'s ring order (host by host): `build` gets this rank's
@@ -36,6 +36,59 @@ pub fn on_ring(
     let ordered: Vec<(usize, usize)> =
         if blocks.is_empty() { Vec::new() } else { order.iter().map(|r| blocks[*r]).collect() };
     build(&PlanCtx { rank: pos, ..*sh }, &ordered, Some(&order)).relabel(&order)
+}
+
+/// Exchanges whose larger side is at least this long interleave a local copy with the send
+/// ([`exchange_interleaved`]); below it the copy's bytes stay in cache anyway.
+pub const INTERLEAVE_MIN: usize = 4 << 20;
+/// The pieces of an interleaved exchange: small enough that what the kernel has just read for
+/// the send is still in the core's cache when the copy runs.
+pub const INTERLEAVE_PIECE: usize = 1 << 20;
+
+/// One exchange — `send = (to, region)` goes out, `recv = (from, region)` comes in — with a local
+/// copy `copy = (dst, src)` done along the way instead of before or after it. The send and the
+/// receive go in pieces of [`INTERLEAVE_PIECE`] (tags `tag0..`; the peers cut their regions
+/// alike, so every rank must call this for the matching exchange), and the copy advances in step
+/// with the send: after each piece has been taken by the transport, the copy catches up to the
+/// same fraction. Done whole, before the exchange, the copy keeps the sockets idle while it runs
+/// and, where it reads the bytes being sent (an out-of-place all-gather's own block), reads the
+/// whole block from memory a second time. Returns the first tag after the ones used.
+pub fn exchange_interleaved(
+    p: &mut Plan,
+    sh: &PlanCtx,
+    send: (usize, Region),
+    recv: (usize, Region),
+    copy: (Region, Region),
+    tag0: u32,
+) -> u32 {
+    let cut = |r: &Region| crate::plan::segments(r.len, INTERLEAVE_PIECE, sh.esize);
+    let (sp, rp) = (cut(&send.1), cut(&recv.1));
+    for (k, &(o, l)) in rp.iter().enumerate() {
+        p.recv(recv.0, tag0 + k as u32, recv.1.sub(o, l));
+    }
+    let (dst, src) = copy;
+    let mut copied = 0;
+    let mut copy_to = |p: &mut Plan, upto: usize| {
+        let upto = upto.min(src.len) / sh.esize * sh.esize;
+        if upto > copied {
+            p.copy(dst.sub(copied, upto - copied), src.sub(copied, upto - copied));
+            copied = upto;
+        }
+    };
+    let mut prev: Option<(Option<usize>, usize)> = None;
+    for (k, &(o, l)) in sp.iter().enumerate() {
+        let h = p.send(send.0, tag0 + k as u32, send.1.sub(o, l));
+        if let Some((hp, done)) = prev.replace((h, o + l)) {
+            p.wait(hp);
+            copy_to(p, (src.len as u128 * done as u128 / send.1.len as u128) as usize);
+        }
+    }
+    if let Some((hp, _)) = prev {
+        p.wait(hp);
+    }
+    copy_to(p, src.len);
+    p.wait_all();
+    tag0 + sp.len().max(rp.len()) as u32
 }
 
 /// Receives kept posted ahead of the one being processed in pipelined algorithms.
@@ -81,6 +134,69 @@ impl PlanCtx {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::{simulate, Buf, Step};
+
+    /// Where the copies sit among the sends: for each copy, how many sends precede it.
+    fn copies_after_sends(p: &Plan) -> Vec<usize> {
+        let mut sends = 0;
+        let mut at = Vec::new();
+        for s in &p.steps {
+            match s {
+                Step::Send { .. } => sends += 1,
+                Step::Copy { .. } => at.push(sends),
+                _ => {}
+            }
+        }
+        at
+    }
+
+    #[test]
+    fn interleaved_exchanges_copy_between_the_pieces_and_match_up() {
+        let big = 4 * INTERLEAVE_PIECE + 3;
+        // Out-of-place all-gather, 2 ranks: 5 pieces each way, the copy in 5 steps that trail
+        // the sends (after sends 2, 3, 4, 5 and the last wait).
+        let plans: Vec<Plan> = (0..2)
+            .map(|rank| {
+                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
+                recursive_doubling::allgather(&sh, &[(0, big), (big, big)])
+            })
+            .collect();
+        let sim = simulate(&plans).unwrap();
+        assert_eq!(sim.messages, vec![5, 5]);
+        assert_eq!(copies_after_sends(&plans[0]), vec![2, 3, 4, 5, 5]);
+        // Below the threshold: one copy before one whole exchange, as before.
+        let small: Vec<Plan> = (0..2)
+            .map(|rank| {
+                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
+                recursive_doubling::allgather(&sh, &[(0, 1000), (1000, 1000)])
+            })
+            .collect();
+        assert_eq!(simulate(&small).unwrap().messages, vec![1, 1]);
+        assert_eq!(copies_after_sends(&small[0]), vec![0]);
+        // 2-rank all-to-all with unequal blocks: 7 pieces one way, 1 the other; the tags agree.
+        let (a, b) = (6 * INTERLEAVE_PIECE + 1, 3);
+        let plans: Vec<Plan> = (0..2)
+            .map(|rank| {
+                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
+                let mut p = Plan::new();
+                // Rank 0 sends `a` to rank 1 and keeps `b`; rank 1 sends `b` and keeps `a`
+                // (blocks in rank order).
+                let (send, recv) = if rank == 0 {
+                    ([(0, b), (b, a)], [(0, b), (b, b)])
+                } else {
+                    ([(0, b), (b, a)], [(0, a), (a, a)])
+                };
+                alltoall::pairwise(&mut p, &sh, Buf::Input, &send, &recv);
+                p
+            })
+            .collect();
+        let sim = simulate(&plans).unwrap();
+        assert_eq!(sim.messages, vec![7, 1]);
+        // Rank 1 copies its large own block in one go after its single send; rank 0 copies its
+        // 3-byte own block a byte at a time, as its 7 pieces pass a half, five sixths and the end.
+        assert_eq!(copies_after_sends(&plans[1]), vec![1]);
+        assert_eq!(copies_after_sends(&plans[0]), vec![4, 6, 7]);
+    }
 
     #[test]
     fn ring_neighbours_at_every_distance() {

@@ -125,11 +125,27 @@ pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     let mut p = Plan::new();
     let r = sh.rank;
     let (off, len) = blocks[r];
-    if !sh.in_place {
-        p.copy(Region::new(Buf::Data, off, len), Region::new(Buf::Input, 0, len));
-    }
     let mut d = 1;
     let mut tag = 0;
+    if !sh.in_place {
+        if sh.n > 1 && blocks.iter().any(|b| b.1 >= super::INTERLEAVE_MIN) {
+            // Round one sends the own block, which out of place must also be copied into place:
+            // the copy goes along with the send, piece by piece, reading what the send just read.
+            let partner = r ^ 1;
+            let own = Region::new(Buf::Input, 0, len);
+            tag = super::exchange_interleaved(
+                &mut p,
+                sh,
+                (partner, own),
+                (partner, Region::new(Buf::Data, blocks[partner].0, blocks[partner].1)),
+                (Region::new(Buf::Data, off, len), own),
+                0,
+            );
+            d = 2;
+        } else {
+            p.copy(Region::new(Buf::Data, off, len), Region::new(Buf::Input, 0, len));
+        }
+    }
     while d < sh.n {
         let w = r & !(d - 1);
         let pw = w ^ d;

@@ -125,9 +125,22 @@ pub(crate) fn plan(
     total: usize,
 ) -> Result<Plan> {
     let mut p = Plan::new();
+    // In place, the blocks for the peers are saved to scratch before any arrives over them.
+    // Pairwise and post-all leave the own block where it is (in place it is already at its
+    // offset: in-place calls have equal blocks), so it is neither saved nor copied back.
+    let own = (algo != Algo::Bruck).then(|| send.get(ctx.rank).copied()).flatten();
     let src = if ctx.in_place {
         let s = p.scratch(total);
-        p.copy(Region::new(s, 0, total), Region::new(Buf::Data, 0, total));
+        match own {
+            Some((o, l)) => {
+                p.copy(Region::new(s, 0, o), Region::new(Buf::Data, 0, o));
+                p.copy(
+                    Region::new(s, o + l, total - o - l),
+                    Region::new(Buf::Data, o + l, total - o - l),
+                );
+            }
+            None => p.copy(Region::new(s, 0, total), Region::new(Buf::Data, 0, total)),
+        }
         s
     } else {
         Buf::Input

@@ -407,6 +407,16 @@ impl Transport for MemTransport {
 
 impl Drop for MemTransport {
     fn drop(&mut self) {
-        self.mark_dead("peer rank's transport was dropped (thread exited or panicked)", false);
+        // A rank that an abort reached passes it on as it goes, as a TCP or QUIC rank does
+        // (its poisoning queues abort frames on every link): a peer that the original abort has
+        // not reached yet then learns why, not just that this rank left.
+        let poisoned = self.lock(self.rank).poisoned.clone();
+        match poisoned {
+            Some(Error::PeerAborted { reason, .. }) | Some(Error::Aborted { reason, .. }) => {
+                self.mark_dead(&reason, true)
+            }
+            _ => self
+                .mark_dead("peer rank's transport was dropped (thread exited or panicked)", false),
+        }
     }
 }
