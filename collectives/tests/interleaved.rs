@@ -104,6 +104,23 @@ fn two_rank_all_to_all_v_with_unequal_blocks() {
 }
 
 #[test]
+fn two_rank_all_to_all_v_with_a_large_own_block_on_one_rank() {
+    // Only rank 0 keeps a large block; 2 MiB go each way (whole messages on both sides).
+    world(2, 256 << 10, |c| {
+        let r = c.rank();
+        let sc: Vec<usize> = if r == 0 { vec![5 * MIB + 1, 2 * MIB] } else { vec![2 * MIB, 9] };
+        let rc = sc.clone();
+        let input: Vec<u8> =
+            (0..2).flat_map(|j| (0..sc[j]).map(move |i| byte(r * 2 + j, i))).collect();
+        let want: Vec<u8> =
+            (0..2).flat_map(|q| (0..rc[q]).map(move |i| byte(q * 2 + r, i))).collect();
+        let mut out = vec![0u8; rc.iter().sum()];
+        c.all_to_all_v(&input, &sc, &mut out, &rc).unwrap();
+        assert!(out == want, "rank {r}: differs");
+    });
+}
+
+#[test]
 fn in_place_all_to_all_keeps_the_own_block_for_every_algorithm() {
     for n in [3, 4] {
         for algo in [Algo::Pairwise, Algo::PostAll, Algo::Bruck] {

@@ -31,8 +31,9 @@ pub fn pairwise(
 ) {
     let (n, r) = (sh.n, sh.rank);
     let own = own_copy(sh, src, send, recv);
-    if n == 2 && send.iter().chain(recv).any(|b| b.1 >= super::INTERLEAVE_MIN) {
-        // One exchange: the own block's copy goes along with it (`exchange_interleaved`).
+    if n == 2 {
+        // One exchange: the own block's copy goes along with it (`exchange_interleaved`; a
+        // message cut in pieces is one both ranks see, and a short one is sent whole).
         let o = 1 - r;
         let out = (o, Region::new(src, send[o].0, send[o].1));
         let inc = (o, Region::new(Buf::Data, recv[o].0, recv[o].1));

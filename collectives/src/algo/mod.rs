@@ -46,11 +46,12 @@ pub const INTERLEAVE_MIN: usize = 4 << 20;
 pub const INTERLEAVE_PIECE: usize = 1 << 20;
 
 /// One exchange — `send = (to, region)` goes out, `recv = (from, region)` comes in — with a local
-/// copy `copy = (dst, src)` done along the way instead of before or after it. The send and the
-/// receive go in pieces of [`INTERLEAVE_PIECE`] (tags `tag0..`; the peers cut their regions
-/// alike, so every rank must call this for the matching exchange), and the copy advances in step
-/// with the send: after each piece has been taken by the transport, the copy catches up to the
-/// same fraction. Done whole, before the exchange, the copy keeps the sockets idle while it runs
+/// copy `copy = (dst, src)` done along the way instead of before or after it. A message of at
+/// least [`INTERLEAVE_MIN`] goes in pieces of [`INTERLEAVE_PIECE`] (tags `tag0..`), a shorter one
+/// whole under `tag0`, so the peer at the other end may build its side with this or with a plain
+/// send or receive under `tag0` when the message is short. The copy advances in step with the
+/// send: after each piece has been taken by the transport, the copy catches up to the same
+/// fraction. Done whole, before the exchange, the copy keeps the sockets idle while it runs
 /// and, where it reads the bytes being sent (an out-of-place all-gather's own block), reads the
 /// whole block from memory a second time. Returns the first tag after the ones used.
 pub fn exchange_interleaved(
@@ -61,7 +62,15 @@ pub fn exchange_interleaved(
     copy: (Region, Region),
     tag0: u32,
 ) -> u32 {
-    let cut = |r: &Region| crate::plan::segments(r.len, INTERLEAVE_PIECE, sh.esize);
+    // A message is cut by its own length alone, which both of its ends know: whole below
+    // INTERLEAVE_MIN (one message under `tag0`, as a plain exchange sends it), in pieces above.
+    let cut = |r: &Region| {
+        if r.len >= INTERLEAVE_MIN {
+            crate::plan::segments(r.len, INTERLEAVE_PIECE, sh.esize)
+        } else {
+            crate::plan::segments(r.len, r.len.max(1), 1)
+        }
+    };
     let (sp, rp) = (cut(&send.1), cut(&recv.1));
     for (k, &(o, l)) in rp.iter().enumerate() {
         p.recv(recv.0, tag0 + k as u32, recv.1.sub(o, l));
@@ -196,6 +205,23 @@ mod tests {
         // 3-byte own block a byte at a time, as its 7 pieces pass a half, five sixths and the end.
         assert_eq!(copies_after_sends(&plans[1]), vec![1]);
         assert_eq!(copies_after_sends(&plans[0]), vec![4, 6, 7]);
+        // A large own block on one rank only, 2 MiB each way: whole messages on both sides,
+        // which only the length of each message decides.
+        let (own, x) = (5 * INTERLEAVE_PIECE, 2 * INTERLEAVE_PIECE);
+        let plans: Vec<Plan> = (0..2)
+            .map(|rank| {
+                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
+                let mut p = Plan::new();
+                let (send, recv) = if rank == 0 {
+                    ([(0, own), (own, x)], [(0, own), (own, x)])
+                } else {
+                    ([(0, x), (x, 10)], [(0, x), (x, 10)])
+                };
+                alltoall::pairwise(&mut p, &sh, Buf::Input, &send, &recv);
+                p
+            })
+            .collect();
+        assert_eq!(simulate(&plans).unwrap().messages, vec![1, 1]);
     }
 
     #[test]
