@@ -12,7 +12,11 @@
 //! positions. Afterwards position `i` holds the block from `r-i`, which a last copy puts in place.
 //! Each round moves about half the blocks: `⌈log2 n⌉·S/2` bytes sent per rank.
 //!
-//! In place, the buffer is first copied to scratch (`coll/alltoall.rs`).
+//! In place, the blocks for the peers are first saved to scratch (`coll/alltoall.rs`); pairwise
+//! and post-all leave the own block where it is, Bruck saves it too.
+//!
+//! With 2 ranks, pairwise is one exchange that carries the own block's copy along in pieces
+//! (`exchange_interleaved`).
 
 use super::PlanCtx;
 use crate::plan::{Buf, Plan, Region};
