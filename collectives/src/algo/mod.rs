@@ -159,46 +159,50 @@ mod tests {
         at
     }
 
+    /// Both ranks' plans of a 2-rank call, out of place, 1-byte elements.
+    fn two_rank_plans(build: impl Fn(&PlanCtx) -> Plan) -> Vec<Plan> {
+        (0..2)
+            .map(|rank| build(&PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false }))
+            .collect()
+    }
+
+    /// Both ranks' 2-rank pairwise all-to-all plans, from each rank's (send, recv) blocks.
+    fn pairwise_plans(
+        blocks: impl Fn(usize) -> ([(usize, usize); 2], [(usize, usize); 2]),
+    ) -> Vec<Plan> {
+        two_rank_plans(|sh| {
+            let (send, recv) = blocks(sh.rank);
+            let mut p = Plan::new();
+            alltoall::pairwise(&mut p, sh, Buf::Input, &send, &recv);
+            p
+        })
+    }
+
     #[test]
     fn interleaved_exchanges_copy_between_the_pieces_and_match_up() {
         let big = 4 * INTERLEAVE_PIECE + 3;
         // Out-of-place all-gather, 2 ranks: 5 pieces each way, the copy in 5 steps that trail
         // the sends (after sends 2, 3, 4, 5 and the last wait).
-        let plans: Vec<Plan> = (0..2)
-            .map(|rank| {
-                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
-                recursive_doubling::allgather(&sh, &[(0, big), (big, big)])
-            })
-            .collect();
+        let plans = two_rank_plans(|sh| recursive_doubling::allgather(sh, &[(0, big), (big, big)]));
         let sim = simulate(&plans).unwrap();
         assert_eq!(sim.messages, vec![5, 5]);
         assert_eq!(copies_after_sends(&plans[0]), vec![2, 3, 4, 5, 5]);
         // Below the threshold: one copy before one whole exchange, as before.
-        let small: Vec<Plan> = (0..2)
-            .map(|rank| {
-                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
-                recursive_doubling::allgather(&sh, &[(0, 1000), (1000, 1000)])
-            })
-            .collect();
+        let small =
+            two_rank_plans(|sh| recursive_doubling::allgather(sh, &[(0, 1000), (1000, 1000)]));
         assert_eq!(simulate(&small).unwrap().messages, vec![1, 1]);
         assert_eq!(copies_after_sends(&small[0]), vec![0]);
         // 2-rank all-to-all with unequal blocks: 7 pieces one way, 1 the other; the tags agree.
         let (a, b) = (6 * INTERLEAVE_PIECE + 1, 3);
-        let plans: Vec<Plan> = (0..2)
-            .map(|rank| {
-                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
-                let mut p = Plan::new();
-                // Rank 0 sends `a` to rank 1 and keeps `b`; rank 1 sends `b` and keeps `a`
-                // (blocks in rank order).
-                let (send, recv) = if rank == 0 {
-                    ([(0, b), (b, a)], [(0, b), (b, b)])
-                } else {
-                    ([(0, b), (b, a)], [(0, a), (a, a)])
-                };
-                alltoall::pairwise(&mut p, &sh, Buf::Input, &send, &recv);
-                p
-            })
-            .collect();
+        // Rank 0 sends `a` to rank 1 and keeps `b`; rank 1 sends `b` and keeps `a` (blocks in
+        // rank order).
+        let plans = pairwise_plans(|rank| {
+            if rank == 0 {
+                ([(0, b), (b, a)], [(0, b), (b, b)])
+            } else {
+                ([(0, b), (b, a)], [(0, a), (a, a)])
+            }
+        });
         let sim = simulate(&plans).unwrap();
         assert_eq!(sim.messages, vec![7, 1]);
         // Rank 1 copies its large own block in one go after its single send; rank 0 copies its
@@ -208,19 +212,13 @@ mod tests {
         // A large own block on one rank only, 2 MiB each way: whole messages on both sides,
         // which only the length of each message decides.
         let (own, x) = (5 * INTERLEAVE_PIECE, 2 * INTERLEAVE_PIECE);
-        let plans: Vec<Plan> = (0..2)
-            .map(|rank| {
-                let sh = PlanCtx { rank, n: 2, esize: 1, seg: 1 << 20, in_place: false };
-                let mut p = Plan::new();
-                let (send, recv) = if rank == 0 {
-                    ([(0, own), (own, x)], [(0, own), (own, x)])
-                } else {
-                    ([(0, x), (x, 10)], [(0, x), (x, 10)])
-                };
-                alltoall::pairwise(&mut p, &sh, Buf::Input, &send, &recv);
-                p
-            })
-            .collect();
+        let plans = pairwise_plans(|rank| {
+            if rank == 0 {
+                ([(0, own), (own, x)], [(0, own), (own, x)])
+            } else {
+                ([(0, x), (x, 10)], [(0, x), (x, 10)])
+            }
+        });
         assert_eq!(simulate(&plans).unwrap().messages, vec![1, 1]);
     }
 
