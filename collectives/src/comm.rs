@@ -702,13 +702,7 @@ impl Comm {
     }
 
     pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root >= self.size() {
-            return Err(self.invalid(
-                op,
-                format!("root {root} is outside the group of {} ranks", self.size()),
-            ));
-        }
-        Ok(())
+        check_root(self.rank(), self.size(), op, root)
     }
 
     pub(crate) fn finish_avg<T: Element>(&self, op: ReduceOp, out: &mut [T]) {
@@ -806,6 +800,19 @@ impl Comm {
             Ok(got.into_iter().map(|n| n / size_of::<T>()).collect())
         })
     }
+}
+
+/// `root` must be a rank of a group of `size` (rank `rank` calls `op`); the check every rooted
+/// call makes, on the host, staged or through NCCL.
+pub(crate) fn check_root(rank: usize, size: usize, op: &'static str, root: usize) -> Result<()> {
+    if root >= size {
+        return Err(Error::InvalidArgument {
+            rank,
+            op,
+            detail: format!("root {root} is outside the group of {size} ranks"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -350,14 +350,6 @@ impl Staged {
         std::mem::take(&mut *self.actions.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    fn invalid(&self, op: &'static str, detail: String) -> Error {
-        Error::InvalidArgument { rank: self.comm.rank(), op, detail }
-    }
-
-    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        check_root(self.comm.rank(), self.comm.size(), op, root)
-    }
-
     fn check_len(
         &self,
         op: &'static str,
@@ -366,10 +358,10 @@ impl Staged {
         need: Option<usize>,
     ) -> Result<()> {
         let Some(need) = need else {
-            return Err(self.invalid(op, "the element count times its size overflows".into()));
+            return Err(self.comm.invalid(op, "the element count times its size overflows".into()));
         };
         if b.len_bytes() < need {
-            return Err(self.invalid(
+            return Err(self.comm.invalid(
                 op,
                 format!("{what} holds {} bytes, the call needs {need}", b.len_bytes()),
             ));
@@ -485,7 +477,7 @@ impl Staged {
         root: usize,
     ) -> Result<StagedStats> {
         self.comm.call("broadcast", || {
-            self.check_root("broadcast", root)?;
+            self.comm.check_root("broadcast", root)?;
             self.check_len("broadcast", "buffer", buf, bytes(&[count, size_of::<T>()]))?;
             let me = self.comm.rank() == root;
             let shape = Shape { down: me, up: !me, ..Shape::new(1, 1, count, true) };
@@ -509,7 +501,7 @@ impl Staged {
         root: usize,
     ) -> Result<StagedStats> {
         self.comm.call("reduce", || {
-            self.check_root("reduce", root)?;
+            self.comm.check_root("reduce", root)?;
             self.check_len("reduce", "buffer", buf, bytes(&[count, size_of::<T>()]))?;
             let me = self.comm.rank() == root;
             let shape = Shape { up: me, ..Shape::new(1, 1, count, true) };
@@ -731,18 +723,6 @@ pub fn open(name: &str, ordinal: usize) -> Result<Arc<dyn Device>> {
             detail: format!("unknown device {other:?} (sim, cuda)"),
         }),
     }
-}
-
-/// A root must be a rank of the group of `size` (checked before anything is queued).
-pub(crate) fn check_root(rank: usize, size: usize, op: &'static str, root: usize) -> Result<()> {
-    if root >= size {
-        return Err(Error::InvalidArgument {
-            rank,
-            op,
-            detail: format!("root {root} is outside the group of {size} ranks"),
-        });
-    }
-    Ok(())
 }
 
 /// `off..off + len` must lie within `cap` bytes (`what` names the range in the error).

@@ -401,7 +401,7 @@ impl NcclComm {
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        super::check_root(self.rank, self.size, op, root)
+        crate::comm::check_root(self.rank, self.size, op, root)
     }
 
     /// A failed NCCL call of `op`, in NCCL's words.
