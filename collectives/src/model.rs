@@ -173,6 +173,11 @@ impl Model {
             // Back to back, a chain's calls overlap: each rank receives and forwards once
             // per call, and the n − 1 hops are the pipeline's fill.
             (Coll::Broadcast, Algo::Chain) => 2.0 * a + s * br,
+            // The root sends every block but its own twice, once in the scatter and once in
+            // the ring; the ring's n − 1 steps are on every call's path.
+            (Coll::Broadcast, Algo::ScatterAllgather) => {
+                (lg as f64 + nf - 1.0) * a + 2.0 * (nf - 1.0) / nf * s * br
+            }
             (Coll::Allgather | Coll::ReduceScatter, Algo::Ring) => {
                 (nf - 1.0) * (a + s / nf * br)
                     + if coll == Coll::ReduceScatter { s / nf * g } else { 0.0 }
@@ -264,6 +269,13 @@ mod tests {
         assert_eq!(a, Some(Algo::Ring));
         let b = GBIT.best(Coll::Broadcast, [Algo::Tree, Algo::Chain], s, &t);
         assert_eq!(b, Some(Algo::Chain));
+        // Scatter + allgather: the root sends 1.75·S against the tree root's 3·S, and the
+        // chain's S per link beats both.
+        let cost = |a| GBIT.cost(Coll::Broadcast, a, s, &t).unwrap();
+        assert!(cost(Algo::Chain) < cost(Algo::ScatterAllgather));
+        assert!(cost(Algo::ScatterAllgather) < 0.6 * cost(Algo::Tree));
+        let all = Coll::Broadcast.algos().iter().copied();
+        assert_eq!(GBIT.best(Coll::Broadcast, all, s, &t), Some(Algo::Chain));
         // Back to back, the chain's hops overlap: it wins small broadcasts across hosts too.
         let b = GBIT.best(Coll::Broadcast, [Algo::Tree, Algo::Chain], 1024.0, &t);
         assert_eq!(b, Some(Algo::Chain));

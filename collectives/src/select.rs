@@ -34,11 +34,13 @@ pub enum Algo {
     Dissemination,
     /// Two-level: within each host, then across hosts, then within each host again.
     TwoLevel,
+    /// Binomial scatter then ring allgather (broadcast).
+    ScatterAllgather,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 12] = [
+    pub const ALL: [Algo; 13] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Rabenseifner,
@@ -51,6 +53,7 @@ impl Algo {
         Algo::Linear,
         Algo::Dissemination,
         Algo::TwoLevel,
+        Algo::ScatterAllgather,
     ];
 
     /// Short name (collbench's algorithm column, `TUTTI_ALGO`).
@@ -68,11 +71,12 @@ impl Algo {
             Algo::Linear => "linear",
             Algo::Dissemination => "dissemination",
             Algo::TwoLevel => "twolevel",
+            Algo::ScatterAllgather => "scatter_allgather",
         }
     }
 
     /// Parse a name or a common alias (`binomial`, `recursive_doubling`, `halving_doubling`,
-    /// `hierarchical`).
+    /// `hierarchical`, `van_de_geijn`).
     pub fn parse(s: &str) -> Option<Algo> {
         let s = s.trim().to_ascii_lowercase();
         let alias = match s.as_str() {
@@ -82,6 +86,9 @@ impl Algo {
             "recursive_halving" | "recursive-halving" => "halving",
             "post_all" | "post-all" => "postall",
             "two_level" | "two-level" | "hierarchical" => "twolevel",
+            "scatter-allgather" | "scatter+allgather" | "van_de_geijn" | "vandegeijn" => {
+                "scatter_allgather"
+            }
             other => other,
         };
         Algo::ALL.into_iter().find(|a| a.name() == alias)

@@ -284,6 +284,7 @@ fn host_placements_match() {
                     (Coll::Allgather, Algo::Ring),
                     (Coll::ReduceScatter, Algo::Ring),
                     (Coll::Broadcast, Algo::Chain),
+                    (Coll::Broadcast, Algo::ScatterAllgather),
                 ] {
                     if !uniform && matches!(coll, Coll::Allreduce | Coll::Broadcast) {
                         continue;

@@ -11,6 +11,7 @@ pub mod halving_doubling;
 pub mod linear;
 pub mod recursive_doubling;
 pub mod ring;
+pub mod scatter_allgather;
 pub mod tree;
 pub mod two_level;
 

@@ -214,6 +214,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, count: usize, topo: &Topology) -> 
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Linear
-        | Algo::Dissemination => return Err(super::refuse(ctx, Coll::Allreduce, algo)),
+        | Algo::Dissemination
+        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Allreduce, algo)),
     })
 }

@@ -157,7 +157,8 @@ pub(crate) fn plan(
         | Algo::Chain
         | Algo::Linear
         | Algo::Dissemination
-        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::AllToAll, algo)),
+        | Algo::TwoLevel
+        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::AllToAll, algo)),
     }
     Ok(p)
 }

@@ -54,6 +54,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo) -> Result<Plan> {
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Linear
-        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Barrier, algo)),
+        | Algo::TwoLevel
+        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Barrier, algo)),
     })
 }

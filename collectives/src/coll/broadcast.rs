@@ -73,7 +73,7 @@ impl Comm {
 }
 
 /// The algorithms that implement broadcast.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Tree, Algo::Chain];
+pub(crate) const ALGOS: &[Algo] = &[Algo::Tree, Algo::Chain, Algo::ScatterAllgather];
 
 /// The schedule `algo` runs for a broadcast of `len` bytes from `root` on `topo` (the chain
 /// follows hosts).
@@ -90,6 +90,11 @@ pub(crate) fn plan(
         Algo::Chain => algo::on_ring(ctx, topo, &[], |c, _, order| {
             let at = order.and_then(|o| o.iter().position(|r| *r == root)).unwrap_or(root);
             algo::chain::broadcast(c, len, at)
+        }),
+        // The allgather's ring follows hosts; distances from the root are taken along it.
+        Algo::ScatterAllgather => algo::on_ring(ctx, topo, &[], |c, _, order| {
+            let at = order.and_then(|o| o.iter().position(|r| *r == root)).unwrap_or(root);
+            algo::scatter_allgather::broadcast(c, len, at)
         }),
         Algo::Ring
         | Algo::RecursiveDoubling

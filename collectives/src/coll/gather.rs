@@ -57,6 +57,7 @@ pub(crate) fn plan(
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Dissemination
-        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Gather, algo)),
+        | Algo::TwoLevel
+        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Gather, algo)),
     })
 }

@@ -94,6 +94,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, len: usize, root: usize) -> Result
         | Algo::PostAll
         | Algo::Linear
         | Algo::Dissemination
-        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Reduce, algo)),
+        | Algo::TwoLevel
+        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Reduce, algo)),
     })
 }

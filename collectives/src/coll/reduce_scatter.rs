@@ -157,6 +157,7 @@ pub(crate) fn plan(
         | Algo::PostAll
         | Algo::Linear
         | Algo::Dissemination
-        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::ReduceScatter, algo)),
+        | Algo::TwoLevel
+        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::ReduceScatter, algo)),
     })
 }

@@ -58,6 +58,7 @@ pub(crate) fn plan(
         | Algo::Pairwise
         | Algo::PostAll
         | Algo::Dissemination
-        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Scatter, algo)),
+        | Algo::TwoLevel
+        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Scatter, algo)),
     })
 }
