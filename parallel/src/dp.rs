@@ -10,6 +10,9 @@ use tutti_collectives::{Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::ops;
 
+mod overlap;
+pub use overlap::{Stage, StageFn};
+
 /// Bucket sizes of [`DataParallel`].
 #[derive(Clone, Copy, Debug)]
 pub struct DpConfig {
@@ -390,6 +393,21 @@ impl DataParallel {
         exchange(&self.comm, &self.bufs, &parts, direct)?;
         drop(parts);
         let mut store = acc.store;
+        self.insert_views(&mut store)?;
+        Ok(Synced {
+            grads: store,
+            loss: sv[1] / n,
+            samples: n as u64,
+            buckets: self.buckets.len(),
+            direct,
+        })
+    }
+}
+
+impl DataParallel {
+    /// Put every parameter's averaged gradient, a view of its bucket (moved to the parameter's
+    /// device), into `store`.
+    fn insert_views(&self, store: &mut GradStore) -> Result<()> {
         for (b, buf) in self.buckets.iter().zip(&self.bufs) {
             for (i, off) in b.clone().zip(&buf.offs) {
                 let v = &self.vars[i];
@@ -400,13 +418,7 @@ impl DataParallel {
                 store.insert(v.as_tensor(), g);
             }
         }
-        Ok(Synced {
-            grads: store,
-            loss: sv[1] / n,
-            samples: n as u64,
-            buckets: self.buckets.len(),
-            direct,
-        })
+        Ok(())
     }
 }
 

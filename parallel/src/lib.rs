@@ -64,7 +64,7 @@ pub use block::{
     attention, layer_norm, sequence_shard, sum_replicated_grads, Block, BlockConfig, BlockMode,
     Held, Param, BLOCK_PARAMS,
 };
-pub use dp::{DataParallel, DpConfig, Synced};
+pub use dp::{DataParallel, DpConfig, Stage, StageFn, Synced};
 pub use elastic::{ElasticDp, Member, Outcome, Recovery};
 pub use error::{Error, Result};
 pub use lm::{LmConfig, LmMode, TinyLm};
