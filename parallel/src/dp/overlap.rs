@@ -173,10 +173,6 @@ impl DataParallel {
                 stage_of[i] = k;
             }
         }
-        let (acc_grads, acc_samples, acc_loss, acc_store) = match self.acc.take() {
-            Some(a) => (a.grads, a.samples, a.loss_sum, Some(a.store)),
-            None => (vec![None; nv], 0, 0.0, None),
-        };
         // Forward, stage by stage, each on a detached copy of the previous output.
         let (mut ins, mut outs, mut loss_t) = (Vec::new(), Vec::new(), None);
         let mut value = 0.0;
@@ -193,6 +189,11 @@ impl DataParallel {
             value = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             loss_t = Some(l);
         }
+        // Taken only now: a forward pass that failed leaves the accumulated gradients in place.
+        let (acc_grads, acc_samples, acc_loss, acc_store) = match self.acc.take() {
+            Some(a) => (a.grads, a.samples, a.loss_sum, Some(a.store)),
+            None => (vec![None; nv], 0, 0.0, None),
+        };
         let w = samples as f64;
         let mut sv = [(acc_samples + samples as u64) as f64, acc_loss + value * w];
         self.comm.allreduce(&mut sv, ReduceOp::Sum)?;
