@@ -44,6 +44,10 @@ pub struct Synced {
     /// had one factor for every gradient, as with even shards of one micro-batch each) rather
     /// than packed into the buckets first.
     pub direct: bool,
+    /// Whether, with [`Synced::direct`], the large gradients were reduced in place in candle's
+    /// own gradient tensors (every rank found each one alone in its storage): then `grads`
+    /// holds those tensors for them, not views of the buckets.
+    pub in_place: bool,
 }
 
 struct Accum {
@@ -303,6 +307,34 @@ impl DataParallel {
         f.unwrap_or(f64::NAN)
     }
 
+    /// Whether every large gradient is alone in its CPU storage: no other gradient of the
+    /// step's store (candle's gradients of every node of the graph) and no other large
+    /// gradient lies in it, so it can be reduced in place without changing another tensor.
+    /// Candle 0.9 makes every gradient by an addition into new storage, so this holds, but it
+    /// is checked, not assumed: where it fails, the gradient is read out of place.
+    fn unshared(&self, acc: &Accum) -> bool {
+        let mut large = Vec::new();
+        for (b, buf) in self.buckets.iter().zip(&self.bufs) {
+            for (i, l) in b.clone().zip(&buf.large) {
+                if let (true, Some((g, _))) = (*l, &acc.grads[i]) {
+                    match cpu_span(g) {
+                        Some(span) => large.push((g.id(), span)),
+                        None => return false,
+                    }
+                }
+            }
+        }
+        let meets = |(a, b): (usize, usize), (c, d): (usize, usize)| a < d && c < b;
+        large.iter().all(|&(id, span)| {
+            large.iter().all(|&(o, s)| o == id || !meets(span, s))
+                && acc
+                    .store
+                    .get_ids()
+                    .filter_map(|o| acc.store.get_id(*o))
+                    .all(|t| t.id() == id || cpu_span(t).is_none_or(|s| !meets(span, s)))
+        })
+    }
+
     /// The parameters, in the order given to [`DataParallel::new`].
     pub fn vars(&self) -> &[Var] {
         &self.vars
@@ -374,7 +406,8 @@ impl DataParallel {
         // every rank for every gradient ((Σf)² = n·Σf² holds only for equal f), each large one
         // contiguous in CPU memory.
         let f = self.direct_factor(&acc);
-        let mut sv = [acc.samples as f64, acc.loss_sum, f, f * f];
+        let alone = f64::from(u8::from(f.is_finite() && self.unshared(&acc)));
+        let mut sv = [acc.samples as f64, acc.loss_sum, f, f * f, alone];
         self.comm.allreduce(&mut sv, ReduceOp::Sum)?;
         let n = sv[0];
         if n == 0.0 {
@@ -385,21 +418,34 @@ impl DataParallel {
             });
         }
         let direct = sv[2].is_finite() && sv[2] * sv[2] == self.comm.size() as f64 * sv[3];
+        // In place only where every rank can: the plans of one allreduce must match.
+        let in_place = direct && sv[4] == self.comm.size() as f64;
         let parts: Vec<Vec<Part<'_>>> = self
             .buckets
             .iter()
             .map(|b| b.clone().map(|i| acc.grads[i].as_ref().map(|(g, f)| (g, f / n))).collect())
             .collect();
-        exchange(&self.comm, &self.bufs, &parts, direct)?;
+        exchange(&self.comm, &self.bufs, &parts, direct, in_place)?;
         drop(parts);
         let mut store = acc.store;
         self.insert_views(&mut store)?;
+        if in_place {
+            // The large gradients were reduced where candle left them.
+            for (b, buf) in self.buckets.iter().zip(&self.bufs) {
+                for (i, large) in b.clone().zip(&buf.large) {
+                    if let (true, Some((g, _))) = (*large, &acc.grads[i]) {
+                        store.insert(self.vars[i].as_tensor(), g.clone());
+                    }
+                }
+            }
+        }
         Ok(Synced {
             grads: store,
             loss: sv[1] / n,
             samples: n as u64,
             buckets: self.buckets.len(),
             direct,
+            in_place,
         })
     }
 }
@@ -432,6 +478,52 @@ fn contiguous_cpu(t: &Tensor) -> Option<(usize, usize)> {
         candle_core::Storage::Cpu(_) => layout.contiguous_offsets(),
         _ => None,
     }
+}
+
+/// The byte range of `t`'s whole CPU storage (float storages only: a gradient's storage is one
+/// of those, and storages of other kinds cannot be the same storage).
+fn cpu_span(t: &Tensor) -> Option<(usize, usize)> {
+    fn span<T>(v: &[T]) -> (usize, usize) {
+        let a = v.as_ptr() as usize;
+        (a, a + size_of_val(v))
+    }
+    let (st, _) = t.storage_and_layout();
+    match &*st {
+        candle_core::Storage::Cpu(cs) => match cs {
+            CpuStorage::F32(v) => Some(span(v)),
+            CpuStorage::F64(v) => Some(span(v)),
+            CpuStorage::BF16(v) => Some(span(v)),
+            CpuStorage::F16(v) => Some(span(v)),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// Run `f` with the tensors `ts` (contiguous CPU tensors of `T`) lent mutably, in order, after
+/// `lent`: each one's storage is locked for writing (candle's in-place op) while `f` runs.
+fn with_all_mut<T: BucketElem, R>(
+    rank: usize,
+    ts: &[&Tensor],
+    lent: Vec<&mut [T]>,
+    f: impl FnOnce(Vec<&mut [T]>) -> Result<R>,
+) -> Result<R> {
+    let Some((t, rest)) = ts.split_first() else { return f(lent) };
+    with_storage_mut(t, move |s, layout| {
+        let mut lent = lent;
+        let range = layout.contiguous_offsets();
+        match (T::slice_mut(s), range) {
+            (Some(v), Some((a, e))) => lent.push(&mut v[a..e]),
+            _ => {
+                return Err(Error::Shape {
+                    rank,
+                    layer: "DataParallel",
+                    detail: "a large gradient changed dtype or layout during sync".into(),
+                })
+            }
+        }
+        with_all_mut(rank, rest, lent, f)
+    })
 }
 
 /// A float dtype a bucket can hold.
@@ -494,7 +586,13 @@ fn with_storage_mut<R>(
 /// level waits for its own bucket after the later ones were started. With `direct` (agreed by
 /// every rank), large gradients skip the packing: a scaled out-of-place allreduce reads them
 /// where candle left them and writes the bucket.
-fn exchange(comm: &Comm, bufs: &[Bucket], parts: &[Vec<Part<'_>>], direct: bool) -> Result<()> {
+fn exchange(
+    comm: &Comm,
+    bufs: &[Bucket],
+    parts: &[Vec<Part<'_>>],
+    direct: bool,
+    in_place: bool,
+) -> Result<()> {
     let (Some((b, bufs)), Some((mine, parts))) = (bufs.split_first(), parts.split_first()) else {
         return Ok(());
     };
@@ -516,7 +614,7 @@ fn exchange(comm: &Comm, bufs: &[Bucket], parts: &[Vec<Part<'_>>], direct: bool)
                     pack::<$t>(dst, &all)?;
                     return comm.scope(|sc| {
                         let h = sc.iallreduce(dst, ReduceOp::Sum);
-                        let later = exchange(comm, bufs, parts, direct);
+                        let later = exchange(comm, bufs, parts, direct, in_place);
                         h.wait()?;
                         later
                     });
@@ -531,6 +629,38 @@ fn exchange(comm: &Comm, bufs: &[Bucket], parts: &[Vec<Part<'_>>], direct: bool)
                     .map(|(((p, o), n), _)| (*p, o - b.small, *n))
                     .collect();
                 pack::<$t>(small, &packed)?;
+                if in_place {
+                    // Each large gradient reduced and scaled where candle left it, its storage
+                    // locked for writing while it is on the wire.
+                    let large_parts: Vec<(&Tensor, f64)> = mine
+                        .iter()
+                        .zip(&b.large)
+                        .filter(|(_, l)| **l)
+                        .filter_map(|(p, _)| *p)
+                        .collect();
+                    let ts: Vec<&Tensor> = large_parts.iter().map(|(t, _)| *t).collect();
+                    return with_all_mut::<$t, _>(comm.rank(), &ts, Vec::new(), |grads| {
+                        comm.scope(|sc| {
+                            let mut hs = Vec::with_capacity(grads.len() + 1);
+                            for (g, (_, k)) in grads.into_iter().zip(&large_parts) {
+                                let k = *k;
+                                hs.push(sc.submit(move |c| c.allreduce_scaled(g, k)));
+                            }
+                            if !small.is_empty() {
+                                hs.push(sc.iallreduce(small, ReduceOp::Sum));
+                            }
+                            let later = exchange(comm, bufs, parts, direct, in_place);
+                            let mut first = Ok(());
+                            for h in hs {
+                                if let (Err(e), Ok(())) = (h.wait(), &first) {
+                                    first = Err(e);
+                                }
+                            }
+                            first?;
+                            later
+                        })
+                    });
+                }
                 // The large gradients' storage stays locked for reading while it is on the wire.
                 let held: Vec<_> = mine
                     .iter()
@@ -564,7 +694,7 @@ fn exchange(comm: &Comm, bufs: &[Bucket], parts: &[Vec<Part<'_>>], direct: bool)
                     if !small.is_empty() {
                         hs.push(sc.iallreduce(small, ReduceOp::Sum));
                     }
-                    let later = exchange(comm, bufs, parts, direct);
+                    let later = exchange(comm, bufs, parts, direct, in_place);
                     let mut first = Ok(());
                     for h in hs {
                         if let (Err(e), Ok(())) = (h.wait(), &first) {
@@ -659,4 +789,60 @@ fn huge_vec<T>(n: usize) -> Vec<T> {
         }
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// One large parameter (280 KB) and one small; `loss = 3·Σv + 5·Σw` gives gradients 3
+    /// and 5 (times 2 samples, divided by 2 samples).
+    fn setup() -> (DataParallel, Var, Var) {
+        let comm = Comm::mem_world(1).pop().unwrap();
+        let v = Var::zeros(70_000, DType::F32, &Device::Cpu).unwrap();
+        let w = Var::zeros(10, DType::F32, &Device::Cpu).unwrap();
+        let dp = DataParallel::new(comm, vec![v.clone(), w.clone()], DpConfig::default()).unwrap();
+        (dp, v, w)
+    }
+
+    fn loss(v: &Var, w: &Var) -> Tensor {
+        let a = (v.as_tensor().sum_all().unwrap() * 3.0).unwrap();
+        (a + (w.as_tensor().sum_all().unwrap() * 5.0).unwrap()).unwrap()
+    }
+
+    fn check(s: &Synced, v: &Var, w: &Var) {
+        let g = s.grads.get(v.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+        assert!(g.len() == 70_000 && g.iter().all(|x| *x == 3.0));
+        let g = s.grads.get(w.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+        assert!(g.iter().all(|x| *x == 5.0));
+    }
+
+    #[test]
+    fn large_gradients_are_reduced_in_place_only_when_alone_in_their_storage() {
+        let (mut dp, v, w) = setup();
+        dp.backward(&loss(&v, &w), 2).unwrap();
+        assert!(dp.unshared(dp.acc.as_ref().unwrap()), "candle's gradients own their storage");
+        let s = dp.sync().unwrap();
+        assert!(s.direct && s.in_place);
+        check(&s, &v, &w);
+        // The large gradient is now candle's own tensor, not a view of the bucket.
+        let bucket = cpu_span(&dp.bufs[0].flat).unwrap();
+        let g = cpu_span(s.grads.get(v.as_tensor()).unwrap()).unwrap();
+        assert!(g.1 <= bucket.0 || g.0 >= bucket.1);
+
+        // A view of the gradient filed under another tensor of the store: it shares the
+        // storage, so the gradient is read out of place and the view keeps its values.
+        dp.backward(&loss(&v, &w), 2).unwrap();
+        let acc = dp.acc.as_mut().unwrap();
+        let grad = acc.grads[0].as_ref().unwrap().0.clone();
+        let other = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
+        acc.store.insert(&other, grad.narrow(0, 100, 5).unwrap());
+        assert!(!dp.unshared(dp.acc.as_ref().unwrap()));
+        let s = dp.sync().unwrap();
+        assert!(s.direct && !s.in_place);
+        check(&s, &v, &w);
+        let view = s.grads.get(&other).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(view, vec![3.0; 5], "the tensor sharing the storage is untouched");
+    }
 }

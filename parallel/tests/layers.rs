@@ -328,6 +328,8 @@ fn dp_reuse_case(kind: Kind, n: usize) {
             dp.backward(&loss.unwrap(), samples(r)).unwrap();
             let out = dp.sync().unwrap();
             assert_eq!(out.direct, want_direct, "step {s} n={n}");
+            // Candle's gradients own their storage: direct means in place.
+            assert_eq!(out.in_place, want_direct, "step {s} n={n}");
             let total: usize = (0..n).map(samples).sum();
             assert_eq!(out.samples, total as u64);
             for (j, (v, (len, on))) in vars.iter().zip(&params).enumerate() {

@@ -232,6 +232,7 @@ impl DataParallel {
             samples: n as u64,
             buckets: self.buckets.len(),
             direct: false,
+            in_place: false,
         })
     }
 }
