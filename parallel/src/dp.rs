@@ -74,6 +74,9 @@ struct Accum {
 /// non-blocking allreduce ([`Comm::scope`]: no copy in or out) and packs the next bucket while
 /// it is on the wire. The averaged gradients it returns are views of these buckets, as PyTorch's
 /// `gradient_as_bucket_view`: the next `sync` overwrites them, so copy any you want to keep.
+/// Large gradients (256 KiB and more) skip the bucket when every rank weighs them alike: they
+/// are reduced where candle left them, in place when each is alone in its storage
+/// ([`Synced::in_place`]), and come back as candle's own tensors.
 ///
 /// # Collective contract
 /// Every rank constructs it with the same parameter shapes and calls [`DataParallel::sync`]
