@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::cell::RefCell;
 
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp1, Tensor, Var};
-use tutti_collectives::{Comm, ReduceOp};
+use tutti_collectives::{Comm, Lent, ReduceOp, Stats};
 
 use crate::error::{Error, Result};
 use crate::ops;
@@ -653,14 +653,7 @@ fn exchange(
                                 hs.push(sc.iallreduce(small, ReduceOp::Sum));
                             }
                             let later = exchange(comm, bufs, parts, direct, in_place);
-                            let mut first = Ok(());
-                            for h in hs {
-                                if let (Err(e), Ok(())) = (h.wait(), &first) {
-                                    first = Err(e);
-                                }
-                            }
-                            first?;
-                            later
+                            wait_all(hs, later)
                         })
                     });
                 }
@@ -698,14 +691,7 @@ fn exchange(
                         hs.push(sc.iallreduce(small, ReduceOp::Sum));
                     }
                     let later = exchange(comm, bufs, parts, direct, in_place);
-                    let mut first = Ok(());
-                    for h in hs {
-                        if let (Err(e), Ok(())) = (h.wait(), &first) {
-                            first = Err(e);
-                        }
-                    }
-                    first?;
-                    later
+                    wait_all(hs, later)
                 })
             })
         };
@@ -721,6 +707,19 @@ fn exchange(
             detail: format!("parameters of dtype {d:?} cannot be averaged (use a float dtype)"),
         }),
     }
+}
+
+/// Wait for every handle, even after one failed (each lends a buffer until it ends), then
+/// give the first error, or `later`'s result.
+fn wait_all(hs: Vec<Lent<'_, Stats>>, later: Result<()>) -> Result<()> {
+    let mut first = Ok(());
+    for h in hs {
+        if let (Err(e), Ok(())) = (h.wait(), &first) {
+            first = Err(e);
+        }
+    }
+    first?;
+    later
 }
 
 /// Write each gradient (zeros for `None`) at its element offset in `dst` (with its length),
