@@ -11,10 +11,13 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor, TensorId, Var};
 use tutti_collectives::{Comm, ReduceOp};
 
-use super::{pack, with_storage_mut, Bucket, BucketElem, DataParallel, Part, Synced};
+use super::{
+    cpu_span, pack, wait_all, with_all_mut, with_storage_mut, Bucket, BucketElem, DataParallel,
+    Part, Synced,
+};
 use crate::error::{Error, Result};
 
 /// A stage's forward function: its input (the model's input, or the previous stage's output)
@@ -59,6 +62,27 @@ struct Backward<'s> {
     grads: Vec<Option<(Tensor, f64)>>,
     /// The gradient store of the last stage's backward (the one [`Synced`] returns).
     store: Option<candle_core::backprop::GradStore>,
+    /// Every rank weighs every gradient alike (one micro-batch each, the same samples): large
+    /// gradients are then reduced in place, scaled by the ring, not packed.
+    direct: bool,
+    /// With `direct`: the factor every rank gives every gradient.
+    factor: f64,
+    /// Per parameter: its result is candle's own gradient tensor, reduced in place.
+    in_tensor: Vec<bool>,
+    /// Where each final gradient's storage lies (contiguous CPU gradients only), and the kept
+    /// store's entries: taken when they are made, since a gradient lent to an in-place
+    /// allreduce stays locked for writing while the backward pass goes on.
+    spans: Vec<Option<(usize, usize)>>,
+    store_spans: Vec<(TensorId, (usize, usize))>,
+}
+
+/// Where the CPU storage of each entry of `store` lies, by the entry's tensor.
+fn entries(store: &candle_core::backprop::GradStore) -> Vec<(TensorId, (usize, usize))> {
+    store
+        .get_ids()
+        .filter_map(|o| store.get_id(*o))
+        .filter_map(|t| cpu_span(t).map(|s| (t.id(), s)))
+        .collect()
 }
 
 impl Backward<'_> {
@@ -93,10 +117,12 @@ impl Backward<'_> {
                     });
                 }
                 let prev = self.acc[i].take();
-                self.grads[i] = Some(match prev {
+                let (g, f) = match prev {
                     Some((a, fa)) => ((a.affine(fa, 0.0)? + g.affine(self.w, 0.0)?)?, 1.0),
                     None => (g.clone(), self.w),
-                });
+                };
+                self.spans[i] = cpu_span(&g).filter(|_| g.is_contiguous());
+                self.grads[i] = Some((g, f));
             }
             // Detached: the gradient carries the graph it was computed by (the next stage's
             // weights among it), which the earlier stage's backward pass must not enter.
@@ -105,6 +131,7 @@ impl Backward<'_> {
                 None => None,
             };
             if self.store.is_none() {
+                self.store_spans = entries(&store);
                 self.store = Some(store);
             }
         }
@@ -116,6 +143,17 @@ impl Backward<'_> {
         self.next = 0;
         self.seed = None;
         Ok(())
+    }
+
+    /// Whether parameter `i`'s gradient `g` is contiguous in CPU memory and alone in its
+    /// storage: no other gradient of this step and no other entry of the kept gradient store
+    /// lies in it, so it can be reduced where it is. (Gradients of the stages still to run
+    /// will be new allocations.)
+    fn alone(&self, i: usize, g: &Tensor) -> bool {
+        let Some(span) = self.spans[i] else { return false };
+        let apart = |(c, d): (usize, usize)| d <= span.0 || span.1 <= c;
+        self.spans.iter().enumerate().all(|(j, s)| j == i || s.is_none_or(apart))
+            && self.store_spans.iter().all(|&(id, s)| id == g.id() || apart(s))
     }
 
     /// The gradient of parameter `i` and its factor: this micro-batch's (with what was
@@ -195,12 +233,24 @@ impl DataParallel {
             None => (vec![None; nv], 0, 0.0, None),
         };
         let w = samples as f64;
-        let mut sv = [(acc_samples + samples as u64) as f64, acc_loss + value * w];
+        // Direct (large gradients reduced where they are, scaled by the ring) when every rank
+        // gives every gradient the same factor, as `sync` decides: one micro-batch of the same
+        // samples each (factor: the samples), or several with every gradient accumulated
+        // (factor 1 once this micro-batch's is added). A gradient that ends with another
+        // factor (none this time) is scaled to the agreed one in its place in the bucket.
+        let f = match (&acc_store, samples) {
+            (_, 0) => f64::NAN,
+            (None, _) => w,
+            (Some(_), _) if acc_grads.iter().all(Option::is_some) => 1.0,
+            _ => f64::NAN,
+        };
+        let mut sv = [(acc_samples + samples as u64) as f64, acc_loss + value * w, f, f * f];
         self.comm.allreduce(&mut sv, ReduceOp::Sum)?;
         let n = sv[0];
         if n == 0.0 {
             return Err(bad("no rank had any sample this step".into()));
         }
+        let direct = sv[2].is_finite() && sv[2] * sv[2] == self.comm.size() as f64 * sv[3];
         let mut bw = Backward {
             stages,
             vars: &self.vars,
@@ -213,6 +263,11 @@ impl DataParallel {
             w,
             acc: acc_grads,
             grads: vec![None; nv],
+            direct,
+            factor: sv[2] / self.comm.size() as f64,
+            in_tensor: vec![false; nv],
+            spans: vec![None; nv],
+            store_spans: acc_store.as_ref().map(entries).unwrap_or_default(),
             store: acc_store,
         };
         let ready: Vec<usize> = self
@@ -226,13 +281,24 @@ impl DataParallel {
             None => Tensor::zeros((), DType::F32, &candle_core::Device::Cpu)?.backward()?,
         };
         self.insert_views(&mut store)?;
+        let mut in_place = direct;
+        for (b, buf) in self.buckets.iter().zip(&self.bufs) {
+            for (i, large) in b.clone().zip(&buf.large) {
+                match &bw.grads[i] {
+                    Some((g, _)) if bw.in_tensor[i] => {
+                        store.insert(self.vars[i].as_tensor(), g.clone());
+                    }
+                    _ => in_place &= !large,
+                }
+            }
+        }
         Ok(Synced {
             grads: store,
             loss: sv[1] / n,
             samples: n as u64,
             buckets: self.buckets.len(),
-            direct: false,
-            in_place: false,
+            direct,
+            in_place,
         })
     }
 }
@@ -283,6 +349,9 @@ fn level<T: BucketElem>(
             layer: OP,
             detail: "a bucket changed dtype".into(),
         })?;
+        if bw.direct {
+            return direct::<T>(comm, b, range, dst, rest, bw, n);
+        }
         {
             let parts: Vec<(Part<'_>, usize, usize)> = range
                 .clone()
@@ -297,6 +366,75 @@ fn level<T: BucketElem>(
             let later = overlap(comm, rest.0, rest.1, rest.2, bw, n);
             h.wait()?;
             later
+        })
+    })
+}
+
+/// A bucket when every rank weighs every gradient alike: the small gradients packed (scaled)
+/// and reduced together; each large one reduced on its own, in place, scaled by the ring —
+/// in candle's own tensor when it is alone in its storage, else in its place in the bucket
+/// (copied there unscaled, or zeros without a gradient), so every rank runs the same in-place
+/// allreduces whichever buffer it lends.
+fn direct<T: BucketElem>(
+    comm: &Comm,
+    b: &Bucket,
+    range: &Range<usize>,
+    dst: &mut [T],
+    rest: Rest<'_>,
+    bw: &mut Backward<'_>,
+    n: f64,
+) -> Result<()> {
+    let (large, small) = dst.split_at_mut(b.small);
+    let params: Vec<(usize, usize, usize, bool)> = range
+        .clone()
+        .zip(&b.offs)
+        .zip(&b.lens)
+        .zip(&b.large)
+        .map(|(((i, o), l), big)| (i, *o, *l, *big))
+        .collect();
+    {
+        let packed: Vec<(Part<'_>, usize, usize)> = params
+            .iter()
+            .filter(|p| !p.3)
+            .map(|&(i, o, l, _)| (bw.grad(i).map(|(g, f)| (g, f / n)), o - b.small, l))
+            .collect();
+        pack::<T>(small, &packed)?;
+    }
+    // Each large parameter's buffer: candle's tensor (lent below) or its place in the bucket.
+    let mut own: Vec<Tensor> = Vec::new();
+    let mut regions: Vec<Option<&mut [T]>> = Vec::new();
+    let mut left = large;
+    for &(i, _, l, _) in params.iter().filter(|p| p.3) {
+        let (region, r) = left.split_at_mut(l);
+        left = r;
+        match bw.grad(i).map(|(g, a)| (g.clone(), *a)) {
+            Some((g, a)) if a == bw.factor && bw.alone(i, &g) => {
+                bw.in_tensor[i] = true;
+                own.push(g);
+                regions.push(None);
+            }
+            g => {
+                let part = g.as_ref().map(|(g, a)| (g, a / bw.factor));
+                pack::<T>(region, &[(part, 0, l)])?;
+                regions.push(Some(region));
+            }
+        }
+    }
+    let k = bw.factor / n;
+    let lend: Vec<&Tensor> = own.iter().collect();
+    with_all_mut::<T, _>(comm.rank(), &lend, Vec::new(), |grads| {
+        comm.scope(|sc| {
+            let mut grads = grads.into_iter();
+            let mut hs = Vec::with_capacity(regions.len() + 1);
+            for region in regions {
+                let Some(buf) = region.or_else(|| grads.next()) else { continue };
+                hs.push(sc.submit(move |c| c.allreduce_scaled(buf, k)));
+            }
+            if !small.is_empty() {
+                hs.push(sc.iallreduce(small, ReduceOp::Sum));
+            }
+            let later = overlap(comm, rest.0, rest.1, rest.2, bw, n);
+            wait_all(hs, later)
         })
     })
 }
