@@ -407,7 +407,8 @@ impl DataParallel {
         // contribution while packing (no pass over the reduced buckets), and whether every rank
         // can reduce its large gradients straight from candle's tensors — the same factor on
         // every rank for every gradient ((Σf)² = n·Σf² holds only for equal f), each large one
-        // contiguous in CPU memory.
+        // contiguous in CPU memory — and, counted over the ranks, whether each rank's large
+        // gradients are alone in their storage, so that all of them can reduce in place.
         let f = self.direct_factor(&acc);
         let alone = f64::from(u8::from(f.is_finite() && self.unshared(&acc)));
         let mut sv = [acc.samples as f64, acc.loss_sum, f, f * f, alone];
