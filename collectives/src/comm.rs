@@ -115,19 +115,22 @@ impl Config {
 pub struct Comm {
     pub(crate) group: Group,
     cfg: Arc<Config>,
-    force: Option<Algo>,
+    pub(crate) force: Option<Algo>,
     tuner: Arc<crate::tune::Tuner>,
     /// Which ranks share a host, once known (see [`Comm::topology`]).
-    topo: Arc<std::sync::OnceLock<Arc<Topology>>>,
+    pub(crate) topo: Arc<std::sync::OnceLock<Arc<Topology>>>,
     /// The links, once measured (see [`Comm::link_scale`]): the cost model on links at least
     /// [`LINK_SLOW`] times slower than loopback, `None` otherwise.
-    link: Arc<std::sync::OnceLock<Option<Model>>>,
+    pub(crate) link: Arc<std::sync::OnceLock<Option<Model>>>,
     scratch: Arc<Mutex<Scratch>>,
     /// The background worker that runs non-blocking calls in program order (started lazily,
     /// shared by clones).
     pub(crate) worker: Arc<std::sync::OnceLock<crate::nonblocking::Worker>>,
     /// True on the worker's own handle: it never waits for itself.
     pub(crate) in_worker: bool,
+    /// The groups of the lanes for non-blocking calls (see [`Comm::with_lanes`]); none (the
+    /// default): one worker on this communicator's own group, every job in program order.
+    pub(crate) lanes: Arc<Vec<Group>>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -216,6 +219,7 @@ impl Comm {
             scratch: Arc::new(Mutex::new(Scratch::default())),
             worker: Arc::new(std::sync::OnceLock::new()),
             in_worker: false,
+            lanes: Arc::new(Vec::new()),
         }
     }
 

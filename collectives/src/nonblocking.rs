@@ -13,7 +13,9 @@
 //!
 //! Jobs run one at a time in submission order, and a blocking call on the same communicator
 //! first waits for every job submitted before it, so every rank issues its collectives in the
-//! same program order however blocking and non-blocking calls are mixed.
+//! same program order however blocking and non-blocking calls are mixed. A communicator made by
+//! [`Comm::with_lanes`] runs its jobs on several lanes instead — job `k` on lane `k mod
+//! lanes`, each lane a thread and a sub-group of its own — so several progress at once.
 
 use std::future::Future;
 use std::marker::PhantomData;
@@ -29,23 +31,34 @@ use crate::error::{Error, Result};
 
 type Job = Box<dyn FnOnce(&Comm) + Send>;
 
-/// The worker thread of one communicator.
+/// The worker threads of one communicator: one per lane (one unless [`Comm::with_lanes`]).
 pub(crate) struct Worker {
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    lanes: Vec<Lane>,
+    /// Jobs submitted so far: job `k` runs on lane `k mod lanes`.
+    next: std::sync::atomic::AtomicUsize,
     /// Jobs submitted and not yet finished.
     pending: Arc<(Mutex<u64>, Condvar)>,
+}
+
+/// One lane: a queue and the thread that runs its jobs in order.
+struct Lane {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for Worker {
-    /// The last handle of the communicator is gone: close the queue and join the thread, so its
-    /// copy of the group (and with it the transport, which says goodbye to its peers) is dropped
-    /// before the program goes on — or exits.
+    /// The last handle of the communicator is gone: close the queues and join the threads, so
+    /// their copies of the group (and with them the transport, which says goodbye to its peers)
+    /// are dropped before the program goes on — or exits.
     fn drop(&mut self) {
-        drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
-        if let Some(t) = self.thread.take() {
-            if t.thread().id() != std::thread::current().id() {
-                let _ = t.join();
+        for l in &self.lanes {
+            drop(l.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
+        }
+        for l in &mut self.lanes {
+            if let Some(t) = l.thread.take() {
+                if t.thread().id() != std::thread::current().id() {
+                    let _ = t.join();
+                }
             }
         }
     }
@@ -199,16 +212,25 @@ impl Comm {
         if let Some(w) = self.worker.get() {
             return Ok(w);
         }
-        let (tx, rx) = mpsc::channel::<Job>();
         let pending = Arc::new((Mutex::new(0u64), Condvar::new()));
-        let mut me = self.clone();
-        me.in_worker = true;
-        // The thread's handle must not keep the worker (and so itself) alive.
-        me.worker = Arc::new(std::sync::OnceLock::new());
-        let p2 = pending.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("tutti-coll-{}", self.rank()))
-            .spawn(move || {
+        let n = self.lanes.len().max(1);
+        let mut lanes = Vec::with_capacity(n);
+        for j in 0..n {
+            let mut me = match self.lanes.get(j) {
+                None => self.clone(),
+                Some(g) => self.lane(g.clone()),
+            };
+            me.in_worker = true;
+            // The thread's handle must not keep the worker (and so itself) alive.
+            me.worker = Arc::new(std::sync::OnceLock::new());
+            let (tx, rx) = mpsc::channel::<Job>();
+            let p2 = pending.clone();
+            let name = if self.lanes.is_empty() {
+                format!("tutti-coll-{}", self.rank())
+            } else {
+                format!("tutti-coll-{}-{j}", self.rank())
+            };
+            let spawned = std::thread::Builder::new().name(name).spawn(move || {
                 for job in rx {
                     job(&me);
                     let (m, cv) = &*p2;
@@ -217,19 +239,72 @@ impl Comm {
                     cv.notify_all();
                 }
             });
-        let thread = match spawned {
-            Ok(t) => t,
-            Err(e) => {
-                return Err(Error::Runtime(tutti_runtime::Error::Io {
-                    rank: self.rank(),
-                    what: "spawning the collectives worker".into(),
-                    detail: e.to_string(),
-                }))
-            }
-        };
-        // A lost race (another clone set it first) drops this one, which joins its thread.
-        let _ = self.worker.set(Worker { tx: Mutex::new(Some(tx)), pending, thread: Some(thread) });
+            let thread = match spawned {
+                Ok(t) => t,
+                Err(e) => {
+                    // The lanes made so far close when `lanes` is dropped.
+                    drop(Worker { lanes, next: 0.into(), pending });
+                    return Err(Error::Runtime(tutti_runtime::Error::Io {
+                        rank: self.rank(),
+                        what: "spawning the collectives worker".into(),
+                        detail: e.to_string(),
+                    }));
+                }
+            };
+            lanes.push(Lane { tx: Mutex::new(Some(tx)), thread: Some(thread) });
+        }
+        // A lost race (another clone set it first) drops this one, which joins its threads.
+        let _ = self.worker.set(Worker { lanes, next: 0.into(), pending });
         self.worker.get().ok_or_else(|| worker_gone(self.rank()))
+    }
+
+    /// A lane's communicator over its group `g`, with its own scratch, tuner and worker, and
+    /// this one's settings, forced algorithm and known topology and links.
+    fn lane(&self, g: tutti_runtime::Group) -> Comm {
+        let mut c = Comm::with_config(g, self.config().clone());
+        c.force = self.force;
+        if let Some(t) = self.topo.get() {
+            let _ = c.topo.set(t.clone());
+        }
+        if let Some(l) = self.link.get() {
+            let _ = c.link.set(*l);
+        }
+        c
+    }
+
+    /// The same communicator with `lanes` lanes for its non-blocking calls (and those of its
+    /// clones): job `k` (the `k`-th `i…` call, `submit` or scoped call) runs on lane
+    /// `k mod lanes`, each lane on its own thread and its own sub-group of every rank, so up to
+    /// `lanes` collectives progress at once — several small ones in flight instead of one
+    /// after another. Jobs on one lane run in order; a blocking call on the returned
+    /// communicator still waits for every job submitted through it before. (`lanes` 0 counts
+    /// as 1: one lane, its jobs in order, on a group of its own.) The lanes' groups are made
+    /// here, with no communication; their threads start with the first job.
+    ///
+    /// The returned communicator has its own worker: submit through it (or its clones) the
+    /// calls that should spread. Its lanes are groups of their own, so calls on `self` and on
+    /// the lanes never share sequence numbers, and a blocking call on `self` does not wait for
+    /// the lanes' jobs.
+    ///
+    /// # Collective contract
+    /// Every rank calls it with the same `lanes`, in the same order relative to the other
+    /// sub-groups of this communicator (as [`Comm::split`]: each lane is one), and submits the
+    /// same jobs in the same order. Lane counts that differ between ranks pair jobs on
+    /// different lanes: they fail by the group's timeout, naming the operation.
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub fn with_lanes(&self, lanes: usize) -> Result<Comm> {
+        let all: Vec<usize> = (0..self.size()).collect();
+        let mut gs = Vec::with_capacity(lanes.max(1));
+        for _ in 0..lanes.max(1) {
+            gs.push(self.group.new_group(&all)?.ok_or_else(|| worker_gone(self.rank()))?);
+        }
+        let mut c = self.clone();
+        c.lanes = Arc::new(gs);
+        c.worker = Arc::new(std::sync::OnceLock::new());
+        c.in_worker = false;
+        Ok(c)
     }
 
     /// Run `f` on the worker after every job submitted before it; the general form of the `i…`
@@ -257,7 +332,9 @@ impl Comm {
             let (m, _) = &*w.pending;
             *m.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         }
-        let sent = match &*w.tx.lock().unwrap_or_else(|e| e.into_inner()) {
+        let k = w.next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let lane = &w.lanes[k % w.lanes.len()];
+        let sent = match &*lane.tx.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(tx) => tx.send(job).is_ok(),
             None => false,
         };
