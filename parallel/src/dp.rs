@@ -443,18 +443,24 @@ impl DataParallel {
                 }
             }
         }
-        Ok(Synced {
-            grads: store,
-            loss: sv[1] / n,
-            samples: n as u64,
-            buckets: self.buckets.len(),
-            direct,
-            in_place,
-        })
+        Ok(self.synced(store, &sv, direct, in_place))
     }
 }
 
 impl DataParallel {
+    /// What a step's exchange returns, from its gradients and its first allreduce's sums
+    /// (`sv[0]` the samples, `sv[1]` the weighted loss).
+    fn synced(&self, grads: GradStore, sv: &[f64], direct: bool, in_place: bool) -> Synced {
+        Synced {
+            grads,
+            loss: sv[1] / sv[0],
+            samples: sv[0] as u64,
+            buckets: self.buckets.len(),
+            direct,
+            in_place,
+        }
+    }
+
     /// Put every parameter's averaged gradient, a view of its bucket (moved to the parameter's
     /// device), into `store`.
     fn insert_views(&self, store: &mut GradStore) -> Result<()> {

@@ -292,14 +292,7 @@ impl DataParallel {
                 }
             }
         }
-        Ok(Synced {
-            grads: store,
-            loss: sv[1] / n,
-            samples: n as u64,
-            buckets: self.buckets.len(),
-            direct,
-            in_place,
-        })
+        Ok(self.synced(store, &sv, direct, in_place))
     }
 }
 
