@@ -115,3 +115,37 @@ fn a_held_up_job_holds_up_only_its_lane() {
         assert_eq!(held_up(kind, 1), vec![false, false], "{kind:?}");
     }
 }
+
+/// Rank 2 leaves before any job: every job on every lane of the others fails naming it, well
+/// within the group's timeout — no lane hangs.
+fn lost_rank(kind: Kind) {
+    let gs = groups(kind, 3).unwrap();
+    std::thread::scope(|s| {
+        for g in gs {
+            g.set_timeout(Duration::from_secs(20));
+            s.spawn(move || {
+                let c = Comm::new(g);
+                if c.rank() == 2 {
+                    return;
+                }
+                let l = c.with_lanes(2).unwrap();
+                let t0 = std::time::Instant::now();
+                let hs: Vec<_> =
+                    (0..4).map(|_| l.iallreduce(vec![1i64; 1000], ReduceOp::Sum)).collect();
+                for h in hs {
+                    let e = h.wait().expect_err("a job finished without rank 2");
+                    // Lost by this rank, or by the other survivor, which aborts and says why.
+                    assert!(e.to_string().contains("peer rank 2"), "{kind:?}: {e}");
+                }
+                assert!(t0.elapsed() < Duration::from_secs(10), "{kind:?}: {:?}", t0.elapsed());
+            });
+        }
+    });
+}
+
+#[test]
+fn a_lost_rank_fails_every_lane() {
+    for kind in [Kind::Mem, Kind::Tcp, Kind::Quic] {
+        lost_rank(kind);
+    }
+}
