@@ -59,7 +59,9 @@ fn case(kind: Kind, n: usize, micro: usize, dims: Dims) {
         // Tiny buckets: several in flight during the backward pass.
         let cfg = DpConfig { first_bucket_bytes: 8, bucket_bytes: 40 };
         let mut plain = DataParallel::new(c.clone(), vars.clone(), cfg).unwrap();
-        let mut over = DataParallel::new(c.clone(), vars.clone(), cfg).unwrap();
+        // The overlapped path on two lanes when the weights are large: buckets in flight at once.
+        let oc = if dims == LARGE { c.with_lanes(2).unwrap() } else { c.clone() };
+        let mut over = DataParallel::new(oc, vars.clone(), cfg).unwrap();
         let mine = shard_range(batch, c.rank(), c.size());
         let parts: Vec<_> = (0..micro)
             .map(|k| shard_range(mine.len(), k, micro))
