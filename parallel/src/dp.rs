@@ -40,13 +40,14 @@ pub struct Synced {
     pub samples: u64,
     /// Buckets reduced.
     pub buckets: usize,
-    /// Whether the large gradients went on the wire straight from candle's tensors (every rank
-    /// had one factor for every gradient, as with even shards of one micro-batch each) rather
-    /// than packed into the buckets first.
+    /// Whether the large gradients were reduced one by one, each scaled by the ring, rather
+    /// than packed into the buckets with the small ones (every rank had one factor for every
+    /// gradient, as with even shards of one micro-batch each).
     pub direct: bool,
-    /// Whether, with [`Synced::direct`], the large gradients were reduced in place in candle's
-    /// own gradient tensors (every rank found each one alone in its storage): then `grads`
-    /// holds those tensors for them, not views of the buckets.
+    /// Whether, with [`Synced::direct`], this rank's large gradients were all reduced in
+    /// candle's own gradient tensors (each alone in its storage): `grads` then holds those
+    /// tensors for them. A large gradient that shares its storage is copied to its place in the
+    /// bucket and reduced there, and comes back as a view of the bucket.
     pub in_place: bool,
 }
 
@@ -74,9 +75,9 @@ struct Accum {
 /// non-blocking allreduce ([`Comm::scope`]: no copy in or out) and packs the next bucket while
 /// it is on the wire. The averaged gradients it returns are views of these buckets, as PyTorch's
 /// `gradient_as_bucket_view`: the next `sync` overwrites them, so copy any you want to keep.
-/// Large gradients (256 KiB and more) skip the bucket when every rank weighs them alike: they
-/// are reduced where candle left them, in place when each is alone in its storage
-/// ([`Synced::in_place`]), and come back as candle's own tensors.
+/// Large gradients (256 KiB and more) are not packed when every rank weighs them alike: each is
+/// reduced on its own, in place in candle's gradient tensor when it is alone in its storage
+/// (it then comes back as that tensor, [`Synced::in_place`]), else in its place in the bucket.
 ///
 /// # Collective contract
 /// Every rank constructs it with the same parameter shapes and calls [`DataParallel::sync`]
@@ -90,8 +91,9 @@ pub struct DataParallel {
     acc: Option<Accum>,
 }
 
-/// Gradients of at least this many bytes are reduced straight from candle's gradient tensor
-/// into the bucket (out of place) when every rank can; smaller ones are packed together first.
+/// Gradients of at least this many bytes are reduced on their own, in candle's gradient tensor
+/// where it is alone in its storage, when every rank weighs them alike; smaller ones are packed
+/// together first.
 const DIRECT_BYTES: usize = 256 << 10;
 
 /// One bucket's memory: a flat CPU tensor holding its parameters' gradients, the large ones
@@ -310,34 +312,6 @@ impl DataParallel {
         f.unwrap_or(f64::NAN)
     }
 
-    /// Whether every large gradient is alone in its CPU storage: no other gradient of the
-    /// step's store (candle's gradients of every node of the graph) and no other large
-    /// gradient lies in it, so it can be reduced in place without changing another tensor.
-    /// Candle 0.9 makes every gradient by an addition into new storage, so this holds, but it
-    /// is checked, not assumed: where it fails, the gradient is read out of place.
-    fn unshared(&self, acc: &Accum) -> bool {
-        let mut large = Vec::new();
-        for (b, buf) in self.buckets.iter().zip(&self.bufs) {
-            for (i, l) in b.clone().zip(&buf.large) {
-                if let (true, Some((g, _))) = (*l, &acc.grads[i]) {
-                    match cpu_span(g) {
-                        Some(span) => large.push((g.id(), span)),
-                        None => return false,
-                    }
-                }
-            }
-        }
-        let meets = |(a, b): (usize, usize), (c, d): (usize, usize)| a < d && c < b;
-        large.iter().all(|&(id, span)| {
-            large.iter().all(|&(o, s)| o == id || !meets(span, s))
-                && acc
-                    .store
-                    .get_ids()
-                    .filter_map(|o| acc.store.get_id(*o))
-                    .all(|t| t.id() == id || cpu_span(t).is_none_or(|s| !meets(span, s)))
-        })
-    }
-
     /// The parameters, in the order given to [`DataParallel::new`].
     pub fn vars(&self) -> &[Var] {
         &self.vars
@@ -407,11 +381,9 @@ impl DataParallel {
         // contribution while packing (no pass over the reduced buckets), and whether every rank
         // can reduce its large gradients straight from candle's tensors — the same factor on
         // every rank for every gradient ((Σf)² = n·Σf² holds only for equal f), each large one
-        // contiguous in CPU memory — and, counted over the ranks, whether each rank's large
-        // gradients are alone in their storage, so that all of them can reduce in place.
+        // contiguous in CPU memory.
         let f = self.direct_factor(&acc);
-        let alone = f64::from(u8::from(f.is_finite() && self.unshared(&acc)));
-        let mut sv = [acc.samples as f64, acc.loss_sum, f, f * f, alone];
+        let mut sv = [acc.samples as f64, acc.loss_sum, f, f * f];
         self.comm.allreduce(&mut sv, ReduceOp::Sum)?;
         let n = sv[0];
         if n == 0.0 {
@@ -422,28 +394,19 @@ impl DataParallel {
             });
         }
         let direct = sv[2].is_finite() && sv[2] * sv[2] == self.comm.size() as f64 * sv[3];
-        // In place only where every rank can: the plans of one allreduce must match.
-        let in_place = direct && sv[4] == self.comm.size() as f64;
-        let parts: Vec<Vec<Part<'_>>> = self
-            .buckets
-            .iter()
-            .map(|b| b.clone().map(|i| acc.grads[i].as_ref().map(|(g, f)| (g, f / n))).collect())
-            .collect();
-        exchange(&self.comm, &self.bufs, &parts, direct, in_place)?;
-        drop(parts);
-        let mut store = acc.store;
-        self.insert_views(&mut store)?;
-        if in_place {
-            // The large gradients were reduced where candle left them.
-            for (b, buf) in self.buckets.iter().zip(&self.bufs) {
-                for (i, large) in b.clone().zip(&buf.large) {
-                    if let (true, Some((g, _))) = (*large, &acc.grads[i]) {
-                        store.insert(self.vars[i].as_tensor(), g.clone());
-                    }
-                }
-            }
-        }
-        Ok(self.synced(store, &sv, direct, in_place))
+        // The overlapped exchange with the backward pass already over: every bucket ready.
+        let factor = sv[2] / self.comm.size() as f64;
+        let mut bw = overlap::Backward::settled(
+            &self.vars,
+            self.comm.rank(),
+            acc.grads,
+            acc.store,
+            direct,
+            factor,
+        );
+        let ready = vec![0; self.buckets.len()];
+        overlap::overlap(&self.comm, &self.bufs, &self.buckets, &ready, &mut bw, n)?;
+        self.results(bw, &sv)
     }
 }
 
@@ -591,131 +554,6 @@ fn with_storage_mut<R>(
     })
 }
 
-/// Pack, reduce and wait for every bucket: bucket 0 is packed and lent to non-blocking
-/// allreduces, then bucket 1 is packed (recursively) while it is on the wire, and so on; each
-/// level waits for its own bucket after the later ones were started. With `direct` (agreed by
-/// every rank), large gradients skip the packing: a scaled out-of-place allreduce reads them
-/// where candle left them and writes the bucket.
-fn exchange(
-    comm: &Comm,
-    bufs: &[Bucket],
-    parts: &[Vec<Part<'_>>],
-    direct: bool,
-    in_place: bool,
-) -> Result<()> {
-    let (Some((b, bufs)), Some((mine, parts))) = (bufs.split_first(), parts.split_first()) else {
-        return Ok(());
-    };
-    macro_rules! go {
-        ($t:ty) => {
-            with_storage_mut(&b.flat, |s, _| {
-                let dst = <$t>::slice_mut(s).ok_or_else(|| Error::Shape {
-                    rank: comm.rank(),
-                    layer: "DataParallel",
-                    detail: "a bucket changed dtype".into(),
-                })?;
-                if !direct {
-                    let all: Vec<_> = mine
-                        .iter()
-                        .zip(&b.offs)
-                        .zip(&b.lens)
-                        .map(|((p, o), l)| (*p, *o, *l))
-                        .collect();
-                    pack::<$t>(dst, &all)?;
-                    return comm.scope(|sc| {
-                        let h = sc.iallreduce(dst, ReduceOp::Sum);
-                        let later = exchange(comm, bufs, parts, direct, in_place);
-                        h.wait()?;
-                        later
-                    });
-                }
-                let (large, small) = dst.split_at_mut(b.small);
-                let packed: Vec<_> = mine
-                    .iter()
-                    .zip(&b.offs)
-                    .zip(&b.lens)
-                    .zip(&b.large)
-                    .filter(|(_, l)| !**l)
-                    .map(|(((p, o), n), _)| (*p, o - b.small, *n))
-                    .collect();
-                pack::<$t>(small, &packed)?;
-                if in_place {
-                    // Each large gradient reduced and scaled where candle left it, its storage
-                    // locked for writing while it is on the wire.
-                    let large_parts: Vec<(&Tensor, f64)> = mine
-                        .iter()
-                        .zip(&b.large)
-                        .filter(|(_, l)| **l)
-                        .filter_map(|(p, _)| *p)
-                        .collect();
-                    let ts: Vec<&Tensor> = large_parts.iter().map(|(t, _)| *t).collect();
-                    return with_all_mut::<$t, _>(comm.rank(), &ts, Vec::new(), |grads| {
-                        comm.scope(|sc| {
-                            let mut hs = Vec::with_capacity(grads.len() + 1);
-                            for (g, (_, k)) in grads.into_iter().zip(&large_parts) {
-                                let k = *k;
-                                hs.push(sc.submit(move |c| c.allreduce_scaled(g, k)));
-                            }
-                            if !small.is_empty() {
-                                hs.push(sc.iallreduce(small, ReduceOp::Sum));
-                            }
-                            let later = exchange(comm, bufs, parts, direct, in_place);
-                            wait_all(hs, later)
-                        })
-                    });
-                }
-                // The large gradients' storage stays locked for reading while it is on the wire.
-                let held: Vec<_> = mine
-                    .iter()
-                    .zip(&b.large)
-                    .filter(|(_, l)| **l)
-                    .filter_map(|(p, _)| p.map(|(g, k)| (g.storage_and_layout(), k)))
-                    .collect();
-                let mut inputs = Vec::with_capacity(held.len());
-                for ((st, layout), k) in &held {
-                    match (&**st, layout.contiguous_offsets()) {
-                        (candle_core::Storage::Cpu(cs), Some((a, e))) => {
-                            inputs.push((&cs.as_slice::<$t>()?[a..e], *k))
-                        }
-                        _ => {
-                            return Err(Error::Shape {
-                                rank: comm.rank(),
-                                layer: "DataParallel",
-                                detail: "a large gradient left CPU memory during sync".into(),
-                            })
-                        }
-                    }
-                }
-                comm.scope(|sc| {
-                    let mut hs = Vec::with_capacity(inputs.len() + 1);
-                    let mut rest = large;
-                    for (inp, k) in inputs {
-                        let (out, r) = rest.split_at_mut(inp.len());
-                        rest = r;
-                        hs.push(sc.submit(move |c| c.allreduce_scaled_from(inp, out, k)));
-                    }
-                    if !small.is_empty() {
-                        hs.push(sc.iallreduce(small, ReduceOp::Sum));
-                    }
-                    let later = exchange(comm, bufs, parts, direct, in_place);
-                    wait_all(hs, later)
-                })
-            })
-        };
-    }
-    match b.flat.dtype() {
-        DType::F32 => go!(f32),
-        DType::F64 => go!(f64),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        d => Err(Error::Shape {
-            rank: comm.rank(),
-            layer: "DataParallel",
-            detail: format!("parameters of dtype {d:?} cannot be averaged (use a float dtype)"),
-        }),
-    }
-}
-
 /// Wait for every handle, even after one failed (each lends a buffer until it ends), then
 /// give the first error, or `later`'s result.
 fn wait_all(hs: Vec<Lent<'_, Stats>>, later: Result<()>) -> Result<()> {
@@ -831,9 +669,8 @@ mod tests {
     fn large_gradients_are_reduced_in_place_only_when_alone_in_their_storage() {
         let (mut dp, v, w) = setup();
         dp.backward(&loss(&v, &w), 2).unwrap();
-        assert!(dp.unshared(dp.acc.as_ref().unwrap()), "candle's gradients own their storage");
         let s = dp.sync().unwrap();
-        assert!(s.direct && s.in_place);
+        assert!(s.direct && s.in_place, "candle's gradients own their storage");
         check(&s, &v, &w);
         // The large gradient is now candle's own tensor, not a view of the bucket.
         let bucket = cpu_span(&dp.bufs[0].flat).unwrap();
@@ -841,15 +678,17 @@ mod tests {
         assert!(g.1 <= bucket.0 || g.0 >= bucket.1);
 
         // A view of the gradient filed under another tensor of the store: it shares the
-        // storage, so the gradient is read out of place and the view keeps its values.
+        // storage, so the gradient is reduced in its place in the bucket instead and the view
+        // keeps its values.
         dp.backward(&loss(&v, &w), 2).unwrap();
         let acc = dp.acc.as_mut().unwrap();
         let grad = acc.grads[0].as_ref().unwrap().0.clone();
         let other = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
         acc.store.insert(&other, grad.narrow(0, 100, 5).unwrap());
-        assert!(!dp.unshared(dp.acc.as_ref().unwrap()));
         let s = dp.sync().unwrap();
-        assert!(s.direct && !s.in_place);
+        assert!(s.direct && !s.in_place, "a gradient sharing its storage is not written");
+        let g = cpu_span(s.grads.get(v.as_tensor()).unwrap()).unwrap();
+        assert!(g.0 >= bucket.0 && g.1 <= bucket.1, "the gradient is a view of the bucket");
         check(&s, &v, &w);
         let view = s.grads.get(&other).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(view, vec![3.0; 5], "the tensor sharing the storage is untouched");

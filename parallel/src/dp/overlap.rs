@@ -44,7 +44,8 @@ impl std::fmt::Debug for Stage<'_> {
 const OP: &str = "DataParallel::backward_overlapped";
 
 /// The backward pass in progress: stages `0..next` are still to run, from the last down.
-struct Backward<'s> {
+/// `sync` uses one with nothing left to run ([`Backward::settled`]).
+pub(super) struct Backward<'s> {
     stages: &'s [Stage<'s>],
     vars: &'s [Var],
     rank: usize,
@@ -85,7 +86,42 @@ fn entries(store: &candle_core::backprop::GradStore) -> Vec<(TensorId, (usize, u
         .collect()
 }
 
-impl Backward<'_> {
+impl<'s> Backward<'s> {
+    /// A backward pass with nothing left to run, over gradients already accumulated (with
+    /// their factors) and the store they came in: what [`DataParallel::sync`] exchanges.
+    pub(super) fn settled(
+        vars: &'s [Var],
+        rank: usize,
+        acc: Vec<Option<(Tensor, f64)>>,
+        store: candle_core::backprop::GradStore,
+        direct: bool,
+        factor: f64,
+    ) -> Backward<'s> {
+        let spans = acc
+            .iter()
+            .map(|g| g.as_ref().and_then(|(g, _)| cpu_span(g).filter(|_| g.is_contiguous())))
+            .collect();
+        Backward {
+            stages: &[],
+            vars,
+            rank,
+            ins: Vec::new(),
+            outs: Vec::new(),
+            loss: None,
+            next: 0,
+            seed: None,
+            w: 0.0,
+            grads: vec![None; acc.len()],
+            in_tensor: vec![false; acc.len()],
+            acc,
+            direct,
+            factor,
+            spans,
+            store_spans: entries(&store),
+            store: Some(store),
+        }
+    }
+
     /// Run the backward pass of every stage from `next - 1` down to `upto`.
     fn run_to(&mut self, upto: usize) -> Result<()> {
         while self.next > upto {
@@ -276,15 +312,22 @@ impl DataParallel {
             .map(|b| b.clone().map(|i| stage_of[i]).min().unwrap_or(stages.len()))
             .collect();
         overlap(&self.comm, &self.bufs, &self.buckets, &ready, &mut bw, n)?;
+        self.results(bw, &sv)
+    }
+
+    /// What an exchange returns once `bw`'s buckets are reduced: every parameter's gradient, a
+    /// view of its bucket or, for a large one reduced in place, candle's own tensor; `sv` the
+    /// sums of the step's first allreduce (samples, weighted loss).
+    pub(super) fn results(&self, mut bw: Backward<'_>, sv: &[f64]) -> Result<Synced> {
         let mut store = match bw.store.take() {
             Some(s) => s,
             None => Tensor::zeros((), DType::F32, &candle_core::Device::Cpu)?.backward()?,
         };
         self.insert_views(&mut store)?;
-        let mut in_place = direct;
+        let mut in_place = bw.direct;
         for (b, buf) in self.buckets.iter().zip(&self.bufs) {
             for (i, large) in b.clone().zip(&buf.large) {
-                match &bw.grads[i] {
+                match bw.grad(i) {
                     Some((g, _)) if bw.in_tensor[i] => {
                         store.insert(self.vars[i].as_tensor(), g.clone());
                     }
@@ -292,14 +335,15 @@ impl DataParallel {
                 }
             }
         }
-        Ok(self.synced(store, &sv, direct, in_place))
+        Ok(self.synced(store, sv, bw.direct, in_place))
     }
 }
 
 /// Bucket by bucket: run the backward pass until the bucket's parameters are final, pack it,
 /// lend it to a non-blocking allreduce, and go on (recursively) with the backward pass and the
-/// later buckets while it is on the wire; each level waits for its bucket last.
-fn overlap(
+/// later buckets while it is on the wire; each level waits for its bucket last. (`sync` runs it
+/// with nothing left to run: packing each bucket while the previous one is on the wire.)
+pub(super) fn overlap(
     comm: &Comm,
     bufs: &[Bucket],
     ranges: &[Range<usize>],
