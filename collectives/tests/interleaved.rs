@@ -132,3 +132,25 @@ fn in_place_all_to_all_keeps_the_own_block_for_every_algorithm() {
         }
     }
 }
+
+#[test]
+fn unequal_allgather_blocks_at_four_ranks() {
+    // Pairs whose windows differ in length cut them into different numbers of pieces: round
+    // two must still find the same tags on both sides (each round starts its tags at a multiple
+    // of the most a message can take).
+    world(4, 256 << 10, |c| {
+        let r = c.rank();
+        let counts = [(5 * MIB) / 4 + 1, 7, (4 * MIB) / 4, 0];
+        let value = |q: usize, i: usize| (q * 1_000_003 + i) as i32;
+        let mine: Vec<i32> = (0..counts[r]).map(|i| value(r, i)).collect();
+        let want: Vec<i32> =
+            (0..4).flat_map(|q| (0..counts[q]).map(move |i| value(q, i))).collect();
+        let cc = c.with_algo(Algo::RecursiveDoubling);
+        for _ in 0..2 {
+            let mut out = vec![0i32; counts.iter().sum()];
+            cc.allgatherv(&mine, &mut out, &counts).unwrap();
+            let bad = out.iter().zip(&want).position(|(a, b)| a != b);
+            assert!(bad.is_none(), "rank {r}: element {bad:?} differs");
+        }
+    });
+}

@@ -46,6 +46,17 @@ pub const INTERLEAVE_MIN: usize = 4 << 20;
 /// the send is still in the core's cache when the copy runs.
 pub const INTERLEAVE_PIECE: usize = 1 << 20;
 
+/// The tags an [`exchange_interleaved`] of messages of at most `len` bytes uses, at least one:
+/// callers that run several in turn start each at a multiple of it, so every rank's tags agree
+/// whatever the lengths of its own messages.
+pub fn exchange_tags(len: usize, esize: usize) -> u32 {
+    if len >= INTERLEAVE_MIN {
+        crate::plan::segments(len, INTERLEAVE_PIECE, esize).len().max(1) as u32
+    } else {
+        1
+    }
+}
+
 /// One exchange — `send = (to, region)` goes out, `recv = (from, region)` comes in — with a local
 /// copy `copy = (dst, src)` done along the way instead of before or after it. A message of at
 /// least [`INTERLEAVE_MIN`] goes in pieces of [`INTERLEAVE_PIECE`] (tags `tag0..`), a shorter one
@@ -188,11 +199,11 @@ mod tests {
         let sim = simulate(&plans).unwrap();
         assert_eq!(sim.messages, vec![5, 5]);
         assert_eq!(copies_after_sends(&plans[0]), vec![2, 3, 4, 5, 5]);
-        // Below the threshold: one copy before one whole exchange, as before.
+        // Below the threshold: one whole exchange, the copy once its send was taken.
         let small =
             two_rank_plans(|sh| recursive_doubling::allgather(sh, &[(0, 1000), (1000, 1000)]));
         assert_eq!(simulate(&small).unwrap().messages, vec![1, 1]);
-        assert_eq!(copies_after_sends(&small[0]), vec![0]);
+        assert_eq!(copies_after_sends(&small[0]), vec![1]);
         // 2-rank all-to-all with unequal blocks: 7 pieces one way, 1 the other; the tags agree.
         let (a, b) = (6 * INTERLEAVE_PIECE + 1, 3);
         // Rank 0 sends `a` to rank 1 and keeps `b`; rank 1 sends `b` and keeps `a` (blocks in

@@ -118,6 +118,14 @@ pub fn range(blocks: &[(usize, usize)], a: usize, b: usize) -> Region {
 /// Recursive-doubling allgather (power-of-two worlds): `log2(n)` rounds, each exchanging the
 /// window gathered so far; `(n-1)/n·S` bytes sent per rank.
 ///
+/// Every round is an [`exchange_interleaved`](super::exchange_interleaved): a window of at least
+/// [`INTERLEAVE_MIN`](super::INTERLEAVE_MIN) goes in pieces, so the sockets carry a piece or two
+/// at a time instead of a whole window. Out of place, round one also carries the own block's copy
+/// into place along with its send. Whether a message is cut depends on its length alone, and
+/// round `k` uses tags from `k` times the most any message can take, so ranks that call in place
+/// and ranks that do not, and pairs whose windows differ in length (allgatherv), agree on every
+/// tag.
+///
 /// # Panics
 /// If `n` is not a power of two (selection never asks for it then).
 pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
@@ -125,37 +133,35 @@ pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     let mut p = Plan::new();
     let r = sh.rank;
     let (off, len) = blocks[r];
-    let mut d = 1;
-    let mut tag = 0;
-    if !sh.in_place {
-        if sh.n > 1 && blocks.iter().any(|b| b.1 >= super::INTERLEAVE_MIN) {
-            // Round one sends the own block, which out of place must also be copied into place:
-            // the copy goes along with the send, piece by piece, reading what the send just read.
-            let partner = r ^ 1;
-            let own = Region::new(Buf::Input, 0, len);
-            tag = super::exchange_interleaved(
-                &mut p,
-                sh,
-                (partner, own),
-                (partner, Region::new(Buf::Data, blocks[partner].0, blocks[partner].1)),
-                (Region::new(Buf::Data, off, len), own),
-                0,
-            );
-            d = 2;
-        } else {
-            p.copy(Region::new(Buf::Data, off, len), Region::new(Buf::Input, 0, len));
+    let own = Region::new(Buf::Input, 0, len);
+    let place = Region::new(Buf::Data, off, len);
+    if sh.n == 1 {
+        if !sh.in_place {
+            p.copy(place, own);
         }
+        return p;
     }
+    let total = blocks.iter().map(|b| b.1).sum();
+    let stride = super::exchange_tags(total, sh.esize);
+    let mut d = 1;
+    let mut round: u32 = 0;
     while d < sh.n {
         let w = r & !(d - 1);
         let pw = w ^ d;
         let partner = r ^ d;
-        let hr = p.recv(partner, tag, range(blocks, pw, pw + d));
-        let hs = p.send(partner, tag, range(blocks, w, w + d));
-        p.wait(hr);
-        p.wait(hs);
+        let incoming = (partner, range(blocks, pw, pw + d));
+        let tag = round * stride;
+        if d == 1 && !sh.in_place {
+            // The own block goes out from the input and is copied into place along the way,
+            // piece by piece, reading what the send just read.
+            super::exchange_interleaved(&mut p, sh, (partner, own), incoming, (place, own), tag);
+        } else {
+            let none = Region::new(Buf::Data, off, 0);
+            let outgoing = (partner, range(blocks, w, w + d));
+            super::exchange_interleaved(&mut p, sh, outgoing, incoming, (none, none), tag);
+        }
         d <<= 1;
-        tag += 1;
+        round += 1;
     }
     p
 }
