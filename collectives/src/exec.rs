@@ -272,7 +272,7 @@ impl Exec<'_> {
                         self.finish(f, region)?;
                     }
                 }
-                Step::Copy { dst, src } => {
+                Step::Copy { dst, src, stream } => {
                     if src.len != dst.len || src.overlaps(dst) {
                         return Err(self.internal(format!("bad copy {src:?} -> {dst:?}")));
                     }
@@ -282,7 +282,13 @@ impl Exec<'_> {
                     self.check_free(src, false)?;
                     // SAFETY: both regions are in bounds and disjoint (checked) and untouched by
                     // outstanding posts (checked).
-                    unsafe { std::ptr::copy_nonoverlapping(s, d, dst.len) };
+                    unsafe {
+                        if *stream {
+                            kernel::copy_stream(d, s, dst.len)
+                        } else {
+                            std::ptr::copy_nonoverlapping(s, d, dst.len)
+                        }
+                    };
                 }
             }
         }

@@ -519,6 +519,25 @@ mod tests {
     use crate::dtype::{as_bytes, as_bytes_mut};
 
     #[test]
+    fn streaming_copy_is_exact_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..9000u32).map(|i| (i * 131 % 251) as u8).collect();
+        for dst_off in 0..17 {
+            for src_off in [0, 1, 7, 16] {
+                for len in [0, 1, 15, 16, 17, 63, 64, 65, 127, 1000, 8191] {
+                    let mut dst = vec![0xEEu8; 8300];
+                    // SAFETY: both ranges are inside their vectors, which do not overlap.
+                    unsafe {
+                        copy_stream(dst.as_mut_ptr().add(dst_off), src.as_ptr().add(src_off), len)
+                    };
+                    assert_eq!(&dst[dst_off..dst_off + len], &src[src_off..src_off + len]);
+                    assert!(dst[..dst_off].iter().all(|&b| b == 0xEE), "{dst_off} {len}");
+                    assert!(dst[dst_off + len..].iter().all(|&b| b == 0xEE), "{dst_off} {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn all_ops_f32_and_i8() {
         let a = [1.0f32, -2.0, 3.0, 4.0];
         let b = [5.0f32, 6.0, -7.0, 0.5];
@@ -806,5 +825,47 @@ pub(crate) unsafe fn finish_raw(dtype: DType, f: Finish, dst: *mut u8, bytes: us
             DType::I64 => go::<i64>(f, dst, bytes),
             _ => {}
         }
+    }
+}
+
+/// `dst = src` with non-temporal stores: the destination's lines go to memory without being read
+/// into the caches first (no read for ownership) and without evicting what is there. For large
+/// copies whose destination is not read again soon; elsewhere a plain copy.
+///
+/// # Safety
+/// `src..src+len` readable, `dst..dst+len` writable, the two disjoint.
+pub(crate) unsafe fn copy_stream(dst: *mut u8, src: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE2 is part of x86_64; every access is inside the two ranges (the head and the
+    // tail by `copy_nonoverlapping`, the body 64 bytes at a time), stores 16-byte aligned.
+    unsafe {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let head = dst.align_offset(16).min(len);
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let mut i = head;
+        while i + 64 <= len {
+            let s = src.add(i).cast::<__m128i>();
+            let d = dst.add(i).cast::<__m128i>();
+            let (a, b, c, e) = (
+                _mm_loadu_si128(s),
+                _mm_loadu_si128(s.add(1)),
+                _mm_loadu_si128(s.add(2)),
+                _mm_loadu_si128(s.add(3)),
+            );
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+            i += 64;
+        }
+        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+        // Order the streaming stores before whatever follows (a send of these bytes, the
+        // caller's reads after the collective returns).
+        _mm_sfence();
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: forwarded contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, len)
     }
 }

@@ -86,6 +86,8 @@ pub enum Step {
         dst: Region,
         /// Source.
         src: Region,
+        /// Write `dst` with non-temporal stores, around the caches (see [`Plan::copy_out`]).
+        stream: bool,
     },
     /// Apply the call's finishing transform (the division of `Avg`, the factor of a scaled
     /// allreduce) to a region whose reduction is complete: an algorithm that owns each block of
@@ -94,6 +96,13 @@ pub enum Step {
     /// they ran.
     Finish(Region),
 }
+
+/// Copies of at least this many bytes stream ([`Plan::copy`]): half the last-level cache of the
+/// machines tutti is measured on, which two ranks share.
+pub const STREAM_MIN: usize = 16 << 20;
+/// A result's final place of at least this many bytes is written by streaming copies
+/// ([`Plan::copy_out`]): the size at which exchanges go in pieces, whose copies are 1 MiB each.
+pub const STREAM_OUT_MIN: usize = 4 << 20;
 
 /// A schedule for one rank.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -159,10 +168,22 @@ impl Plan {
         }
     }
 
-    /// `dst = src` (nothing when they are the same region).
+    /// `dst = src` (nothing when they are the same region). A copy of at least [`STREAM_MIN`]
+    /// bytes streams (see [`Step::Copy`]): that much cannot stay in the caches anyway, and
+    /// written through them it would push out what can.
     pub fn copy(&mut self, dst: Region, src: Region) {
+        self.copy_as(dst, src, dst.len >= STREAM_MIN);
+    }
+
+    /// `dst = src` where `dst` is a piece of a result's final place of `whole` bytes that the
+    /// rest of the plan never reads: it streams when `whole` is at least [`STREAM_OUT_MIN`].
+    pub fn copy_out(&mut self, dst: Region, src: Region, whole: usize) {
+        self.copy_as(dst, src, whole >= STREAM_OUT_MIN);
+    }
+
+    fn copy_as(&mut self, dst: Region, src: Region, stream: bool) {
         if dst.len > 0 && dst != src {
-            self.steps.push(Step::Copy { dst, src });
+            self.steps.push(Step::Copy { dst, src, stream });
         }
     }
 
@@ -204,7 +225,7 @@ impl Plan {
                     mv(a);
                     mv(b);
                 }
-                Step::Copy { dst, src } => {
+                Step::Copy { dst, src, .. } => {
                     mv(dst);
                     mv(src);
                 }

@@ -44,7 +44,7 @@ pub fn pairwise(
         super::exchange_interleaved(p, sh, out, inc, own, 1);
         return;
     }
-    p.copy(own.0, own.1);
+    p.copy_out(own.0, own.1, own.0.len);
     let mut inflight: Vec<(Option<usize>, Option<usize>)> = Vec::new();
     for i in 1..n {
         let to = (r + i) % n;
@@ -92,7 +92,7 @@ pub fn post_all(
         p.send(to, 0, Region::new(src, send[to].0, send[to].1));
     }
     let own = own_copy(sh, src, send, recv);
-    p.copy(own.0, own.1);
+    p.copy_out(own.0, own.1, own.0.len);
     p.wait_all();
 }
 

@@ -21,7 +21,7 @@ pub fn gather(sh: &PlanCtx, blocks: &[(usize, usize)], root: usize) -> Plan {
                 p.recv(i, 0, Region::new(Buf::Data, off, len));
             }
         }
-        p.copy(Region::new(Buf::Data, blocks[r].0, blocks[r].1), own);
+        p.copy_out(Region::new(Buf::Data, blocks[r].0, blocks[r].1), own, blocks[r].1);
     } else {
         p.send(root, 0, own);
     }
@@ -46,7 +46,7 @@ pub fn scatter(sh: &PlanCtx, blocks: &[(usize, usize)], root: usize) -> Plan {
                 p.send(i, 0, Region::new(src, off, len));
             }
         }
-        p.copy(mine, Region::new(src, blocks[r].0, blocks[r].1));
+        p.copy_out(mine, Region::new(src, blocks[r].0, blocks[r].1), blocks[r].1);
     } else {
         p.recv(root, 0, mine);
     }

@@ -92,7 +92,7 @@ pub fn exchange_interleaved(
     let mut copy_to = |p: &mut Plan, upto: usize| {
         let upto = upto.min(src.len) / sh.esize * sh.esize;
         if upto > copied {
-            p.copy(dst.sub(copied, upto - copied), src.sub(copied, upto - copied));
+            p.copy_out(dst.sub(copied, upto - copied), src.sub(copied, upto - copied), src.len);
             copied = upto;
         }
     };
@@ -171,6 +171,17 @@ mod tests {
         at
     }
 
+    /// Whether each copy of `p` streams (writes around the caches).
+    fn streams(p: &Plan) -> Vec<bool> {
+        p.steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Copy { stream, .. } => Some(*stream),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Both ranks' plans of a 2-rank call, out of place, 1-byte elements.
     fn two_rank_plans(build: impl Fn(&PlanCtx) -> Plan) -> Vec<Plan> {
         (0..2)
@@ -191,6 +202,22 @@ mod tests {
     }
 
     #[test]
+    fn copies_stream_from_their_thresholds() {
+        use crate::plan::{STREAM_MIN, STREAM_OUT_MIN};
+        let at = |len| (Region::new(Buf::Data, 0, len), Region::new(Buf::Input, 0, len));
+        let mut p = Plan::new();
+        for len in [STREAM_MIN - 1, STREAM_MIN] {
+            let (d, s) = at(len);
+            p.copy(d, s);
+        }
+        // A piece of a final place streams by the size of the whole place.
+        let (d, s) = at(1 << 20);
+        p.copy_out(d, s, STREAM_OUT_MIN - 1);
+        p.copy_out(d, s, STREAM_OUT_MIN);
+        assert_eq!(streams(&p), vec![false, true, false, true]);
+    }
+
+    #[test]
     fn interleaved_exchanges_copy_between_the_pieces_and_match_up() {
         let big = 4 * INTERLEAVE_PIECE + 3;
         // Out-of-place all-gather, 2 ranks: 5 pieces each way, the copy in 5 steps that trail
@@ -199,11 +226,14 @@ mod tests {
         let sim = simulate(&plans).unwrap();
         assert_eq!(sim.messages, vec![5, 5]);
         assert_eq!(copies_after_sends(&plans[0]), vec![2, 3, 4, 5, 5]);
+        // The own block's final place is 4 MiB and more: its pieces stream.
+        assert_eq!(streams(&plans[0]), vec![true; 5]);
         // Below the threshold: one whole exchange, the copy once its send was taken.
         let small =
             two_rank_plans(|sh| recursive_doubling::allgather(sh, &[(0, 1000), (1000, 1000)]));
         assert_eq!(simulate(&small).unwrap().messages, vec![1, 1]);
         assert_eq!(copies_after_sends(&small[0]), vec![1]);
+        assert_eq!(streams(&small[0]), vec![false]);
         // 2-rank all-to-all with unequal blocks: 7 pieces one way, 1 the other; the tags agree.
         let (a, b) = (6 * INTERLEAVE_PIECE + 1, 3);
         // Rank 0 sends `a` to rank 1 and keeps `b`; rank 1 sends `b` and keeps `a` (blocks in

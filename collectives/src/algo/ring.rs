@@ -126,7 +126,7 @@ pub fn allgather_phase(
     let n = sh.n;
     if n == 1 {
         if let Some((dst, src)) = copy {
-            p.copy(dst, src);
+            p.copy_out(dst, src, dst.len);
         }
         return tag0;
     }
@@ -150,7 +150,7 @@ pub fn allgather_phase(
         p.send(right, tag(0, k), own.sub(off, len));
     }
     if let Some((dst, src)) = copy {
-        p.copy(dst, src);
+        p.copy_out(dst, src, dst.len);
     }
     for (i, &(s, k)) in units.iter().enumerate() {
         let (off, len) = segs[rb(s)][k];

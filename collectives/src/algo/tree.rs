@@ -153,7 +153,7 @@ pub fn append_shifted(p: &mut Plan, q: Plan, tag_base: u32) {
             Step::Wait(h) => Step::Wait(h + h0),
             Step::WaitAll => Step::WaitAll,
             Step::Reduce { dst, a, b } => Step::Reduce { dst: fix(dst), a: fix(a), b: fix(b) },
-            Step::Copy { dst, src } => Step::Copy { dst: fix(dst), src: fix(src) },
+            Step::Copy { dst, src, stream } => Step::Copy { dst: fix(dst), src: fix(src), stream },
             Step::Finish(region) => Step::Finish(fix(region)),
         });
     }
