@@ -64,6 +64,7 @@ pub(crate) fn execute(
     scratch: &mut Scratch,
 ) -> Result<u64> {
     scratch.prepare(&plan.scratch);
+    let start = Instant::now();
     let mut ex = Exec {
         call,
         seq,
@@ -78,8 +79,8 @@ pub(crate) fn execute(
             .collect(),
         handles: Vec::with_capacity(plan.posts),
         outstanding: Vec::new(),
-        start: Instant::now(),
-        deadline: call.group.deadline(),
+        start,
+        deadline: start + call.group.timeout(),
         sent: 0,
     };
     let mut r = ex.run(plan);

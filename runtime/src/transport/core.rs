@@ -259,9 +259,10 @@ impl Core {
         desc: MsgDesc,
         data: *const u8,
         len: usize,
+        now: Instant,
     ) -> Result<OpId> {
         matcher::check_peer(self.rank, self.world(), peer, "send")?;
-        let id = matcher::register(&self.poisoned, &mut self.ops, peer, desc, len)?;
+        let id = matcher::register(&self.poisoned, &mut self.ops, peer, desc, len, now)?;
         if peer == self.rank {
             // SAFETY: the caller guarantees the range is readable (the copy ends before return).
             unsafe { self.matching(peer).send_to_self(id, desc, data, len) };
@@ -289,9 +290,10 @@ impl Core {
         desc: MsgDesc,
         buf: *mut u8,
         cap: usize,
+        now: Instant,
     ) -> Result<(OpId, bool)> {
         matcher::check_peer(self.rank, self.world(), peer, "recv")?;
-        let id = matcher::register(&self.poisoned, &mut self.ops, peer, desc, cap)?;
+        let id = matcher::register(&self.poisoned, &mut self.ops, peer, desc, cap, now)?;
         let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
         if !self.matching(peer).post_recv(post) || peer == self.rank {
             return Ok((id, false));
@@ -904,7 +906,7 @@ pub(crate) fn fuzz_stream(data: &[u8]) {
         let d = desc(i as u64, b.len() as u64);
         // SAFETY: the buffers live (unmoved on the heap) until the end of this function, after
         // the core is dropped.
-        let posted = unsafe { c.post_recv(1, d, b.as_mut_ptr(), b.len()) };
+        let posted = unsafe { c.post_recv(1, d, b.as_mut_ptr(), b.len(), Instant::now()) };
         if let Ok((id, _)) = posted {
             ids.push(id);
         }

@@ -201,11 +201,12 @@ impl<D: Driver> Engine<D> {
         let mut guard = self.lock();
         let s = &mut *guard;
         let before = s.core.ops_ended();
+        let now = Instant::now();
         // SAFETY: forwarded contract.
-        let id = unsafe { s.core.post_send(peer, desc, data, len) }?;
+        let id = unsafe { s.core.post_send(peer, desc, data, len, now) }?;
         if peer != self.rank {
             // Eager: small messages leave now, without waiting for a waiter.
-            s.driver.flush(&mut s.core, peer, Instant::now());
+            s.driver.flush(&mut s.core, peer, now);
             s.settle();
         }
         self.wake_others(s, before);
@@ -224,10 +225,11 @@ impl<D: Driver> Engine<D> {
         let mut guard = self.lock();
         let s = &mut *guard;
         let before = s.core.ops_ended();
+        let now = Instant::now();
         // SAFETY: forwarded contract.
-        let (id, attached) = unsafe { s.core.post_recv(peer, desc, buf, cap) }?;
+        let (id, attached) = unsafe { s.core.post_recv(peer, desc, buf, cap, now) }?;
         if attached {
-            s.driver.read(&mut s.core, peer, Instant::now());
+            s.driver.read(&mut s.core, peer, now);
             s.settle();
         }
         self.wake_others(s, before);
@@ -257,14 +259,17 @@ impl<D: Driver> Engine<D> {
     }
 
     fn wait_inner(&self, op: OpId, deadline: Instant) -> Result<usize> {
-        let mut w = Waiter::new(op, Instant::now(), deadline);
+        let t0 = Instant::now();
+        let mut w = Waiter::new(op, t0, deadline);
         let mut spin_until = None;
         let mut spun = false;
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
         let mut guard = self.lock();
+        // The first pass reads the clock once with the waiter's start.
+        let mut first = Some(t0);
         loop {
             let s = &mut *guard;
-            let now = Instant::now();
+            let now = first.take().unwrap_or_else(Instant::now);
             if spun && D::PROBE_SPIN {
                 self.look(s, now, &mut fds);
             } else {

@@ -232,7 +232,7 @@ impl Transport for MemTransport {
                 };
                 return Err(err);
             }
-            let id = me.ops.insert(peer, desc, len);
+            let id = me.ops.insert(peer, desc, len, Instant::now());
             me.ops.complete(id, len);
             id
         };
@@ -281,7 +281,7 @@ impl Transport for MemTransport {
         if let Some(e) = &st.poisoned {
             return Err(e.poisoned());
         }
-        let id = st.ops.insert(peer, desc, cap);
+        let id = st.ops.insert(peer, desc, cap, Instant::now());
         let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
         match st.queues[peer].post(post) {
             Posted::Queued => {

@@ -59,7 +59,9 @@ fn queued(c: &Core) -> Vec<FrameKind> {
 
 fn post_recv(c: &mut Core, d: MsgDesc, buf: &mut [u8]) -> OpId {
     // SAFETY: every test keeps `buf` alive and untouched until the operation finished.
-    unsafe { c.post_recv(1, d, buf.as_mut_ptr(), buf.len()) }.expect("posting succeeds").0
+    unsafe { c.post_recv(1, d, buf.as_mut_ptr(), buf.len(), Instant::now()) }
+        .expect("posting succeeds")
+        .0
 }
 
 #[test]
@@ -206,9 +208,10 @@ fn a_large_early_message_parks_until_its_receive_is_posted() {
     assert!(c.rx_parked(1));
     let mut buf = vec![0u8; payload.len()];
     // SAFETY: `buf` outlives the operation.
-    let (id, attached) =
-        unsafe { c.post_recv(1, desc(1, payload.len() as u64), buf.as_mut_ptr(), buf.len()) }
-            .expect("posted");
+    let (id, attached) = unsafe {
+        c.post_recv(1, desc(1, payload.len() as u64), buf.as_mut_ptr(), buf.len(), Instant::now())
+    }
+    .expect("posted");
     assert!(attached && !c.rx_parked(1));
     // The driver reads straight into the receive buffer.
     let (ptr, room) = c.rx_direct(1, 1).expect("direct read offered");
@@ -303,9 +306,11 @@ fn sends_complete_when_their_last_byte_is_written_and_cancel_keeps_the_stream_wh
     let mut c = core(t0);
     let data = [5u8; 10];
     // SAFETY: `data` outlives the operations.
-    let a = unsafe { c.post_send(1, desc(1, 10), data.as_ptr(), 10) }.expect("posted");
+    let a =
+        unsafe { c.post_send(1, desc(1, 10), data.as_ptr(), 10, Instant::now()) }.expect("posted");
     // SAFETY: as above.
-    let b = unsafe { c.post_send(1, desc(2, 10), data.as_ptr(), 10) }.expect("posted");
+    let b =
+        unsafe { c.post_send(1, desc(2, 10), data.as_ptr(), 10, Instant::now()) }.expect("posted");
     c.tx_done(1, HEADER_LEN + 9, t0);
     assert!(c.take_finished(a).is_none());
     // Cancelling a partly written send finishes it from a private copy: the peer still gets a
@@ -369,7 +374,8 @@ fn a_full_window_parks_even_small_messages_until_their_receive() {
     let mut buf = vec![0u8; chunk.len()];
     // SAFETY: `buf` outlives the operation.
     let (id, attached) =
-        unsafe { c.post_recv(1, d(16), buf.as_mut_ptr(), buf.len()) }.expect("posted");
+        unsafe { c.post_recv(1, d(16), buf.as_mut_ptr(), buf.len(), Instant::now()) }
+            .expect("posted");
     assert!(attached && !c.rx_parked(1));
     assert_eq!(c.rx_bytes(1, &f[HEADER_LEN..], t0), chunk.len());
     assert_eq!(c.take_finished(id).map(|r| r.ok()), Some(Some(chunk.len())));
