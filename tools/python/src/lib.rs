@@ -84,6 +84,19 @@ enum Job {
         inp: Raw,
         out: Raw,
     },
+    /// An all-gather whose input is the output's own block (see [`Job::in_place`]).
+    AllgatherInPlace {
+        buf: Raw,
+    },
+    /// A reduce-scatter whose output is the input's own block.
+    ReduceScatterInPlace {
+        buf: Raw,
+        op: ReduceOp,
+    },
+    /// An all-to-all whose input and output are the same buffer.
+    AllToAllInPlace {
+        buf: Raw,
+    },
     AllToAllV {
         inp: Raw,
         send: Vec<usize>,
@@ -166,9 +179,12 @@ impl Job {
     /// Every buffer of the job, with whether it is written.
     fn buffers(&self) -> Vec<(Raw, bool)> {
         match self {
-            Job::Allreduce { buf, .. } | Job::Broadcast { buf, .. } | Job::Reduce { buf, .. } => {
-                vec![(*buf, true)]
-            }
+            Job::Allreduce { buf, .. }
+            | Job::Broadcast { buf, .. }
+            | Job::Reduce { buf, .. }
+            | Job::AllgatherInPlace { buf }
+            | Job::ReduceScatterInPlace { buf, .. }
+            | Job::AllToAllInPlace { buf } => vec![(*buf, true)],
             Job::Allgather { inp, out }
             | Job::ReduceScatter { inp, out, .. }
             | Job::AllToAll { inp, out }
@@ -182,6 +198,31 @@ impl Job {
                 .map(|(_, _, b)| (*b, false))
                 .chain(recvs.iter().map(|(_, _, b)| (*b, true)))
                 .collect(),
+        }
+    }
+
+    /// The in-place form of a call whose buffers alias exactly as the in-place form lays them
+    /// out, as torch programs write them (`all_gather_into_tensor(out, out.chunk(n)[rank])`,
+    /// `reduce_scatter_tensor(inp.chunk(n)[rank], inp)`, `all_to_all_single(t, t)`); other
+    /// calls unchanged. In place or not is each rank's own choice: the others may call either
+    /// way.
+    fn in_place(self, rank: usize, size: usize, esize: usize) -> Job {
+        let at = |whole: Raw, part: Raw| {
+            part.count > 0
+                && whole.count == part.count * size
+                && part.addr == whole.addr + rank * part.count * esize
+        };
+        match self {
+            Job::Allgather { inp, out } if at(out, inp) => Job::AllgatherInPlace { buf: out },
+            Job::ReduceScatter { inp, out, op } if at(inp, out) => {
+                Job::ReduceScatterInPlace { buf: inp, op }
+            }
+            Job::AllToAll { inp, out }
+                if inp.count > 0 && inp.addr == out.addr && inp.count == out.count =>
+            {
+                Job::AllToAllInPlace { buf: out }
+            }
+            j => j,
         }
     }
 
@@ -247,6 +288,11 @@ impl Job {
                     c.reduce_scatter(inp.slice::<T>(), out.slice(), *op).map(drop)
                 }
                 Job::AllToAll { inp, out } => c.all_to_all(inp.slice::<T>(), out.slice()).map(drop),
+                Job::AllgatherInPlace { buf } => c.allgather_inplace(buf.slice::<T>()).map(drop),
+                Job::ReduceScatterInPlace { buf, op } => {
+                    c.reduce_scatter_inplace(buf.slice::<T>(), *op).map(drop)
+                }
+                Job::AllToAllInPlace { buf } => c.all_to_all_inplace(buf.slice::<T>()).map(drop),
                 Job::AllToAllV { inp, send, out, recv } => {
                     c.all_to_all_v(inp.slice::<T>(), send, out.slice(), recv).map(drop)
                 }
@@ -565,6 +611,7 @@ impl Comm {
             },
             k => return Err(PyValueError::new_err(format!("tutti has no collective {k:?}"))),
         };
+        let job = job.in_place(self.inner.rank(), self.inner.size(), dt.size());
         job.check(dt)?;
         let source = match &job {
             Job::RecvAny { source, .. } => Some(source.clone()),

@@ -29,7 +29,7 @@ def sparse_input(r, n):
 def expect_raises(what, fn, *needles):
     try:
         fn()
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         msg = str(e)
         if not all(s in msg for s in needles):
             fail(f"{what}: {msg!r} lacks {needles}")
@@ -40,6 +40,50 @@ def expect_raises(what, fn, *needles):
 def main():
     dist.init_process_group("tutti")
     r, n = dist.get_rank(), dist.get_world_size()
+
+    # In place by aliasing, as torch programs write it, on the even ranks only (the odd ranks
+    # pass separate tensors): all_gather_into_tensor into the output's own chunk,
+    # reduce_scatter_tensor out of the input's own chunk, all_to_all_single(t, t). 2**20
+    # elements make 4 MiB blocks, which go in pieces.
+    for count in (3, 1 << 20):
+        own = slice(r * count, (r + 1) * count)
+        aliased = r % 2 == 0
+        mine = torch.arange(count, dtype=torch.float32) + 1000 * r
+        out = torch.zeros(n * count)
+        if aliased:
+            out[own] = mine
+            dist.all_gather_into_tensor(out, out[own])
+        else:
+            dist.all_gather_into_tensor(out, mine)
+        want = torch.cat([torch.arange(count, dtype=torch.float32) + 1000 * q for q in range(n)])
+        if not torch.equal(out, want):
+            fail(f"aliased all_gather_into_tensor, count {count}")
+        full = torch.arange(n * count, dtype=torch.float32) + r
+        if aliased:
+            dist.reduce_scatter_tensor(full[own], full)
+            got = full[own]
+        else:
+            got = torch.empty(count)
+            dist.reduce_scatter_tensor(got, full)
+        base = torch.arange(n * count, dtype=torch.float32)[own]
+        if not torch.equal(got, n * base + n * (n - 1) // 2):
+            fail(f"aliased reduce_scatter_tensor, count {count}")
+        # Element j of the block rank s sends to rank d: (s * n + d) * count + j.
+        blocks = torch.arange(n * count, dtype=torch.int32) + r * n * count
+        if aliased:
+            dist.all_to_all_single(blocks, blocks)
+            got = blocks
+        else:
+            got = torch.empty(n * count, dtype=torch.int32)
+            dist.all_to_all_single(got, blocks)
+        want = torch.cat([torch.arange(count, dtype=torch.int32) + (s * n + r) * count
+                          for s in range(n)])
+        if not torch.equal(got, want):
+            fail(f"aliased all_to_all_single, count {count}")
+    # An overlap that is not the in-place layout is refused on every rank, before anything
+    # is sent, and the group stays usable.
+    out = torch.zeros(n * 4)
+    expect_raises("shifted alias", lambda: dist.all_gather_into_tensor(out, out[1:5]), "overlap")
 
     # Sparse allreduce: the coalesced sum, against the dense sum of every rank's input.
     t = sparse_input(r, n)
