@@ -25,8 +25,9 @@ fn block_counts() -> [usize; 3] {
     [1, 1001, INTERLEAVE_MIN / 4 + 3]
 }
 
-fn runs(coll: Coll, algo: Algo, n: usize) -> bool {
-    coll.supports(algo, n, true).is_ok()
+/// The algorithms of `coll` that run on `n` ranks with equal counts.
+fn algos(coll: Coll, n: usize) -> Vec<Algo> {
+    coll.algos().iter().copied().filter(|&a| coll.supports(a, n, true).is_ok()).collect()
 }
 
 fn allgather_mixed(c: &Comm, pattern: usize) {
@@ -34,10 +35,7 @@ fn allgather_mixed(c: &Comm, pattern: usize) {
     for count in block_counts() {
         let want: Vec<i32> =
             (0..n).flat_map(|q| input::<i32>(21, q, count, ReduceOp::Sum)).collect();
-        for &algo in Coll::Allgather.algos() {
-            if !runs(Coll::Allgather, algo, n) {
-                continue;
-            }
+        for algo in algos(Coll::Allgather, n) {
             let ca = c.with_algo(algo);
             let mine = input::<i32>(21, r, count, ReduceOp::Sum);
             let mut out = vec![0i32; n * count];
@@ -58,10 +56,7 @@ fn alltoall_mixed(c: &Comm, pattern: usize) {
     for count in block_counts() {
         let inp: Vec<i32> = (0..n).flat_map(|d| (0..count).map(move |j| val(r, d, j))).collect();
         let want: Vec<i32> = (0..n).flat_map(|s| (0..count).map(move |j| val(s, r, j))).collect();
-        for &algo in Coll::AllToAll.algos() {
-            if !runs(Coll::AllToAll, algo, n) {
-                continue;
-            }
+        for algo in algos(Coll::AllToAll, n) {
             let ca = c.with_algo(algo);
             let out = if in_place(r, pattern) {
                 let mut b = inp.clone();
@@ -82,9 +77,6 @@ fn allreduce_mixed(c: &Comm, pattern: usize) {
     for count in [1, 1001, n * (INTERLEAVE_MIN / 4) + 3] {
         let want: Vec<i32> = (0..count).map(|i| reduced(22, n, i, ReduceOp::Sum)).collect();
         for algo in allreduce_algos(c) {
-            if !runs(Coll::Allreduce, algo, n) {
-                continue;
-            }
             let ca = c.with_algo(algo);
             let inp = input::<i32>(22, r, count, ReduceOp::Sum);
             let out = if in_place(r, pattern) {
@@ -107,10 +99,7 @@ fn reduce_scatter_mixed(c: &Comm, pattern: usize) {
         let full = input::<i32>(23, r, count * n, ReduceOp::Sum);
         let want: Vec<i32> =
             (r * count..(r + 1) * count).map(|i| reduced(23, n, i, ReduceOp::Sum)).collect();
-        for &algo in Coll::ReduceScatter.algos() {
-            if !runs(Coll::ReduceScatter, algo, n) {
-                continue;
-            }
+        for algo in algos(Coll::ReduceScatter, n) {
             let ca = c.with_algo(algo);
             let got = if in_place(r, pattern) {
                 let mut b = full.clone();
@@ -194,35 +183,32 @@ fn rooted_mixed(c: &Comm, pattern: usize) {
     }
 }
 
-#[test]
-fn allgather_and_alltoall_with_ranks_in_place_and_not() {
-    for n in [2, 3, 4, 5] {
+/// Run `f` on every rank of each world, once with each pattern of in-place ranks.
+fn each_world(worlds: &[usize], f: impl Fn(&Comm, usize) + Sync) {
+    for &n in worlds {
         for pattern in PATTERNS {
-            world(n, 512 << 10, |c| {
-                allgather_mixed(&c, pattern);
-                alltoall_mixed(&c, pattern);
-            });
+            world(n, 512 << 10, |c| f(&c, pattern));
         }
     }
+}
+
+#[test]
+fn allgather_and_alltoall_with_ranks_in_place_and_not() {
+    each_world(&[2, 3, 4, 5], |c, pattern| {
+        allgather_mixed(c, pattern);
+        alltoall_mixed(c, pattern);
+    });
 }
 
 #[test]
 fn reductions_with_ranks_in_place_and_not() {
-    for n in [2, 3, 4] {
-        for pattern in PATTERNS {
-            world(n, 512 << 10, |c| {
-                allreduce_mixed(&c, pattern);
-                reduce_scatter_mixed(&c, pattern);
-            });
-        }
-    }
+    each_world(&[2, 3, 4], |c, pattern| {
+        allreduce_mixed(c, pattern);
+        reduce_scatter_mixed(c, pattern);
+    });
 }
 
 #[test]
 fn rooted_collectives_with_ranks_in_place_and_not() {
-    for n in [2, 3, 4] {
-        for pattern in PATTERNS {
-            world(n, 512 << 10, |c| rooted_mixed(&c, pattern));
-        }
-    }
+    each_world(&[2, 3, 4], rooted_mixed);
 }
