@@ -188,13 +188,14 @@ pub(crate) struct Req<'a> {
 
 /// The settings every rank must share for a call, folded into 16 bits of its fingerprint: the
 /// algorithm that runs (high 4 bits, its position in [`Algo::ALL`] plus one) and a digest of the
-/// pipeline segment size (low 12 bits). Ranks with different `TUTTI_ALGO` or
-/// `TUTTI_SEGMENT_BYTES` then fail with a named mismatch instead of waiting on each other.
-pub(crate) fn settings_digest(algo: Algo, segment: usize) -> u16 {
+/// pipeline segment size and the allreduce piece size (low 12 bits). Ranks with different
+/// `TUTTI_ALGO`, `TUTTI_SEGMENT_BYTES` or `TUTTI_CHUNK_BYTES` then fail with a mismatch that
+/// shows both settings instead of waiting on each other or blaming the counts.
+pub(crate) fn settings_digest(algo: Algo, segment: usize, chunk: usize) -> u16 {
     let a = Algo::ALL.iter().position(|x| *x == algo).map_or(0, |i| i + 1) as u16;
-    // FNV-1a over the segment size's bytes, folded to 12 bits.
+    // FNV-1a over the two sizes' bytes, folded to 12 bits.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in (segment as u64).to_le_bytes() {
+    for b in (segment as u64).to_le_bytes().into_iter().chain((chunk as u64).to_le_bytes()) {
         h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
     }
     let folded = (h ^ (h >> 12) ^ (h >> 24) ^ (h >> 36) ^ (h >> 48)) as u16 & 0x0fff;
@@ -601,7 +602,7 @@ impl Comm {
             redop: req.redop.map_or(0, ReduceOp::code),
             root: req.root.map_or(u32::MAX, |r| r as u32),
             count: req.count as u64,
-            settings: settings_digest(algo, self.cfg.segment),
+            settings: settings_digest(algo, self.cfg.segment, self.cfg.chunk),
         };
         let call = Call {
             group: &self.group,

@@ -125,12 +125,15 @@ pub enum Error {
     /// not calling the same collective with the same arguments.
     ///
     /// What to do: this is a bug in the calling program (different op, dtype, count or root on
-    /// different ranks, or one rank skipped a call). Both descriptors are printed; fix the call
-    /// sites so every rank of the group makes the same sequence of calls.
+    /// different ranks, or one rank skipped a call) or in its launch (the settings digest in the
+    /// descriptors differs: a forced algorithm, segment or piece size set on some ranks only).
+    /// Both descriptors are printed; fix the call sites so every rank of the group makes the same
+    /// sequence of calls, or give every rank the same settings.
     #[error(
         "rank {rank}: collective mismatch with peer rank {peer}: this rank expected {expected}, \
          rank {peer} sent {got}; every rank of a group must make the same calls with the same \
-         op, dtype, count and root"
+         op, dtype, count and root, under the same settings (TUTTI_ALGO, TUTTI_SEGMENT_BYTES, \
+         TUTTI_CHUNK_BYTES)"
     )]
     Mismatch {
         /// Local rank.
