@@ -59,6 +59,35 @@ def main():
     off = sum(send[:r])
     check("all_to_all_v", out, np.concatenate([data(q, 9, sum(send), np.int64)[off:off + r + 1]
                                                for q in range(n)]))
+    # in place by aliasing, on the odd ranks only: allgather into the output's own block,
+    # reduce_scatter out of the input's own block, all_to_all on one buffer
+    m = 1001
+    own = slice(r * m, (r + 1) * m)
+    out = np.zeros(m * n, np.int32)
+    if r % 2:
+        out[own] = data(r, 10, m, np.int32)
+        c.allgather(out[own], out)
+    else:
+        c.allgather(data(r, 10, m, np.int32), out)
+    check("aliased allgather", out, np.concatenate([data(q, 10, m, np.int32) for q in range(n)]))
+    full = data(r, 11, m * n, np.int32)
+    if r % 2:
+        c.reduce_scatter(full, full[own])
+        got = full[own]
+    else:
+        got = np.empty(m, np.int32)
+        c.reduce_scatter(full, got)
+    want = sum(data(q, 11, m * n, np.int32) for q in range(n)).astype(np.int32)[own]
+    check("aliased reduce_scatter", got, want)
+    x = data(r, 12, m * n, np.int32)
+    if r % 2:
+        c.all_to_all(x, x)
+        got = x
+    else:
+        got = np.empty(m * n, np.int32)
+        c.all_to_all(x, got)
+    check("aliased all_to_all", got,
+          np.concatenate([data(q, 12, m * n, np.int32)[own] for q in range(n)]))
     # async, with the GIL released while waiting
     x = np.ones(1 << 20, np.float32)
     w = c.allreduce(x, async_op=True)
