@@ -9,8 +9,8 @@
 
 use std::time::Instant;
 
-use tutti_collectives::{Comm, ReduceOp};
-use tutti_runtime::testing::{groups, Kind};
+use tutti_collectives::{Comm, Config, ReduceOp};
+use tutti_runtime::testing::{ranks_here, Kind};
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -50,37 +50,21 @@ fn main() {
     let bytes = env("LANES_BYTES", 8);
     let lanes = [1usize, 2, 4];
     let rounds = 15;
-    let (results, how) = if std::env::var_os("WORLD_SIZE").is_some() {
-        // One rank per process (tutti-run on the namespace cluster): the worst of each median.
-        let c = Comm::from_env().unwrap();
+    // Every rank's medians, the worst of each taken over the group; rank 0 reports.
+    let (results, how) = ranks_here(Kind::Tcp, n, |g| {
+        let c = Comm::with_config(g, Config::from_env().unwrap());
         let mut m = one_rank(&c, &lanes, jobs, bytes, rounds);
         c.allreduce(&mut m, ReduceOp::Max).unwrap();
-        if c.rank() != 0 {
-            return;
-        }
-        (vec![m], format!("{} ranks from the launcher's environment", c.size()))
-    } else {
-        let comms: Vec<Comm> = groups(Kind::Tcp, n).unwrap().into_iter().map(Comm::new).collect();
-        let r = std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .into_iter()
-                .map(|c| {
-                    let lanes = &lanes;
-                    s.spawn(move || one_rank(&c, lanes, jobs, bytes, rounds))
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        (r, format!("{n} ranks over TCP (threads)"))
-    };
+        (c.rank() == 0).then_some(m)
+    })
+    .unwrap();
+    let Some(worst) = results.into_iter().flatten().next() else { return };
     println!(
         "# {jobs} non-blocking allreduces of {bytes} B started at once, then waited for; {how}; \
          {rounds} rounds, variants interleaved; median µs per batch, \
          max over ranks"
     );
     println!("# {:>6} {:>12} {:>10}", "lanes", "µs", "/ 1 lane");
-    let worst: Vec<f64> =
-        (0..lanes.len()).map(|i| results.iter().map(|r| r[i]).fold(0f64, f64::max)).collect();
     for (k, w) in lanes.iter().zip(&worst) {
         println!("  {k:>6} {w:>12.1} {:>10.2}", w / worst[0]);
     }

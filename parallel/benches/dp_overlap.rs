@@ -13,8 +13,9 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
+use tutti_collectives::Config;
 use tutti_parallel::{Comm, DataParallel, DpConfig, ReduceOp, Result, Stage, StageFn};
-use tutti_runtime::testing::{groups, Kind};
+use tutti_runtime::testing::{ranks_here, Kind};
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -128,30 +129,15 @@ fn main() {
             DpConfig { first_bucket_bytes: 1, bucket_bytes: dim * dim * 4 },
         ),
     ];
-    let (results, launched) = if tutti_parallel::launched() {
-        // One rank per process (tutti-run, torchrun, srun): every rank's medians, the worst
-        // of each taken over the group.
-        let c = Comm::from_env().unwrap();
+    // Every rank's medians, the worst of each taken over the group; rank 0 reports.
+    let (results, launched) = ranks_here(Kind::Tcp, n, |g| {
+        let c = Comm::with_config(g, Config::from_env().unwrap());
         let mut m = one_rank(&c, &variants, stages, dim, batch, rounds);
         c.allreduce(&mut m, ReduceOp::Max).unwrap();
-        if c.rank() != 0 {
-            return;
-        }
-        (vec![m], format!("{} ranks from the launcher's environment", c.size()))
-    } else {
-        let comms: Vec<Comm> = groups(Kind::Tcp, n).unwrap().into_iter().map(Comm::new).collect();
-        let r = std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .into_iter()
-                .map(|c| {
-                    let variants = &variants;
-                    s.spawn(move || one_rank(&c, variants, stages, dim, batch, rounds))
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        (r, format!("{n} ranks over TCP (threads)"))
-    };
+        (c.rank() == 0).then_some(m)
+    })
+    .unwrap();
+    let Some(worst) = results.into_iter().flatten().next() else { return };
     println!(
         "# data-parallel step, {launched}, {stages} layers of {dim}x{dim} f32 \
          ({:.1} MiB of gradients), batch {batch} per rank; {rounds} rounds, variants \
@@ -159,8 +145,6 @@ fn main() {
         (stages * (dim * dim + dim) * 4) as f64 / (1 << 20) as f64
     );
     println!("# {:<44} {:>10} {:>16}", "variant", "ms", "/ no exchange");
-    let worst: Vec<f64> =
-        (0..variants.len()).map(|i| results.iter().map(|r| r[i]).fold(0f64, f64::max)).collect();
     for ((name, _, _), w) in variants.iter().zip(&worst) {
         println!("  {:<44} {:>10.2} {:>16.2}", name, w, w / worst[0]);
     }

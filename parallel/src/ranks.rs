@@ -4,12 +4,7 @@ use tutti_collectives::Comm;
 
 use crate::error::{Error, Result};
 
-/// True when a launcher (tutti-run, torchrun, srun, mpirun) set the rank environment.
-pub fn launched() -> bool {
-    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
+pub use tutti_runtime::launched;
 
 /// Run `f` on every rank this process hosts and return their results in rank order: under a
 /// launcher, one rank (this process's) from the environment; otherwise `threads` ranks as

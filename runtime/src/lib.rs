@@ -40,6 +40,6 @@ pub mod wire;
 
 pub use error::{Error, OpContext, Result};
 pub use group::Group;
-pub use rendezvous::{init, init_from_env, init_on_store, EnvInfo, Options, Secret};
+pub use rendezvous::{init, init_from_env, init_on_store, launched, EnvInfo, Options, Secret};
 pub use transport::{Op, OpId, Transport, TransportExt};
 pub use wire::{DType, Fingerprint, MsgDesc, OpKind, Tag};

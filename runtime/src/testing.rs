@@ -121,6 +121,31 @@ pub fn groups(kind: Kind, n: usize) -> Result<Vec<Group>> {
     Ok(world(kind, n)?.into_iter().map(Group::new).collect())
 }
 
+/// The ranks a benchmark binary runs: under a launcher ([`crate::launched`]), its one rank from
+/// the environment; otherwise `n` ranks of `kind` as threads. Returns `f`'s results in rank
+/// order and a line saying which it was, for the benchmark's header.
+///
+/// # Errors
+/// Rendezvous errors, or failing to connect the threads' job.
+pub fn ranks_here<T: Send>(
+    kind: Kind,
+    n: usize,
+    f: impl Fn(Group) -> T + Sync,
+) -> Result<(Vec<T>, String)> {
+    if crate::launched() {
+        let g = crate::init_from_env()?;
+        let how = format!("{} ranks from the launcher's environment", g.size());
+        return Ok((vec![f(g)], how));
+    }
+    let over = match kind {
+        Kind::Mem => "memory",
+        Kind::Tcp => "TCP",
+        #[cfg(feature = "quic")]
+        Kind::Quic => "QUIC",
+    };
+    Ok((run(groups(kind, n)?, f), format!("{n} ranks over {over} (threads)")))
+}
+
 /// Run `f(group)` on one thread per rank and collect the results in rank order. A panic on any
 /// rank is re-raised.
 pub fn run<T: Send>(groups: Vec<Group>, f: impl Fn(Group) -> T + Sync) -> Vec<T> {

@@ -228,6 +228,14 @@ impl Options {
     }
 }
 
+/// True when a launcher (tutti-run, torchrun, srun, mpirun) set the rank environment: a
+/// program then takes its one rank from [`init_from_env`] instead of starting ranks itself.
+pub fn launched() -> bool {
+    ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
 /// Rendezvous from the environment and connect: what a program launched by `tutti-run`,
 /// torchrun, srun or mpirun calls first.
 ///
