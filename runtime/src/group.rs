@@ -143,11 +143,6 @@ impl Group {
         self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);
     }
 
-    /// Deadline for an operation starting now.
-    pub fn deadline(&self) -> Instant {
-        Instant::now() + self.timeout()
-    }
-
     /// Take the next collective sequence number. Every member takes them in the same order.
     pub fn next_seq(&self) -> u64 {
         self.inner.seq.fetch_add(1, Ordering::Relaxed)

@@ -143,25 +143,23 @@ pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)]) -> Plan {
     }
     let total = blocks.iter().map(|b| b.1).sum();
     let stride = super::exchange_tags(total, sh.esize);
+    let none = Region::new(Buf::Data, off, 0);
     let mut d = 1;
-    let mut round: u32 = 0;
     while d < sh.n {
         let w = r & !(d - 1);
         let pw = w ^ d;
         let partner = r ^ d;
-        let incoming = (partner, range(blocks, pw, pw + d));
-        let tag = round * stride;
-        if d == 1 && !sh.in_place {
-            // The own block goes out from the input and is copied into place along the way,
-            // piece by piece, reading what the send just read.
-            super::exchange_interleaved(&mut p, sh, (partner, own), incoming, (place, own), tag);
+        // Out of place, round one sends the own block from the input and copies it into place
+        // along the way, piece by piece, reading what the send just read.
+        let (outgoing, copy) = if d == 1 && !sh.in_place {
+            (own, (place, own))
         } else {
-            let none = Region::new(Buf::Data, off, 0);
-            let outgoing = (partner, range(blocks, w, w + d));
-            super::exchange_interleaved(&mut p, sh, outgoing, incoming, (none, none), tag);
-        }
+            (range(blocks, w, w + d), (none, none))
+        };
+        let tag = d.trailing_zeros() * stride;
+        let incoming = (partner, range(blocks, pw, pw + d));
+        super::exchange_interleaved(&mut p, sh, (partner, outgoing), incoming, copy, tag);
         d <<= 1;
-        round += 1;
     }
     p
 }

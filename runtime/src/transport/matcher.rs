@@ -41,7 +41,6 @@ pub(crate) enum OpState {
     Failed(Error),
 }
 
-/// The table of operations posted on one rank.
 /// Hashes operation ids. They are this rank's own counter, never a peer's input, so a
 /// multiplicative hash spreads them well enough; SipHash's resistance to chosen keys would buy
 /// nothing here and costs a few per cent of a small message's time (it showed in profiles of
@@ -65,6 +64,7 @@ impl std::hash::Hasher for IdHasher {
     }
 }
 
+/// The table of operations posted on one rank.
 #[derive(Debug, Default)]
 pub(crate) struct Ops {
     map: HashMap<u64, OpState, std::hash::BuildHasherDefault<IdHasher>>,
