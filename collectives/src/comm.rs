@@ -10,7 +10,7 @@ use crate::algo::PlanCtx;
 use crate::coll::Coll;
 use crate::dtype::{as_bytes, as_bytes_mut, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::exec::{self, Call, Scratch};
+use crate::exec::{self, Call, PlanKey, Scratch};
 use crate::model::Model;
 use crate::plan::{split, Plan};
 use crate::select::{choose, Algo, Overrides};
@@ -594,7 +594,28 @@ impl Comm {
             seg: self.cfg.segment,
             in_place: req.input.is_none(),
         };
-        let plan = plan(&ctx, algo, &self.topo_now())?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        // A call shaped like a recent one runs that one's plan (algorithms are pure functions
+        // of the key and the topology); `v` calls, whose per-rank counts the key lacks, plan
+        // afresh.
+        let topo = self.topo.get();
+        let plan = if req.uniform {
+            let key = PlanKey {
+                coll: req.coll,
+                algo,
+                rank: ctx.rank,
+                n: ctx.n,
+                esize: ctx.esize,
+                seg: ctx.seg,
+                in_place: ctx.in_place,
+                count: req.count,
+                bytes: req.bytes,
+                root: req.root,
+            };
+            scratch.plans.get_or_make(key, topo, || plan(&ctx, algo, &self.topo_now()))?
+        } else {
+            Arc::new(plan(&ctx, algo, &self.topo_now())?)
+        };
         let seq = self.group.next_seq();
         let fp = Fingerprint {
             op: req.coll.op_kind(),
@@ -612,8 +633,8 @@ impl Comm {
             redop: req.redop.unwrap_or(ReduceOp::Sum),
             finish: req.finish,
         };
-        let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let bytes_sent = exec::execute(&call, seq, &plan, req.data, req.input, &mut scratch)?;
+        let bytes_sent =
+            exec::execute(&call, seq, &plan, req.data, req.input, &mut scratch, start)?;
         drop(scratch);
         let elapsed = start.elapsed();
         debug!(op, seq, bytes = req.bytes, %algo, ?elapsed, "collective done");

@@ -34,11 +34,23 @@ struct Posted {
     recv: bool,
 }
 
-/// Scratch memory: 8-byte aligned, reused across calls.
+/// What the executor keeps between calls (behind the communicator's lock): scratch memory,
+/// 8-byte aligned; its own lists of posts; and the plans of recent calls. A call that repeats an
+/// earlier one allocates nothing here.
 #[derive(Default)]
 pub(crate) struct Scratch {
     bufs: Vec<Vec<u64>>,
+    /// The scratch buffers' addresses and lengths for the running call.
+    addrs: Vec<(*mut u8, usize)>,
+    handles: Vec<Option<Posted>>,
+    outstanding: Vec<usize>,
+    /// Plans of recent calls with the same shape (see [`PlanCache`]).
+    pub(crate) plans: PlanCache,
 }
+
+// SAFETY: `addrs` holds addresses into `bufs` only while a call runs, under the communicator's
+// lock; between calls it is empty. Nothing else in `Scratch` is tied to a thread.
+unsafe impl Send for Scratch {}
 
 impl Scratch {
     fn prepare(&mut self, sizes: &[usize]) {
@@ -51,10 +63,75 @@ impl Scratch {
                 *b = vec![0u64; words];
             }
         }
+        self.addrs.clear();
+        self.addrs.extend(self.bufs.iter_mut().map(|b| (b.as_mut_ptr().cast::<u8>(), b.len() * 8)));
     }
 }
 
-/// Run `plan` with `data` as [`Buf::Data`] and `input` as [`Buf::Input`]. Returns bytes sent.
+/// What makes two calls' plans the same: an algorithm is a pure function of these (and of the
+/// topology, kept beside the key). Only calls whose blocks all have one size are cached; the
+/// `v` collectives' per-rank counts are not part of the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PlanKey {
+    pub(crate) coll: crate::coll::Coll,
+    pub(crate) algo: crate::select::Algo,
+    pub(crate) rank: usize,
+    pub(crate) n: usize,
+    pub(crate) esize: usize,
+    pub(crate) seg: usize,
+    pub(crate) in_place: bool,
+    pub(crate) count: usize,
+    pub(crate) bytes: usize,
+    pub(crate) root: Option<usize>,
+}
+
+/// The plans of the most recent distinct calls, newest first. Each entry keeps the topology
+/// it was planned on alive and is found only by that same topology (`None`: the flat one of a
+/// communicator that has not learned its hosts yet).
+#[derive(Default)]
+pub(crate) struct PlanCache {
+    entries: Vec<(PlanKey, Option<std::sync::Arc<crate::topo::Topology>>, std::sync::Arc<Plan>)>,
+}
+
+impl PlanCache {
+    /// Entries kept: a training step's distinct collective shapes, usually a handful.
+    const CAP: usize = 16;
+
+    /// The plan for `key` on `topo`, made by `make` unless a recent call had the same shape.
+    pub(crate) fn get_or_make(
+        &mut self,
+        key: PlanKey,
+        topo: Option<&std::sync::Arc<crate::topo::Topology>>,
+        make: impl FnOnce() -> Result<Plan>,
+    ) -> Result<std::sync::Arc<Plan>> {
+        let same_topo = |t: &Option<std::sync::Arc<crate::topo::Topology>>| match (t, topo) {
+            (None, None) => true,
+            (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        if let Some(i) = self.entries.iter().position(|(k, t, _)| *k == key && same_topo(t)) {
+            if i > 0 {
+                let e = self.entries.remove(i);
+                self.entries.insert(0, e);
+            }
+            return Ok(self.entries[0].2.clone());
+        }
+        let plan = std::sync::Arc::new(make()?);
+        if self.entries.len() == Self::CAP {
+            self.entries.pop();
+        }
+        self.entries.insert(0, (key, topo.cloned(), plan.clone()));
+        Ok(plan)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// Run `plan` with `data` as [`Buf::Data`] and `input` as [`Buf::Input`]; `start` is the
+/// call's start, from which its deadline runs. Returns bytes sent.
 pub(crate) fn execute(
     call: &Call<'_>,
     seq: u64,
@@ -62,9 +139,14 @@ pub(crate) fn execute(
     data: &mut [u8],
     input: Option<&[u8]>,
     scratch: &mut Scratch,
+    start: Instant,
 ) -> Result<u64> {
     scratch.prepare(&plan.scratch);
-    let start = Instant::now();
+    let mut handles = std::mem::take(&mut scratch.handles);
+    handles.clear();
+    handles.reserve(plan.posts);
+    let mut outstanding = std::mem::take(&mut scratch.outstanding);
+    outstanding.clear();
     let mut ex = Exec {
         call,
         seq,
@@ -72,13 +154,9 @@ pub(crate) fn execute(
         data: data.as_mut_ptr(),
         data_len: data.len(),
         input: input.map(|i| (i.as_ptr(), i.len())),
-        scratch: scratch
-            .bufs
-            .iter_mut()
-            .map(|b| (b.as_mut_ptr().cast::<u8>(), b.len() * 8))
-            .collect(),
-        handles: Vec::with_capacity(plan.posts),
-        outstanding: Vec::new(),
+        scratch: &scratch.addrs,
+        handles,
+        outstanding,
         start,
         deadline: start + call.group.timeout(),
         sent: 0,
@@ -94,7 +172,14 @@ pub(crate) fn execute(
             }
         }
     }
-    r.map(|()| ex.sent)
+    let sent = ex.sent;
+    let (mut handles, mut outstanding) = (ex.handles, ex.outstanding);
+    handles.clear();
+    outstanding.clear();
+    scratch.handles = handles;
+    scratch.outstanding = outstanding;
+    scratch.addrs.clear();
+    r.map(|()| sent)
 }
 
 struct Exec<'a> {
@@ -104,7 +189,7 @@ struct Exec<'a> {
     data: *mut u8,
     data_len: usize,
     input: Option<(*const u8, usize)>,
-    scratch: Vec<(*mut u8, usize)>,
+    scratch: &'a [(*mut u8, usize)],
     handles: Vec<Option<Posted>>,
     outstanding: Vec<usize>,
     start: Instant,
@@ -297,5 +382,104 @@ impl Exec<'_> {
             self.wait(h)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::coll::Coll;
+    use crate::select::Algo;
+    use crate::topo::Topology;
+
+    fn key(algo: Algo, bytes: usize, root: Option<usize>) -> PlanKey {
+        PlanKey {
+            coll: Coll::Broadcast,
+            algo,
+            rank: 1,
+            n: 4,
+            esize: 4,
+            seg: 1 << 20,
+            in_place: true,
+            count: bytes / 4,
+            bytes,
+            root,
+        }
+    }
+
+    /// A plan told apart from others by its number of posts.
+    fn plan(posts: usize) -> Plan {
+        Plan { posts, ..Plan::default() }
+    }
+
+    #[test]
+    fn a_repeated_shape_reuses_its_plan_and_any_difference_makes_a_new_one() {
+        let mut c = PlanCache::default();
+        let made = Cell::new(0);
+        let get = |c: &mut PlanCache, k: PlanKey, t: Option<&Arc<Topology>>| {
+            c.get_or_make(k, t, || {
+                made.set(made.get() + 1);
+                Ok(plan(made.get()))
+            })
+            .unwrap()
+        };
+        let a = get(&mut c, key(Algo::Tree, 8, Some(0)), None);
+        let again = get(&mut c, key(Algo::Tree, 8, Some(0)), None);
+        assert!(Arc::ptr_eq(&a, &again));
+        assert_eq!(made.get(), 1);
+        // Each field of the key, and the topology, tells calls apart.
+        get(&mut c, key(Algo::Chain, 8, Some(0)), None);
+        get(&mut c, key(Algo::Tree, 16, Some(0)), None);
+        get(&mut c, key(Algo::Tree, 8, Some(1)), None);
+        assert_eq!(made.get(), 4);
+        let hosts = Arc::new(Topology::from_hosts(&[0, 1, 0, 1]));
+        let other = Arc::new(Topology::from_hosts(&[0, 1, 0, 1]));
+        let on_hosts = get(&mut c, key(Algo::Tree, 8, Some(0)), Some(&hosts));
+        assert_eq!(made.get(), 5, "a known topology is not the flat one");
+        get(&mut c, key(Algo::Tree, 8, Some(0)), Some(&other));
+        assert_eq!(made.get(), 6, "topologies are told apart by identity, not by value");
+        let back = get(&mut c, key(Algo::Tree, 8, Some(0)), Some(&hosts));
+        assert!(Arc::ptr_eq(&on_hosts, &back));
+        assert_eq!(made.get(), 6);
+        assert_eq!(c.len(), 6);
+    }
+
+    #[test]
+    fn the_oldest_shape_goes_first_and_failures_are_not_kept() {
+        let mut c = PlanCache::default();
+        let made = Cell::new(0);
+        let get = |c: &mut PlanCache, bytes: usize| {
+            c.get_or_make(key(Algo::Tree, bytes, None), None, || {
+                made.set(made.get() + 1);
+                Ok(plan(0))
+            })
+            .unwrap()
+        };
+        for b in 0..PlanCache::CAP {
+            get(&mut c, b);
+        }
+        // Using shape 0 again makes shape 1 the oldest.
+        get(&mut c, 0);
+        get(&mut c, PlanCache::CAP);
+        assert_eq!((made.get(), c.len()), (PlanCache::CAP + 1, PlanCache::CAP));
+        get(&mut c, 0);
+        assert_eq!(made.get(), PlanCache::CAP + 1, "shape 0 was kept");
+        get(&mut c, 1);
+        assert_eq!(made.get(), PlanCache::CAP + 2, "shape 1 was dropped");
+        let e = c.get_or_make(key(Algo::Ring, 8, None), None, || {
+            Err(Error::Internal {
+                rank: 1,
+                op: "broadcast",
+                seq: 0,
+                elapsed: std::time::Duration::ZERO,
+                detail: "refused".into(),
+            })
+        });
+        assert!(e.is_err());
+        let ok = c.get_or_make(key(Algo::Ring, 8, None), None, || Ok(plan(7))).unwrap();
+        assert_eq!(ok.posts, 7, "a failed plan is made again, not remembered");
     }
 }

@@ -185,6 +185,7 @@ impl<D: Driver> Engine<D> {
     /// Build the descriptor list for `mode` under the lock: the wake pipe, then the driver's.
     pub(crate) fn poll_set(&self, s: &mut State<D>, mode: Mode, fds: &mut Vec<libc::pollfd>) {
         fds.clear();
+        fds.reserve(self.world + 1);
         fds.push(libc::pollfd { fd: self.pipe.fd(), events: libc::POLLIN, revents: 0 });
         s.driver.poll_set(&s.core, mode, fds);
     }
@@ -263,7 +264,8 @@ impl<D: Driver> Engine<D> {
         let mut w = Waiter::new(op, t0, deadline);
         let mut spin_until = None;
         let mut spun = false;
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world + 1);
+        // Filled (and allocated) only if the first pass does not end the wait.
+        let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut guard = self.lock();
         // The first pass reads the clock once with the waiter's start.
         let mut first = Some(t0);

@@ -1,5 +1,6 @@
 //! The measurement loop of one rank.
 
+use std::borrow::Cow;
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
@@ -481,8 +482,9 @@ impl Bench {
             }
             wrong = self.verify(coll, d, ip, &out);
         }
-        let mut call = |b: &Bench| -> Result<Option<String>> {
-            Ok(b.call(&c, coll, ip, &inp, &mut out)?.map(|st| st.algo.name().to_string()))
+        // The algorithm's name is borrowed: the timed loop allocates nothing of its own.
+        let mut call = |b: &Bench| -> Result<Option<Cow<'static, str>>> {
+            Ok(b.call(&c, coll, ip, &inp, &mut out)?.map(|st| Cow::Borrowed(st.algo.name())))
         };
         self.measure(d, wrong, algo, &mut call)
     }
@@ -512,14 +514,14 @@ impl Bench {
         // Broadcast and reduce work in place on the output buffer.
         let into_out = in_place || matches!(coll, "broadcast" | "reduce");
         device.upload(as_bytes(&inp), if into_out { &*dout } else { &*din })?;
-        let mut call = |b: &Bench| -> Result<Option<String>> {
-            b.call_dev::<T>(coll, d, in_place, &*din, &*dout).map(Some)
+        let mut call = |b: &Bench| -> Result<Option<Cow<'static, str>>> {
+            b.call_dev::<T>(coll, d, in_place, &*din, &*dout).map(|x| Some(Cow::Owned(x)))
         };
         let check = self.s.args.check > 0;
         let mut algo = String::from("-");
         let mut wrong = 0u64;
         if check {
-            algo = call(self)?.unwrap_or_default();
+            algo = call(self)?.unwrap_or_default().into_owned();
             let mut host = out;
             device.download(&*dout, as_bytes_mut(&mut host))?;
             wrong = self.verify(coll, d, false, &host);
@@ -575,7 +577,7 @@ impl Bench {
         d: Dims,
         wrong: u64,
         mut algo: String,
-        call: &mut dyn FnMut(&Bench) -> Result<Option<String>>,
+        call: &mut dyn FnMut(&Bench) -> Result<Option<Cow<'static, str>>>,
     ) -> Result<(Mode, String)> {
         let a = self.s.args.clone();
         // With tuning on (TUTTI_TUNE=1), warm up at least as long as a size class takes to try
@@ -583,24 +585,32 @@ impl Bench {
         // timed iterations measure the choice.
         let tuning = std::env::var("TUTTI_TUNE").is_ok_and(|v| v.trim() == "1");
         let warmup = if tuning { a.warmup.max(4 * 5 * 2 + 1) } else { a.warmup };
+        let mut last = None;
         for _ in 0..warmup {
             if let Some(x) = call(self)? {
-                algo = x;
+                last = Some(x);
             }
         }
         self.comm.barrier()?;
         let mut iter_us = Vec::with_capacity(a.iters);
+        // Back to back, one clock reading per iteration: each one's end is the next one's start.
+        let mut t = Instant::now();
         for _ in 0..a.iters {
             if a.isolated {
                 self.comm.barrier()?;
+                t = Instant::now();
             }
-            let t = Instant::now();
             for _ in 0..a.agg.max(1) {
                 if let Some(x) = call(self)? {
-                    algo = x;
+                    last = Some(x);
                 }
             }
-            iter_us.push(t.elapsed().as_secs_f64() * 1e6 / a.agg.max(1) as f64);
+            let now = Instant::now();
+            iter_us.push((now - t).as_secs_f64() * 1e6 / a.agg.max(1) as f64);
+            t = now;
+        }
+        if let Some(x) = last {
+            algo = x.into_owned();
         }
         let mean: f64 = iter_us.iter().sum::<f64>() / iter_us.len() as f64;
         // Combine over ranks: the -a statistic of the mean, the max per iteration, wrong counts.
