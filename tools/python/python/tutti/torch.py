@@ -56,7 +56,7 @@ def _op(op) -> str:
 
 
 def _dtype(t: torch.Tensor) -> str:
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"the tutti backend works on CPU tensors; this one is on {t.device}")
     try:
         return _DTYPES[t.dtype]
@@ -204,13 +204,17 @@ class ProcessGroupTutti(dist.ProcessGroup):
             return []
         return [torch.device("cpu")]
 
-    def _run(self, kind, dtype, keep, after=None, result=None, opts=None, **kw) -> _Work:
+    def _run(self, kind, dtype, keep, after=None, result=None, opts=None, **kw) -> Optional[_Work]:
         # torch says in the options whether the caller waits at once (`asyncOp` False, set by
         # every collective since 2.14): then the call runs here, without the hand-off to the
-        # worker thread (after the worker's earlier jobs, so the order stays the program's).
+        # worker thread (after the worker's earlier jobs, so the order stays the program's), and
+        # returns no work: torch's callers of that form take None as "already done" (gloo's
+        # "synced at the C++ level"), and a Work object would cost a microsecond per call.
         if opts is not None and getattr(opts, "asyncOp", True) is False:
             self._comm.run(kind, dtype, async_op=False, **kw)
-            return _Work(None, keep, after, result)
+            if after is not None:
+                after()
+            return None
         w = self._comm.run(kind, dtype, async_op=True, **kw)
         return _Work(w, keep, after, result)
 
@@ -219,7 +223,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         op = _op(opts.reduceOp)
-        if any(t.layout == torch.sparse_coo for t in tensors):
+        if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
         works = []
         for t in tensors:
@@ -536,7 +540,8 @@ class _All(_Work):
 
     def __init__(self, works, result):
         super().__init__(None, (), None, result)
-        self._works = works
+        # Calls that ran at once (torch's synchronous form) left no work to wait for.
+        self._works = [w for w in works if w is not None]
         self._done = False
 
     def _finish(self) -> None:
