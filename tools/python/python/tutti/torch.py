@@ -223,6 +223,13 @@ class ProcessGroupTutti(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         op = _op(opts.reduceOp)
+        # The common form, one contiguous dense tensor and a caller that waits at once, goes
+        # straight to the native call: every attribute read costs here (see docs/python.md).
+        if len(tensors) == 1 and getattr(opts, "asyncOp", True) is False:
+            t = tensors[0]
+            if t.is_contiguous() and not t.is_sparse:
+                self._comm.run("allreduce", _dtype(t), (t.data_ptr(), t.numel()), op=op, async_op=False)
+                return None
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
         works = []
