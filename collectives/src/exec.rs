@@ -6,6 +6,7 @@
 //! step may touch bytes that an outstanding receive writes (or write bytes an outstanding send
 //! reads). A plan that breaks a rule fails with [`Error::Internal`] instead of corrupting memory.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use tutti_runtime::{Fingerprint, Group, MsgDesc, OpId, Tag, Transport};
@@ -14,6 +15,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::kernel;
 use crate::plan::{Buf, Plan, Region, Step};
+use crate::topo::Topology;
 
 /// What the executor needs to know about the call.
 pub(crate) struct Call<'g> {
@@ -40,7 +42,7 @@ struct Posted {
 #[derive(Default)]
 pub(crate) struct Scratch {
     bufs: Vec<Vec<u64>>,
-    /// The scratch buffers' addresses and lengths for the running call.
+    /// The scratch buffers' addresses and lengths, as of the latest call's start.
     addrs: Vec<(*mut u8, usize)>,
     handles: Vec<Option<Posted>>,
     outstanding: Vec<usize>,
@@ -48,8 +50,9 @@ pub(crate) struct Scratch {
     pub(crate) plans: PlanCache,
 }
 
-// SAFETY: `addrs` holds addresses into `bufs` only while a call runs, under the communicator's
-// lock; between calls it is empty. Nothing else in `Scratch` is tied to a thread.
+// SAFETY: `addrs` holds addresses into `bufs`, refreshed at each call's start and followed only
+// while that call runs, under the communicator's lock. Nothing else in `Scratch` is tied to a
+// thread.
 unsafe impl Send for Scratch {}
 
 impl Scratch {
@@ -90,7 +93,7 @@ pub(crate) struct PlanKey {
 /// communicator that has not learned its hosts yet).
 #[derive(Default)]
 pub(crate) struct PlanCache {
-    entries: Vec<(PlanKey, Option<std::sync::Arc<crate::topo::Topology>>, std::sync::Arc<Plan>)>,
+    entries: Vec<(PlanKey, Option<Arc<Topology>>, Arc<Plan>)>,
 }
 
 impl PlanCache {
@@ -101,12 +104,12 @@ impl PlanCache {
     pub(crate) fn get_or_make(
         &mut self,
         key: PlanKey,
-        topo: Option<&std::sync::Arc<crate::topo::Topology>>,
+        topo: Option<&Arc<Topology>>,
         make: impl FnOnce() -> Result<Plan>,
-    ) -> Result<std::sync::Arc<Plan>> {
-        let same_topo = |t: &Option<std::sync::Arc<crate::topo::Topology>>| match (t, topo) {
+    ) -> Result<Arc<Plan>> {
+        let same_topo = |t: &Option<Arc<Topology>>| match (t, topo) {
             (None, None) => true,
-            (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
             _ => false,
         };
         if let Some(i) = self.entries.iter().position(|(k, t, _)| *k == key && same_topo(t)) {
@@ -116,7 +119,7 @@ impl PlanCache {
             }
             return Ok(self.entries[0].2.clone());
         }
-        let plan = std::sync::Arc::new(make()?);
+        let plan = Arc::new(make()?);
         if self.entries.len() == Self::CAP {
             self.entries.pop();
         }
@@ -142,10 +145,9 @@ pub(crate) fn execute(
     start: Instant,
 ) -> Result<u64> {
     scratch.prepare(&plan.scratch);
-    let mut handles = std::mem::take(&mut scratch.handles);
+    let Scratch { addrs, handles, outstanding, .. } = scratch;
     handles.clear();
     handles.reserve(plan.posts);
-    let mut outstanding = std::mem::take(&mut scratch.outstanding);
     outstanding.clear();
     let mut ex = Exec {
         call,
@@ -154,7 +156,7 @@ pub(crate) fn execute(
         data: data.as_mut_ptr(),
         data_len: data.len(),
         input: input.map(|i| (i.as_ptr(), i.len())),
-        scratch: &scratch.addrs,
+        scratch: addrs,
         handles,
         outstanding,
         start,
@@ -166,20 +168,13 @@ pub(crate) fn execute(
         r = ex.finish(f, &Region::new(Buf::Data, 0, ex.data_len));
     }
     if r.is_err() {
-        for i in std::mem::take(&mut ex.outstanding) {
+        for i in std::mem::take(&mut *ex.outstanding) {
             if let Some(p) = &ex.handles[i] {
                 ex.t.cancel(p.id);
             }
         }
     }
-    let sent = ex.sent;
-    let (mut handles, mut outstanding) = (ex.handles, ex.outstanding);
-    handles.clear();
-    outstanding.clear();
-    scratch.handles = handles;
-    scratch.outstanding = outstanding;
-    scratch.addrs.clear();
-    r.map(|()| sent)
+    r.map(|()| ex.sent)
 }
 
 struct Exec<'a> {
@@ -190,8 +185,8 @@ struct Exec<'a> {
     data_len: usize,
     input: Option<(*const u8, usize)>,
     scratch: &'a [(*mut u8, usize)],
-    handles: Vec<Option<Posted>>,
-    outstanding: Vec<usize>,
+    handles: &'a mut Vec<Option<Posted>>,
+    outstanding: &'a mut Vec<usize>,
     start: Instant,
     deadline: Instant,
     sent: u64,
@@ -257,7 +252,7 @@ impl Exec<'_> {
     /// Refuse a step whose region conflicts with an outstanding post: any overlap with a
     /// receive, or (when the step writes) with a send.
     fn check_free(&self, r: &Region, write: bool) -> Result<()> {
-        for &h in &self.outstanding {
+        for &h in self.outstanding.iter() {
             if let Some(p) = &self.handles[h] {
                 if (p.recv || write) && p.region.overlaps(r) {
                     return Err(self.internal(format!(
@@ -388,12 +383,10 @@ impl Exec<'_> {
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
-    use std::sync::Arc;
 
     use super::*;
     use crate::coll::Coll;
     use crate::select::Algo;
-    use crate::topo::Topology;
 
     fn key(algo: Algo, bytes: usize, root: Option<usize>) -> PlanKey {
         PlanKey {
