@@ -6,18 +6,20 @@
         [--collbench target/release/collbench] [--launcher torchrun|spawn] [--json out.json]
 
 After an untimed warm-up round, each round runs, for every world, both backends (alternating
-which goes first) under torchrun (`--standalone`, env:// rendezvous, one intra-op thread each),
-then collbench (`--np N`) on the same points. A torch run goes over every collective and size
-in one job: float32 tensors, nccl-tests' S (the whole gathered or scattered buffer; one rank's
-buffer for all_reduce and broadcast), 3 warm-up calls, the first element of one result
-checked, then as many calls back to back as fit in `--secs`; it reports the mean time per call
-averaged over ranks, the statistic collbench prints. collbench then runs each point with as
-many iterations as tutti's torch run made in that round (at least 20) after 8 warm-up ones,
-so both time the same kind of loop. Each round gives a ratio tutti / gloo and tutti-through-
-torch / collbench per point; the table prints the medians over rounds of the times and of those
-per-round ratios. Inside tutti's torch runs, the timed calls go in 6 blocks, each followed by a
-block of the same call made on tutti's communicator directly (same processes, same tensors):
-the median of those per-block ratios, the slowest rank's, is the `torch/native` column — the
+which goes first) under torchrun (`--standalone`, env:// rendezvous, one intra-op thread each).
+A torch run goes over every collective and size in one job: float32 tensors, nccl-tests' S (the
+whole gathered or scattered buffer; one rank's buffer for all_reduce and broadcast), 3 warm-up
+calls, the first element of one result checked, then as many calls as fit in `--secs`, in 6
+blocks; it reports the mean time per call averaged over ranks, the statistic collbench prints.
+Inside tutti's torch job, each point also runs collbench (`--np N`, as many iterations, after 8
+warm-up ones, so both time the same kind of loop): rank 0 starts it while the other ranks sleep
+on the store, right before the point's timed blocks or right after them (alternating by point
+and round), so the two are seconds apart and the machine's drift between them is small. Each
+round gives a ratio tutti / gloo and tutti-through-torch / collbench per point; the table
+prints the medians over rounds of the times and of those per-round ratios. Each timed block
+through torch is paired with a block of the same call made on tutti's communicator directly
+(same processes, same tensors; which of the two goes first alternates): the median over blocks
+of the ratio of their times, each averaged over ranks, is the `torch/native` column — the
 binding's own cost, measured where the machine's drift cannot reach it. A collective gloo lacks
 on CPU is reported as such.
 """
@@ -77,10 +79,24 @@ def native_call(backend, coll, a, b):
     return lambda: comm.run(kind, dt, async_op=False, **kw)
 
 
+def collbench_here(rank, exe, n, coll, s, iters):
+    """collbench on the point, from inside a torch job: rank 0 runs it while the other ranks
+    sleep on the store until it is done. Its mean µs per call, on every rank."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"torch_backends/collbench/{coll}/{s}"
+    if rank == 0:
+        store.set(key, str(run_collbench(exe, n, coll, s, iters)))
+    else:
+        store.wait([key])
+    return float(store.get(key))
+
+
 # -- the worker (one process per rank) --------------------------------------------------------
 
 
-def worker(rank, n, backend, colls, sizes, secs, init, q):
+def worker(rank, n, backend, colls, sizes, secs, init, q, cb=None, rnd=0):
     import torch
     import torch.distributed as dist
 
@@ -139,33 +155,44 @@ def worker(rank, n, backend, colls, sizes, secs, init, q):
             dist.all_reduce(probe, op=dist.ReduceOp.MAX)
             iters = max(5, int(secs / max(probe.item(), 1e-7)))
             native = native_call(backend, coll, a, b)
+            # collbench on the same point, run by rank 0 while the other ranks wait on the
+            # store (asleep): right before the timed blocks on even points of even rounds and
+            # right after them otherwise, so the machine's drift between the two is seconds.
+            cb_first = (rnd + colls.index(coll) + sizes.index(s)) % 2 == 0
+            cb_time = None
+            if cb and cb_first:
+                cb_time = collbench_here(rank, cb, n, coll, s, iters)
             # Blocks of calls through torch, alternating with blocks of the same call made on
-            # tutti's communicator directly (same processes, same tensors): the binding's own
-            # cost, free of the machine's drift between runs.
+            # tutti's communicator directly (same processes, same tensors; which goes first
+            # alternates): the binding's own cost, free of the machine's drift between runs.
             block = max(1, iters // BLOCKS)
             spent, ratios = 0.0, []
-            for _ in range(BLOCKS):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(block):
-                    one()
-                td = time.perf_counter() - t0
-                spent += td
-                if native is not None:
+            for k in range(BLOCKS):
+                td = tn = 0.0
+                for kind in (("torch", "native") if k % 2 == 0 else ("native", "torch")):
+                    if kind == "native" and native is None:
+                        continue
+                    f = one if kind == "torch" else native
                     dist.barrier()
                     t0 = time.perf_counter()
                     for _ in range(block):
-                        native()
-                    ratios.append(td / (time.perf_counter() - t0))
+                        f()
+                    if kind == "torch":
+                        td = time.perf_counter() - t0
+                    else:
+                        tn = time.perf_counter() - t0
+                spent += td
+                if native is not None:
+                    # Averaged over ranks, as the times are.
+                    both = torch.tensor([td, tn], dtype=torch.float64)
+                    dist.all_reduce(both)
+                    ratios.append(both[0].item() / both[1].item())
             per = torch.tensor([spent / (block * BLOCKS)])
             dist.all_reduce(per)
             ratio = statistics.median(ratios) if ratios else None
-            if ratio is not None:
-                # The slowest rank's ratio.
-                rt = torch.tensor([ratio])
-                dist.all_reduce(rt, op=dist.ReduceOp.MAX)
-                ratio = rt.item()
-            out[(coll, s)] = (per.item() / n * 1e6, block * BLOCKS, ratio)
+            if cb and not cb_first:
+                cb_time = collbench_here(rank, cb, n, coll, s, iters)
+            out[(coll, s)] = (per.item() / n * 1e6, block * BLOCKS, ratio, cb_time)
     dist.destroy_process_group()
     if rank == 0:
         q.put(out)
@@ -182,14 +209,15 @@ class _File:
             json.dump([[list(k), v] for k, v in out.items()], f)
 
 
-def run_torch(backend, n, colls, sizes, secs, launcher):
+def run_torch(backend, n, colls, sizes, secs, launcher, cb=None, rnd=0):
     if launcher == "spawn":
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         init = f"tcp://127.0.0.1:{free_port()}"
-        procs = [ctx.Process(target=worker, args=(r, n, backend, colls, sizes, secs, init, q))
+        procs = [ctx.Process(target=worker,
+                             args=(r, n, backend, colls, sizes, secs, init, q, cb, rnd))
                  for r in range(n)]
         for p in procs:
             p.start()
@@ -206,7 +234,9 @@ def run_torch(backend, n, colls, sizes, secs, launcher):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={n}", os.path.abspath(__file__), "--worker", backend,
                "--colls", ",".join(colls), "--sizes", ",".join(str(x) for x in sizes),
-               "--secs", str(secs), "--out", path]
+               "--secs", str(secs), "--out", path, "--round", str(rnd)]
+        if cb:
+            cmd += ["--cb", cb]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, timeout=1800)
@@ -223,8 +253,13 @@ def run_collbench(exe, n, coll, s, iters):
     s = max(s - s % (4 * n), 4 * n)
     cmd = [exe, name, "-b", str(s), "-e", str(s), "-n", str(max(20, iters)), "-w", "8",
            "--np", str(n)]
+    # Run from inside a torchrun job, collbench must not take its rank for one of the job's.
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+              "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items()
+           if k not in launch and not k.startswith(("TORCHELASTIC_", "ROLE_", "GROUP_"))}
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         check=True).stdout
+                         check=True, env=env).stdout
     for line in out.splitlines():
         f = line.split()
         if f and f[0] == str(s) and len(f) > 10:
@@ -247,13 +282,15 @@ def main():
                     help="untimed rounds first (the first processes of a run are often slow)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--cb", help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     sizes = [size(x) for x in a.sizes.split(",")]
     colls = a.colls.split(",")
     if a.worker:
         # One rank of a torchrun job.
         rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        worker(rank, n, a.worker, colls, sizes, a.secs, "env://", _File(a.out))
+        worker(rank, n, a.worker, colls, sizes, a.secs, "env://", _File(a.out), a.cb, a.round)
         return
     worlds = [int(x) for x in a.worlds.split(",")]
     times = {}
@@ -266,7 +303,9 @@ def main():
     for rnd in range(a.rounds):
         for n in worlds:
             order = ["gloo", "tutti"] if (rnd + n) % 2 == 0 else ["tutti", "gloo"]
-            got = {b: run_torch(b, n, colls, sizes, a.secs, a.launcher) for b in order}
+            cb = a.collbench if have_cb else None
+            got = {b: run_torch(b, n, colls, sizes, a.secs, a.launcher,
+                                cb if b == "tutti" else None, rnd) for b in order}
             for coll in colls:
                 for s in sizes:
                     g, t = got["gloo"][(coll, s)], got["tutti"][(coll, s)]
@@ -277,7 +316,7 @@ def main():
                     if not isinstance(g, str):
                         ratios.setdefault(("gloo", n, coll, s), []).append(t[0] / g[0])
                     if have_cb:
-                        c = run_collbench(a.collbench, n, coll, s, t[1])
+                        c = t[3]
                         times.setdefault(("collbench", n, coll, s), []).append(c)
                         ratios.setdefault(("collbench", n, coll, s), []).append(t[0] / c)
         print(f"# round {rnd + 1} of {a.rounds} done", file=sys.stderr, flush=True)
