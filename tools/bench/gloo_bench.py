@@ -11,8 +11,8 @@ at least one per rank), 3 warm-up calls, then as many calls back to back as fit 
 is checked against the exact value.
 """
 import os
-import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -31,11 +31,10 @@ def one(coll, t, out, n):
         raise SystemExit(f"gloo_bench: gloo has no CPU {coll}")
 
 
-def worker(rank, n, coll, nbytes, secs, port, q):
+def worker(rank, n, coll, nbytes, secs, init, q):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=n)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=n)
     count = max(nbytes // 4, n)
     count -= count % n
     per = count // n if coll == "allgather" else count
@@ -73,12 +72,13 @@ def main():
         raise SystemExit(__doc__)
     coll, n, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     secs = float(sys.argv[4]) if len(sys.argv) > 4 else 0.3
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.spawn(worker, args=(n, coll, nbytes, secs, port, q), nprocs=n, join=True)
+    # A file store: a TCP store on a port picked beforehand can lose it to another process
+    # (EADDRINUSE) on a machine running other benchmarks at the same time.
+    with tempfile.TemporaryDirectory() as d:
+        init = "file://" + os.path.join(d, "store")
+        mp.spawn(worker, args=(n, coll, nbytes, secs, init, q), nprocs=n, join=True)
     b, t = q.get()
     print(b, f"{t * 1e6:.2f}")
 
