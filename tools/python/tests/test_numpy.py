@@ -29,3 +29,26 @@ def test_bad_buffers_are_refused_before_anything_is_sent():
         tutti.buffer(ro)
     (addr, count), dt = tutti.buffer(bytearray(10))
     assert count == 10 and dt == "uint8" and addr != 0
+
+
+def test_numpy_callers_never_import_torch():
+    # The buffer check asks torch only when it is already imported (a tensor cannot exist
+    # before): a numpy caller does not pay torch's import on its first collective.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, tutti\n"
+        "assert tutti.buffer(np.zeros(4, np.float32))[1] == 'float32'\n"
+        "assert tutti.buffer(bytearray(3))[1] == 'uint8'\n"
+        "assert 'torch' not in sys.modules, 'tutti imported torch for a numpy array'\n"
+        "try:\n"
+        "    import torch\n"
+        "except ImportError:\n"
+        "    print('OK'); raise SystemExit\n"
+        "(addr, count), dt = tutti.buffer(torch.zeros(5, dtype=torch.float64))\n"
+        "assert (count, dt) == (5, 'float64') and addr != 0\n"
+        "print('OK')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr

@@ -14,6 +14,7 @@ Buffers are used in place, never copied: contiguous, in host memory, of a dtype 
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any, Optional, Sequence
 
 from . import _dtypes, _tutti
@@ -33,11 +34,10 @@ _NUMPY_DTYPES = {
 
 
 def _torch_dtype_name(t: Any) -> Optional[str]:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is optional
-        return None
-    if not isinstance(t, torch.Tensor):
+    # A tensor exists only once torch is imported: a numpy caller never pays torch's import
+    # (a second or more, and hundreds of MB) on its first collective.
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(t, torch.Tensor):
         return None
     names = _dtypes.torch_names()
     if t.dtype not in names:
