@@ -156,8 +156,9 @@ def worker(rank, n, backend, colls, sizes, secs, init, q, cb=None, rnd=0):
             iters = max(5, int(secs / max(probe.item(), 1e-7)))
             native = native_call(backend, coll, a, b)
             # collbench on the same point, run by rank 0 while the other ranks wait on the
-            # store (asleep): right before the timed blocks on even points of even rounds and
-            # right after them otherwise, so the machine's drift between the two is seconds.
+            # store (asleep): right before the timed blocks when the round and the point's
+            # indices add up to an even number, right after them otherwise, so the machine's
+            # drift between the two is seconds.
             cb_first = (rnd + colls.index(coll) + sizes.index(s)) % 2 == 0
             cb_time = None
             if cb and cb_first:
@@ -166,21 +167,23 @@ def worker(rank, n, backend, colls, sizes, secs, init, q, cb=None, rnd=0):
             # tutti's communicator directly (same processes, same tensors; which goes first
             # alternates): the binding's own cost, free of the machine's drift between runs.
             block = max(1, iters // BLOCKS)
+
+            def timed(f):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    f()
+                return time.perf_counter() - t0
+
             spent, ratios = 0.0, []
             for k in range(BLOCKS):
-                td = tn = 0.0
-                for kind in (("torch", "native") if k % 2 == 0 else ("native", "torch")):
-                    if kind == "native" and native is None:
-                        continue
-                    f = one if kind == "torch" else native
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(block):
-                        f()
-                    if kind == "torch":
-                        td = time.perf_counter() - t0
-                    else:
-                        tn = time.perf_counter() - t0
+                if native is None:
+                    td = timed(one)
+                elif k % 2 == 0:
+                    td, tn = timed(one), timed(native)
+                else:
+                    tn = timed(native)
+                    td = timed(one)
                 spent += td
                 if native is not None:
                     # Averaged over ranks, as the times are.
@@ -254,8 +257,8 @@ def run_collbench(exe, n, coll, s, iters):
     cmd = [exe, name, "-b", str(s), "-e", str(s), "-n", str(max(20, iters)), "-w", "8",
            "--np", str(n)]
     # Run from inside a torchrun job, collbench must not take its rank for one of the job's.
-    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-              "MASTER_ADDR", "MASTER_PORT")
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT")
     env = {k: v for k, v in os.environ.items()
            if k not in launch and not k.startswith(("TORCHELASTIC_", "ROLE_", "GROUP_"))}
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -300,10 +303,10 @@ def main():
             for backend in ("gloo", "tutti"):
                 run_torch(backend, n, colls[:1], sizes[-1:], 0.05, a.launcher)
     have_cb = os.path.exists(a.collbench)
+    cb = a.collbench if have_cb else None
     for rnd in range(a.rounds):
         for n in worlds:
             order = ["gloo", "tutti"] if (rnd + n) % 2 == 0 else ["tutti", "gloo"]
-            cb = a.collbench if have_cb else None
             got = {b: run_torch(b, n, colls, sizes, a.secs, a.launcher,
                                 cb if b == "tutti" else None, rnd) for b in order}
             for coll in colls:

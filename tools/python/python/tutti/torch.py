@@ -228,7 +228,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         if len(tensors) == 1 and getattr(opts, "asyncOp", True) is False:
             t = tensors[0]
             if t.is_contiguous() and not t.is_sparse:
-                self._comm.run("allreduce", _dtype(t), (t.data_ptr(), t.numel()), op=op, async_op=False)
+                self._comm.run("allreduce", _dtype(t), _raw(t), op=op, async_op=False)
                 return None
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
