@@ -44,9 +44,14 @@ fn run(args: &[&str], n: usize, kill: usize, delay: Duration) -> (Option<i32>, S
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(delay);
-    for pid in children_of(child.id()).into_iter().take(kill) {
-        // SAFETY: signalling a process this test's launcher started.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    // Lost together: all stopped first, so none can notice another's death (and check in to
+    // the survivors' agreement) between this thread's signals, however it is scheduled.
+    let victims: Vec<u32> = children_of(child.id()).into_iter().take(kill).collect();
+    for sig in [libc::SIGSTOP, libc::SIGKILL] {
+        for pid in &victims {
+            // SAFETY: signalling a process this test's launcher started.
+            unsafe { libc::kill(*pid as i32, sig) };
+        }
     }
     let start = Instant::now();
     while matches!(child.try_wait(), Ok(None)) {

@@ -27,8 +27,12 @@ def test_bad_buffers_are_refused_before_anything_is_sent():
     ro.setflags(write=False)
     with pytest.raises(ValueError):
         tutti.buffer(ro)
-    (addr, count), dt = tutti.buffer(bytearray(10))
+    (addr, count), dt, _ = tutti.buffer(bytearray(10))
     assert count == 10 and dt == "uint8" and addr != 0
+    with pytest.raises(ValueError):
+        tutti.buffer(b"read only")
+    (addr, count), dt, owner = tutti.buffer(b"read only", writable=False)
+    assert count == 9 and dt == "uint8" and owner is not None
 
 
 def test_numpy_callers_never_import_torch():
@@ -46,7 +50,7 @@ def test_numpy_callers_never_import_torch():
         "    import torch\n"
         "except ImportError:\n"
         "    print('OK'); raise SystemExit\n"
-        "(addr, count), dt = tutti.buffer(torch.zeros(5, dtype=torch.float64))\n"
+        "(addr, count), dt, _ = tutti.buffer(torch.zeros(5, dtype=torch.float64))\n"
         "assert (count, dt) == (5, 'float64') and addr != 0\n"
         "print('OK')\n"
     )

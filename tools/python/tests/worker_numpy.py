@@ -111,6 +111,35 @@ def main():
             assert sorted(seen) == list(range(n - 1)), seen
         else:
             c.send(np.full(3, 100 + r, np.int32), n - 1, tag=6)
+    # read-only inputs: bytes (read in place), a read-only memoryview (read through a copy
+    # that must live as long as the call: 1 MiB, so a freed copy is unmapped and the send
+    # would fail), a read-only numpy array; blocking and async, the caller's own reference
+    # to the input dropped before the wait
+    big = 1 << 20
+    for mk in [lambda b: b, lambda b: memoryview(b), lambda b: np.frombuffer(b, np.uint8)]:
+        out = bytearray(big * n)
+        c.allgather(mk(bytes([r + 1]) * big), out)
+        for q in range(n):
+            assert out[q * big] == q + 1 and out[(q + 1) * big - 1] == q + 1, (q, out[q * big])
+        out = bytearray(big * n)
+        w = c.allgather(mk(bytes([r + 7]) * big), out, async_op=True)
+        junk = [bytearray(big) for _ in range(8)]  # reuse whatever memory was freed
+        w.wait()
+        del junk
+        assert all(out[q * big] == q + 7 and out[(q + 1) * big - 1] == q + 7 for q in range(n))
+    if n > 1:
+        got = bytearray(1000)
+        w = c.batch([(bytes([r]) * 1000, (r + 1) % n, 8)], [(got, (r - 1) % n, 8)],
+                    async_op=True)
+        try:
+            got.extend(b"x")  # the call holds an export: the buffer cannot move under it
+            print("FAIL a bytearray in use by an unwaited call was resized", flush=True)
+            sys.exit(1)
+        except BufferError:
+            pass
+        w.wait()
+        assert got == bytearray(bytes([(r - 1) % n]) * 1000), got[:4]
+        got.extend(b"x")  # released by the wait
     # a sub-communicator of the even ranks
     evens = c.split(range(0, n, 2))
     if r % 2 == 0:

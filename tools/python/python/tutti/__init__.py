@@ -49,15 +49,20 @@ def _torch_dtype_name(t: Any) -> Optional[str]:
     return names[t.dtype]
 
 
-def buffer(x: Any, writable: bool = True) -> tuple[tuple[int, int], str]:
-    """``((address, element count), dtype name)`` of a contiguous host buffer, without a copy.
+def buffer(x: Any, writable: bool = True) -> tuple[tuple[int, int], str, Any]:
+    """``((address, element count), dtype name, owner)`` of a contiguous host buffer.
 
-    Accepts CPU torch tensors, objects with ``__array_interface__`` (numpy arrays) and writable
-    buffers (bytearray, writable memoryviews: uint8).
+    Accepts CPU torch tensors, objects with ``__array_interface__`` (numpy arrays) and buffers
+    (bytearray, memoryviews; ``bytes`` and other read-only buffers only with ``writable=False``):
+    uint8. ``owner`` holds the memory at ``address``: keep it referenced for as long as the
+    address is used. For a bytearray or memoryview it also holds an export of the buffer, so the
+    object cannot be resized (Python raises ``BufferError``) while a call uses it. Nothing is
+    copied, except a read-only buffer other than ``bytes`` and numpy arrays: that one is read
+    through one copy, which ``owner`` is.
     """
     name = _torch_dtype_name(x)
     if name is not None:
-        return (x.data_ptr(), x.numel()), name
+        return (x.data_ptr(), x.numel()), name, x
     ai = getattr(x, "__array_interface__", None)
     if ai is not None:
         if ai.get("strides") is not None:
@@ -74,10 +79,18 @@ def buffer(x: Any, writable: bool = True) -> tuple[tuple[int, int], str]:
         count = 1
         for d in ai["shape"]:
             count *= d
-        return (addr, count), kind
+        return (addr, count), kind, x
+    if type(x) is bytes:
+        if writable:
+            raise ValueError("tutti needs a writable buffer here, not bytes")
+        if not x:
+            return (0, 0), "uint8", x
+        # A c_char_p of a bytes object points into the object itself (no copy) and holds it.
+        p = ctypes.c_char_p(x)
+        return (ctypes.cast(p, ctypes.c_void_p).value, len(x)), "uint8", p
     mv = memoryview(x)
-    if not mv.contiguous:
-        raise ValueError("tutti needs a contiguous buffer")
+    if not mv.c_contiguous:
+        raise ValueError("tutti needs a C-contiguous buffer")
     if mv.readonly:
         if writable:
             raise ValueError("tutti needs a writable buffer here")
@@ -85,9 +98,10 @@ def buffer(x: Any, writable: bool = True) -> tuple[tuple[int, int], str]:
     raw = mv.cast("B")
     n = raw.nbytes
     if n == 0:
-        return (0, 0), "uint8"
-    addr = ctypes.addressof((ctypes.c_char * n).from_buffer(raw))
-    return (addr, n), "uint8"
+        return (0, 0), "uint8", x
+    # The ctypes array holds `raw`, which holds the export (and the copy, if one was made).
+    held = (ctypes.c_char * n).from_buffer(raw)
+    return (ctypes.addressof(held), n), "uint8", held
 
 
 class Comm:
@@ -128,43 +142,43 @@ class Comm:
 
     def allreduce(self, buf, op: str = "sum", async_op: bool = False):
         """Reduce ``buf`` over the ranks in place (sum, prod, min, max, avg)."""
-        a, dt = buffer(buf)
-        return self._run("allreduce", dt, a=a, op=op, async_op=async_op, keep=(buf,))
+        a, dt, ka = buffer(buf)
+        return self._run("allreduce", dt, a=a, op=op, async_op=async_op, keep=(ka,))
 
     def broadcast(self, buf, root: int = 0, async_op: bool = False):
         """``root``'s ``buf`` to every rank, in place."""
-        a, dt = buffer(buf)
-        return self._run("broadcast", dt, a=a, root=root, async_op=async_op, keep=(buf,))
+        a, dt, ka = buffer(buf)
+        return self._run("broadcast", dt, a=a, root=root, async_op=async_op, keep=(ka,))
 
     def reduce(self, buf, op: str = "sum", root: int = 0, async_op: bool = False):
         """The reduction lands in ``root``'s ``buf``."""
-        a, dt = buffer(buf)
-        return self._run("reduce", dt, a=a, op=op, root=root, async_op=async_op, keep=(buf,))
+        a, dt, ka = buffer(buf)
+        return self._run("reduce", dt, a=a, op=op, root=root, async_op=async_op, keep=(ka,))
 
     def allgather(self, inp, out, async_op: bool = False):
         """Every rank's ``inp`` concatenated in rank order into ``out`` (size × len(inp))."""
-        a, dt = buffer(inp, writable=False)
-        b, dt2 = buffer(out)
+        a, dt, ka = buffer(inp, writable=False)
+        b, dt2, kb = buffer(out)
         _same(dt, dt2)
-        return self._run("allgather", dt, a=a, b=b, async_op=async_op, keep=(inp, out))
+        return self._run("allgather", dt, a=a, b=b, async_op=async_op, keep=(ka, kb))
 
     def reduce_scatter(self, inp, out, op: str = "sum", async_op: bool = False):
         """Reduce ``inp`` (size × len(out)) over the ranks; block ``rank`` lands in ``out``."""
-        a, dt = buffer(inp, writable=False)
-        b, dt2 = buffer(out)
+        a, dt, ka = buffer(inp, writable=False)
+        b, dt2, kb = buffer(out)
         _same(dt, dt2)
         return self._run(
-            "reduce_scatter", dt, a=a, b=b, op=op, async_op=async_op, keep=(inp, out)
+            "reduce_scatter", dt, a=a, b=b, op=op, async_op=async_op, keep=(ka, kb)
         )
 
     def all_to_all(self, inp, out, send_counts=None, recv_counts=None, async_op: bool = False):
         """Block ``j`` of ``inp`` goes to rank ``j``; block ``i`` of ``out`` comes from rank ``i``.
         Equal blocks unless counts (elements per rank) are given."""
-        a, dt = buffer(inp, writable=False)
-        b, dt2 = buffer(out)
+        a, dt, ka = buffer(inp, writable=False)
+        b, dt2, kb = buffer(out)
         _same(dt, dt2)
         if send_counts is None and recv_counts is None:
-            return self._run("all_to_all", dt, a=a, b=b, async_op=async_op, keep=(inp, out))
+            return self._run("all_to_all", dt, a=a, b=b, async_op=async_op, keep=(ka, kb))
         return self._run(
             "all_to_all_v",
             dt,
@@ -172,26 +186,26 @@ class Comm:
             b=b,
             counts=(list(send_counts), list(recv_counts)),
             async_op=async_op,
-            keep=(inp, out),
+            keep=(ka, kb),
         )
 
     def gather(self, inp, out=None, root: int = 0, async_op: bool = False):
         """Every rank's ``inp`` into ``root``'s ``out`` (size × len(inp)); others pass none."""
-        a, dt = buffer(inp, writable=False)
-        b = (0, 0)
+        a, dt, ka = buffer(inp, writable=False)
+        b, kb = (0, 0), None
         if out is not None:
-            b, dt2 = buffer(out)
+            b, dt2, kb = buffer(out)
             _same(dt, dt2)
-        return self._run("gather", dt, a=a, b=b, root=root, async_op=async_op, keep=(inp, out))
+        return self._run("gather", dt, a=a, b=b, root=root, async_op=async_op, keep=(ka, kb))
 
     def scatter(self, out, inp=None, root: int = 0, async_op: bool = False):
         """Block ``rank`` of ``root``'s ``inp`` (size × len(out)) into every rank's ``out``."""
-        b, dt = buffer(out)
-        a = (0, 0)
+        b, dt, kb = buffer(out)
+        a, ka = (0, 0), None
         if inp is not None:
-            a, dt2 = buffer(inp, writable=False)
+            a, dt2, ka = buffer(inp, writable=False)
             _same(dt, dt2)
-        return self._run("scatter", dt, a=a, b=b, root=root, async_op=async_op, keep=(inp, out))
+        return self._run("scatter", dt, a=a, b=b, root=root, async_op=async_op, keep=(ka, kb))
 
     def barrier(self, async_op: bool = False):
         """Return once every rank has called it."""
@@ -207,8 +221,8 @@ class Comm:
         ``source_rank()`` says it once waited for)."""
         if src is not None:
             return self.batch([], [(buf, src, tag)], async_op=async_op)
-        w = self._run("recv_any", "uint8", a=_bytes(buf, True), root=tag, async_op=True,
-                      keep=(buf,))
+        a, ka = _bytes(buf, True)
+        w = self._run("recv_any", "uint8", a=a, root=tag, async_op=True, keep=(ka,))
         if async_op:
             return w
         w.wait()
@@ -219,14 +233,20 @@ class Comm:
         (no ordering deadlock between them)."""
         s = [(peer, tag, _bytes(buf, False)) for buf, peer, tag in sends]
         r = [(peer, tag, _bytes(buf, True)) for buf, peer, tag in recvs]
-        keep = tuple(b for b, _, _ in sends) + tuple(b for b, _, _ in recvs)
+        keep = tuple(k for _, _, (_, k) in s) + tuple(k for _, _, (_, k) in r)
+        s = [(peer, tag, a) for peer, tag, (a, _) in s]
+        r = [(peer, tag, a) for peer, tag, (a, _) in r]
         return self._run("batch", "uint8", sends=s, recvs=r, async_op=async_op, keep=keep)
 
 
-def _bytes(buf, writable: bool) -> tuple[int, int]:
-    (addr, count), dt = buffer(buf, writable=writable)
-    size = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}[dt]
-    return (addr, count * size)
+_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
+          "int32": 4, "int64": 8}
+
+
+def _bytes(buf, writable: bool) -> tuple[tuple[int, int], Any]:
+    """``((address, bytes), owner)`` of ``buf``, as :func:`buffer`."""
+    (addr, count), dt, owner = buffer(buf, writable=writable)
+    return (addr, count * _SIZES[dt]), owner
 
 
 def _same(a: str, b: str) -> None:
