@@ -416,18 +416,26 @@ impl Work {
 #[pymethods]
 impl Work {
     /// Block until the collective ended (bounded by the group's timeout); raise its error.
+    /// Two threads may wait at once: the second returns when the first has the outcome.
     fn wait(&self, py: Python<'_>) -> PyResult<bool> {
-        let p = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(p) = p {
-            let r = py.allow_threads(|| p.wait());
-            self.settle(r);
-        }
+        // The lock is taken and held without the GIL, so a waiter holds it until the outcome
+        // is settled and a second waiter cannot return before then.
+        py.allow_threads(|| {
+            let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = g.take() {
+                self.settle(p.wait());
+            }
+        });
         self.raise()
     }
 
-    /// True once the collective ended (successfully or not).
+    /// True once the collective ended (successfully or not). Never blocks, also while another
+    /// thread waits for it.
     fn is_completed(&self) -> PyResult<bool> {
-        let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let Ok(mut g) = self.pending.try_lock() else {
+            // Another thread is inside `wait` (or a poisoned lock): the outcome says.
+            return Ok(self.outcome.lock().unwrap_or_else(|e| e.into_inner()).is_some());
+        };
         if let Some(p) = g.as_mut() {
             if let Some(r) = p.test() {
                 *g = None;

@@ -140,6 +140,29 @@ def main():
         w.wait()
         assert got == bytearray(bytes([(r - 1) % n]) * 1000), got[:4]
         got.extend(b"x")  # released by the wait
+    # two threads wait for one work: neither returns before it ended (rank 0 starts the call
+    # 0.3 s before the others join, so it cannot end early)
+    if n > 1:
+        import threading
+        import time
+
+        x = np.full(1 << 16, r + 1, np.int64)
+        if r != 0:
+            time.sleep(0.3)
+        w = c.allreduce(x, async_op=True)
+        seen = []
+
+        def waiter():
+            ok = w.wait()
+            seen.append((ok, int(x[0]), int(x[-1])))
+
+        ts = [threading.Thread(target=waiter) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        total = n * (n + 1) // 2
+        assert seen == [(True, total, total)] * 2, seen
     # a sub-communicator of the even ranks
     evens = c.split(range(0, n, 2))
     if r % 2 == 0:
