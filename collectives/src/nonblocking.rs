@@ -23,7 +23,7 @@ use std::pin::Pin;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::comm::{Comm, Stats};
 use crate::dtype::{Element, ReduceOp};
@@ -75,13 +75,36 @@ struct SlotState<R> {
     result: Option<Result<R>>,
     /// The job ended without a result (dropped unrun, or its thread panicked).
     gone: bool,
+    /// The result was handed out already: asking again is an error, not a wait.
+    spent: bool,
     waker: Option<Waker>,
+}
+
+impl<R> SlotState<R> {
+    /// The outcome, once: `None` while the job runs; after the result was taken, an error
+    /// saying so (never a wait that cannot end).
+    fn take(&mut self, rank: usize) -> Option<Result<R>> {
+        if let Some(r) = self.result.take() {
+            self.spent = true;
+            return Some(r);
+        }
+        if self.spent {
+            return Some(Err(Error::InvalidArgument {
+                rank,
+                op: "wait",
+                detail: "this non-blocking call's result was already taken (by `test`, \
+                         `wait_timeout` or a completed poll); each result is given once"
+                    .into(),
+            }));
+        }
+        self.gone.then(|| Err(worker_gone(rank)))
+    }
 }
 
 impl<R> Slot<R> {
     fn new() -> Arc<Slot<R>> {
         Arc::new(Slot {
-            state: Mutex::new(SlotState { result: None, gone: false, waker: None }),
+            state: Mutex::new(SlotState { result: None, gone: false, spent: false, waker: None }),
             cv: Condvar::new(),
         })
     }
@@ -159,11 +182,8 @@ impl<R> Pending<R> {
     pub fn wait(self) -> Result<R> {
         let mut st = self.slot.lock();
         loop {
-            if let Some(r) = st.result.take() {
+            if let Some(r) = st.take(self.rank) {
                 return r;
-            }
-            if st.gone {
-                return Err(worker_gone(self.rank));
             }
             st = self
                 .slot
@@ -174,15 +194,35 @@ impl<R> Pending<R> {
         }
     }
 
-    /// `Some(result)` when finished, `None` while still running. After `Some`, the handle is
-    /// spent.
-    pub fn test(&mut self) -> Option<Result<R>> {
+    /// Block until the collective finished or `limit` passed: `Some(result)` when it finished
+    /// (the handle is then spent, as after [`test`](Pending::test)), `None` when it is still
+    /// running at `limit` — the collective goes on and the handle can be waited for again.
+    /// What torch's `Work.wait(timeout)` does.
+    ///
+    /// # Errors
+    /// Inside `Some`, the collective's error.
+    pub fn wait_timeout(&mut self, limit: Duration) -> Option<Result<R>> {
+        let until = Instant::now().checked_add(limit);
         let mut st = self.slot.lock();
-        match st.result.take() {
-            Some(r) => Some(r),
-            None if st.gone => Some(Err(worker_gone(self.rank))),
-            None => None,
+        loop {
+            if let Some(r) = st.take(self.rank) {
+                return Some(r);
+            }
+            let left = match until {
+                Some(u) => u.saturating_duration_since(Instant::now()),
+                None => Duration::from_millis(500),
+            };
+            if left.is_zero() {
+                return None;
+            }
+            st = self.slot.cv.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+
+    /// `Some(result)` when finished, `None` while still running. After `Some`, the handle is
+    /// spent: every later `test`, `wait_timeout`, `wait` or poll returns an error at once.
+    pub fn test(&mut self) -> Option<Result<R>> {
+        self.slot.lock().take(self.rank)
     }
 }
 
@@ -190,14 +230,12 @@ impl<R> Future for Pending<R> {
     type Output = Result<R>;
 
     /// Ready once the collective ended; until then the task's waker is kept, and the worker
-    /// wakes it when it finishes the job. Polling again after `Ready` reports the worker gone.
+    /// wakes it when it finishes the job. Polling again after `Ready` is ready at once with an
+    /// error saying the result was taken.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<R>> {
         let mut st = self.slot.lock();
-        if let Some(r) = st.result.take() {
+        if let Some(r) = st.take(self.rank) {
             return Poll::Ready(r);
-        }
-        if st.gone {
-            return Poll::Ready(Err(worker_gone(self.rank)));
         }
         match &mut st.waker {
             Some(w) if w.will_wake(cx.waker()) => {}

@@ -140,3 +140,37 @@ fn a_lent_error_reaches_its_handle_and_the_scope_still_returns() {
         assert!(e.contains("count 10") && e.contains("count 11"), "{e}");
     });
 }
+
+#[test]
+fn a_timed_wait_returns_while_the_collective_runs_and_a_later_wait_gets_it() {
+    world(2, 4096, |c: Comm| {
+        let r = c.rank();
+        if r == 1 {
+            // Rank 0's call cannot end before this one starts.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        let mut h = c.iallreduce(vec![r as i64 + 1; 1000], ReduceOp::Sum);
+        if r == 0 {
+            let t = std::time::Instant::now();
+            assert!(h.wait_timeout(std::time::Duration::from_millis(50)).is_none());
+            assert!(t.elapsed() >= std::time::Duration::from_millis(50));
+        }
+        let (buf, _) =
+            h.wait_timeout(std::time::Duration::from_secs(20)).expect("ended within 20 s").unwrap();
+        assert!(buf.iter().all(|v| *v == 3), "{:?}", &buf[..4]);
+        // Spent: asking again is an error at once, never a wait that cannot end.
+        assert!(h.wait_timeout(std::time::Duration::from_secs(20)).is_some_and(|r| r.is_err()));
+        let mut b = c.ibarrier();
+        let first = loop {
+            if let Some(r) = b.test() {
+                break r;
+            }
+            std::thread::yield_now();
+        };
+        first.unwrap();
+        let t = std::time::Instant::now();
+        let again = b.wait().unwrap_err().to_string();
+        assert!(t.elapsed() < std::time::Duration::from_secs(1), "{again}");
+        assert!(again.contains("already taken"), "{again}");
+    });
+}

@@ -392,6 +392,9 @@ struct Comm {
 #[pyclass(module = "tutti._tutti")]
 struct Work {
     pending: Mutex<Option<Pending<()>>>,
+    /// This rank and the collective, for a timed wait's message.
+    rank: usize,
+    kind: String,
     /// For a receive from any source: the sender's rank once it arrived (-1 before).
     source: Option<Arc<std::sync::atomic::AtomicI64>>,
     /// The outcome once known: `None` ok, `Some(message)` failed.
@@ -416,16 +419,46 @@ impl Work {
 #[pymethods]
 impl Work {
     /// Block until the collective ended (bounded by the group's timeout); raise its error.
-    /// Two threads may wait at once: the second returns when the first has the outcome.
-    fn wait(&self, py: Python<'_>) -> PyResult<bool> {
+    /// Two threads may wait at once: the second returns when the first has the outcome. With
+    /// `timeout_s` (seconds, > 0), raise `TimeoutError` if it has not ended by then; it goes on,
+    /// and can be waited for again.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        let limit = timeout_s
+            .filter(|t| *t > 0.0)
+            .map(|t| {
+                Duration::try_from_secs_f64(t)
+                    .map_err(|e| PyValueError::new_err(format!("timeout {t} s: {e}")))
+            })
+            .transpose()?;
         // The lock is taken and held without the GIL, so a waiter holds it until the outcome
         // is settled and a second waiter cannot return before then.
-        py.allow_threads(|| {
+        let ended = py.allow_threads(|| {
             let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(p) = g.take() {
-                self.settle(p.wait());
-            }
+            let Some(p) = g.as_mut() else { return true };
+            let r = match limit {
+                Some(d) => match p.wait_timeout(d) {
+                    Some(r) => r,
+                    None => return false,
+                },
+                None => match g.take() {
+                    Some(p) => p.wait(),
+                    None => return true,
+                },
+            };
+            *g = None;
+            self.settle(r);
+            true
         });
+        if !ended {
+            return Err(PyTimeoutError::new_err(format!(
+                "rank {}: {} (async) did not end within {:.3} s; it is still running and holds \
+                 its tensors: wait again, or the group's timeout ends it",
+                self.rank,
+                self.kind,
+                timeout_s.unwrap_or_default()
+            )));
+        }
         self.raise()
     }
 
@@ -631,6 +664,8 @@ impl Comm {
             let p = self.inner.submit(move |c| unsafe { job.run(c, dt) });
             return Ok(Some(Work {
                 pending: Mutex::new(Some(p)),
+                rank: self.inner.rank(),
+                kind: kind.to_string(),
                 source,
                 outcome: Mutex::new(None),
             }));

@@ -148,6 +148,21 @@ def main():
                       "Rank 0 timed out in monitoredBarrier")
     else:
         dist.new_group(list(range(n)))
+    # work.wait(timeout): rank 0's all_reduce cannot end before the others join, 0.3 s later;
+    # its 50 ms wait raises (a RuntimeError, as torch's "Operation timed out!"), the call goes
+    # on, and a wait without a limit gets the exact result.
+    import time
+
+    if r != 0:
+        time.sleep(0.3)
+    x = torch.full((1000,), float(r + 1))
+    w = dist.all_reduce(x, async_op=True)
+    if r == 0:
+        expect_raises("timed wait", lambda: w.wait(timeout=datetime.timedelta(milliseconds=50)),
+                      "rank 0", "allreduce", "did not end within")
+    w.wait()
+    if not torch.equal(x, torch.full((1000,), float(n * (n + 1) // 2))):
+        fail(f"allreduce after a timed-out wait: {x[:4].tolist()}")
     dist.barrier()
     print(f"rank {r} EXTRAS OK", flush=True)
     dist.destroy_process_group()

@@ -140,8 +140,8 @@ def main():
         w.wait()
         assert got == bytearray(bytes([(r - 1) % n]) * 1000), got[:4]
         got.extend(b"x")  # released by the wait
-    # two threads wait for one work: neither returns before it ended (rank 0 starts the call
-    # 0.3 s before the others join, so it cannot end early)
+    # a timed wait, then two threads wait for one work: none returns before it ended (rank 0
+    # starts the call 0.3 s before the others join, so it cannot end early)
     if n > 1:
         import threading
         import time
@@ -150,6 +150,17 @@ def main():
         if r != 0:
             time.sleep(0.3)
         w = c.allreduce(x, async_op=True)
+        if r == 0:
+            # a timed wait that ends first raises, and the call goes on
+            t = time.monotonic()
+            try:
+                w.wait(0.05)
+                print("FAIL a timed wait returned before its call ended", flush=True)
+                sys.exit(1)
+            except tutti.WaitTimeout as e:
+                assert isinstance(e, RuntimeError) and isinstance(e, TimeoutError), type(e)
+                assert "rank 0" in str(e) and "allreduce" in str(e), str(e)
+            assert time.monotonic() - t >= 0.05
         seen = []
 
         def waiter():

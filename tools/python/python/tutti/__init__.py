@@ -20,7 +20,21 @@ from typing import Any, Optional, Sequence
 from . import _dtypes, _tutti
 from ._tutti import TuttiError, Work
 
-__all__ = ["Comm", "TuttiError", "Work"]
+__all__ = ["Comm", "TuttiError", "WaitTimeout", "Work"]
+
+
+class WaitTimeout(TuttiError, TimeoutError):
+    """A wait with a timeout ended before its collective did. The collective goes on and still
+    uses its buffers: wait for it again (or let the group's timeout end it)."""
+
+
+def _wait(native: Work, timeout_s: Optional[float]) -> bool:
+    try:
+        return native.wait(timeout_s)
+    except WaitTimeout:
+        raise
+    except TimeoutError as e:
+        raise WaitTimeout(str(e)) from None
 
 _NUMPY_DTYPES = {
     "f4": "float32",
@@ -261,11 +275,18 @@ class _Held:
         self._w = work
         self._keep = keep
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the call ended; raise its error. With ``timeout`` (seconds), raise
+        :class:`WaitTimeout` if it has not ended by then (it goes on, holding its buffers)."""
         try:
-            return self._w.wait()
-        finally:
+            ok = _wait(self._w, timeout)
+        except WaitTimeout:
+            raise
+        except BaseException:
             self._keep = None
+            raise
+        self._keep = None
+        return ok
 
     def is_completed(self) -> bool:
         return self._w.is_completed()

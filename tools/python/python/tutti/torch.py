@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from . import _dtypes, _tutti
+from . import _dtypes, _tutti, _wait
 from ._tutti import TuttiError
 
 __all__ = ["ProcessGroupTutti", "TuttiError"]
@@ -80,11 +80,11 @@ class _Work(dist.Work):
         self._result = result
         self._done = native is None and after is None
 
-    def _finish(self) -> None:
+    def _finish(self, timeout_s: Optional[float] = None) -> None:
         if self._done:
             return
         if self._native is not None:
-            self._native.wait()
+            _wait(self._native, timeout_s)
         if self._after is not None:
             self._after()
         self._done = True
@@ -92,7 +92,12 @@ class _Work(dist.Work):
         self._after = None
 
     def wait(self, timeout=None) -> bool:
-        self._finish()
+        # torch passes a timedelta; zero (its default) means no limit. Past the limit this
+        # raises WaitTimeout (a RuntimeError, as torch's "Operation timed out!", and a
+        # TimeoutError); the collective goes on and keeps its tensors.
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        self._finish(timeout or None)
         return True
 
     def is_completed(self) -> bool:
@@ -551,11 +556,13 @@ class _All(_Work):
         self._works = [w for w in works if w is not None]
         self._done = False
 
-    def _finish(self) -> None:
+    def _finish(self, timeout_s: Optional[float] = None) -> None:
         if self._done:
             return
+        end = None if timeout_s is None else time.monotonic() + timeout_s
         for w in self._works:
-            w._finish()
+            # One limit for all of them; a work that has ended returns at once.
+            w._finish(None if end is None else max(end - time.monotonic(), 1e-6))
         self._done = True
 
     def is_completed(self) -> bool:
