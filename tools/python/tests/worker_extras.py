@@ -163,6 +163,20 @@ def main():
     w.wait()
     if not torch.equal(x, torch.full((1000,), float(n * (n + 1) // 2))):
         fail(f"allreduce after a timed-out wait: {x[:4].tolist()}")
+
+    # get_future does not wait for the call (DDP takes each bucket's future and goes on with
+    # the backward pass): rank 0 takes it while its all_reduce cannot end and drops the work;
+    # the future then completes with the exact sum, and a callback chained on it runs.
+    if r != 0:
+        time.sleep(0.3)
+    x = torch.full((1000,), float(r + 1))
+    fut = dist.all_reduce(x, async_op=True).get_future()
+    if r == 0 and fut.done():
+        fail("get_future waited for its all_reduce to end")
+    total = float(n * (n + 1) // 2)
+    chained = fut.then(lambda f: f.value()[0].sum().item())
+    if chained.wait() != 1000 * total or not torch.equal(x, torch.full((1000,), total)):
+        fail(f"the future's all_reduce: {x[:4].tolist()}")
     dist.barrier()
     print(f"rank {r} EXTRAS OK", flush=True)
     dist.destroy_process_group()

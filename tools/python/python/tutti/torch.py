@@ -23,8 +23,10 @@ import datetime
 import hashlib
 import ipaddress
 import os
+import queue
 import socket
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -72,24 +74,32 @@ class _Work(dist.Work):
     """A tutti collective as torch sees it: ``wait()`` blocks without the GIL, then copies
     staged results out; it keeps the tensors alive until then."""
 
-    def __init__(self, native, keep=(), after: Optional[Callable[[], None]] = None, result=None):
+    def __init__(self, native, keep=(), after: Optional[Callable[[], None]] = None, result=None,
+                 completer: Optional["_Completer"] = None):
         super().__init__()
         self._native = native
+        self._completer = completer
         self._keep = keep
         self._after = after
         self._result = result
         self._done = native is None and after is None
+        # The caller's thread and the futures' thread may finish a work at once: one of them
+        # copies the results out.
+        self._lock = threading.Lock()
 
     def _finish(self, timeout_s: Optional[float] = None) -> None:
         if self._done:
             return
-        if self._native is not None:
-            _wait(self._native, timeout_s)
-        if self._after is not None:
-            self._after()
-        self._done = True
-        self._keep = ()
-        self._after = None
+        with self._lock:
+            if self._done:
+                return
+            if self._native is not None:
+                _wait(self._native, timeout_s)
+            if self._after is not None:
+                self._after()
+            self._done = True
+            self._keep = ()
+            self._after = None
 
     def wait(self, timeout=None) -> bool:
         # torch passes a timedelta; zero (its default) means no limit. Past the limit this
@@ -126,12 +136,14 @@ class _Work(dist.Work):
         return src
 
     def get_future(self) -> Future:
+        # Completed by a helper thread when the call ends, so the caller goes on meanwhile
+        # (DDP takes each bucket's future and goes on with the backward pass). The helper holds
+        # this work until then, so dropping it does not wait.
         fut: Future = Future()
-        try:
-            self._finish()
-            fut.set_result(self._result)
-        except Exception as e:  # noqa: BLE001 - handed to the future's waiter
-            fut.set_exception(e)
+        if self._done or self._completer is None:
+            _settle(self, fut)
+        else:
+            self._completer.put(self, fut)
         return fut
 
     def __del__(self):
@@ -174,6 +186,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         self._store = store
         self._monitored = 0
         self._coalescing: Optional[tuple[list, list, list]] = None
+        self._futures = _Completer()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "tutti"
@@ -221,7 +234,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 after()
             return None
         w = self._comm.run(kind, dtype, async_op=True, **kw)
-        return _Work(w, keep, after, result)
+        return _Work(w, keep, after, result, self._futures)
 
     # -- reductions ------------------------------------------------------------------------
 
@@ -532,7 +545,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         _dtype(t)
         w = self._comm.run("recv_any", "uint8", a=(t.data_ptr(), t.numel() * t.element_size()),
                            root=tag & 0x7FFFFFFF, async_op=True)
-        return _Work(w, (t,), None, tensors)
+        return _Work(w, (t,), None, tensors, self._futures)
 
     def _start_coalescing(self, device=None):
         self._coalescing = ([], [], [])
@@ -547,13 +560,55 @@ class ProcessGroupTutti(dist.ProcessGroup):
         return self._run("batch", "uint8", tuple(keep), None, keep, sends=sends, recvs=recvs)
 
 
+def _settle(work: _Work, fut: Future) -> None:
+    try:
+        work._finish()
+        fut.set_result(work._result)
+    except Exception as e:  # noqa: BLE001 - handed to the future's waiter
+        fut.set_exception(e)
+
+
+class _Completer:
+    """Completes the futures of one group's works in the order they were asked for: a daemon
+    thread waits for each work (without the GIL), copies its results out and sets its future.
+    A group's works end in the order its worker runs them, so this adds no waiting of its own.
+    The thread starts with the first future and ends when the group is gone."""
+
+    def __init__(self):
+        self._q: Optional[queue.SimpleQueue] = None
+        self._lock = threading.Lock()
+
+    def put(self, work: "_Work", fut: Future) -> None:
+        with self._lock:
+            if self._q is None:
+                self._q = queue.SimpleQueue()
+                threading.Thread(target=_complete, args=(self._q,), name="tutti-futures",
+                                 daemon=True).start()
+        self._q.put((work, fut))
+
+    def __del__(self):
+        if self._q is not None:
+            self._q.put(None)
+
+
+def _complete(q: queue.SimpleQueue) -> None:
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        _settle(*item)
+        del item
+
+
 class _All(_Work):
     """Several works as one."""
 
     def __init__(self, works, result):
-        super().__init__(None, (), None, result)
         # Calls that ran at once (torch's synchronous form) left no work to wait for.
-        self._works = [w for w in works if w is not None]
+        works = [w for w in works if w is not None]
+        super().__init__(None, (), None, result,
+                         next((w._completer for w in works if w._completer), None))
+        self._works = works
         self._done = False
 
     def _finish(self, timeout_s: Optional[float] = None) -> None:
