@@ -177,6 +177,17 @@ def main():
     chained = fut.then(lambda f: f.value()[0].sum().item())
     if chained.wait() != 1000 * total or not torch.equal(x, torch.full((1000,), total)):
         fail(f"the future's all_reduce: {x[:4].tolist()}")
+
+    # A callback that starts a call and waits for that call's future, as PowerSGD's DDP hook
+    # does: the callback runs on a helper thread, and another helper sets the inner future.
+    def nested(f):
+        inner = f.value()[0].clone()
+        return dist.all_reduce(inner, async_op=True).get_future().wait()[0]
+
+    x = torch.full((10,), float(r + 1))
+    got = dist.all_reduce(x, async_op=True).get_future().then(nested).wait()
+    if not torch.equal(got, torch.full((10,), n * total)):
+        fail(f"a callback's own all_reduce: {got.tolist()}")
     dist.barrier()
     print(f"rank {r} EXTRAS OK", flush=True)
     dist.destroy_process_group()

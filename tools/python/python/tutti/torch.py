@@ -568,36 +568,59 @@ def _settle(work: _Work, fut: Future) -> None:
         fut.set_exception(e)
 
 
+# Helpers per group at most: past it, futures wait their turn (a deadlock needs this many
+# callbacks blocked at once).
+_MAX_HELPERS = 64
+
+
 class _Completer:
-    """Completes the futures of one group's works in the order they were asked for: a daemon
-    thread waits for each work (without the GIL), copies its results out and sets its future.
-    A group's works end in the order its worker runs them, so this adds no waiting of its own.
-    The thread starts with the first future and ends when the group is gone."""
+    """Completes the futures of one group's works: a helper thread waits for each work (without
+    the GIL), copies its results out and sets its future, which runs the callbacks chained on
+    it. A callback may itself start a call and wait for that call's future (PowerSGD's DDP
+    hook does), so there is a helper for every future not yet set, up to `_MAX_HELPERS`: a
+    future that finds every helper busy starts one more. Helpers stay for the next futures and
+    end when the group is gone."""
 
     def __init__(self):
         self._q: Optional[queue.SimpleQueue] = None
         self._lock = threading.Lock()
+        self._helpers = 0
+        self._unsettled = 0
 
     def put(self, work: "_Work", fut: Future) -> None:
         with self._lock:
             if self._q is None:
                 self._q = queue.SimpleQueue()
+            self._unsettled += 1
+            if self._unsettled > self._helpers and self._helpers < _MAX_HELPERS:
+                self._helpers += 1
                 threading.Thread(target=_complete, args=(self._q,), name="tutti-futures",
                                  daemon=True).start()
         self._q.put((work, fut))
 
+    def _settled(self) -> None:
+        with self._lock:
+            self._unsettled -= 1
+
     def __del__(self):
         if self._q is not None:
-            self._q.put(None)
+            for _ in range(self._helpers):
+                self._q.put(None)
 
 
 def _complete(q: queue.SimpleQueue) -> None:
+    # Holds a group's completer only through the work it settles, so the group can go.
     while True:
         item = q.get()
         if item is None:
             return
-        _settle(*item)
+        work, fut = item
         del item
+        try:
+            _settle(work, fut)
+        finally:
+            work._completer._settled()
+        del work, fut
 
 
 class _All(_Work):
