@@ -309,7 +309,14 @@ pub fn run_rank(comm: Comm, s: &Settings, transport: &str) -> i32 {
     match bench.run() {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("collbench: rank {}: {e}", bench.rank());
+            // tutti's errors start with the rank already; others get it here.
+            let msg = e.to_string();
+            let mine = format!("rank {}:", bench.rank());
+            if msg.starts_with(&mine) {
+                eprintln!("collbench: {msg}");
+            } else {
+                eprintln!("collbench: {mine} {msg}");
+            }
             1
         }
     }
