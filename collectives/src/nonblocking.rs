@@ -574,6 +574,15 @@ impl<R> Lent<'_, R> {
     pub fn test(&mut self) -> Option<Result<R>> {
         self.inner.test()
     }
+
+    /// As [`Pending::wait_timeout`]: `None` while the job still runs at `limit` (the scope
+    /// still waits for it before it returns).
+    ///
+    /// # Errors
+    /// Inside `Some`, the collective's error.
+    pub fn wait_timeout(&mut self, limit: Duration) -> Option<Result<R>> {
+        self.inner.wait_timeout(limit)
+    }
 }
 
 /// A scoped job: runs `f` once; counts itself out of its scope only after `f` and everything

@@ -172,5 +172,18 @@ fn a_timed_wait_returns_while_the_collective_runs_and_a_later_wait_gets_it() {
         let again = b.wait().unwrap_err().to_string();
         assert!(t.elapsed() < std::time::Duration::from_secs(1), "{again}");
         assert!(again.contains("already taken"), "{again}");
+        // The same through a scope's lent buffer.
+        let mut y = vec![r as i32 + 1; 100];
+        c.scope(|s| {
+            if r == 1 {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
+            let mut h = s.iallreduce(&mut y, ReduceOp::Sum);
+            if r == 0 {
+                assert!(h.wait_timeout(std::time::Duration::from_millis(50)).is_none());
+            }
+            h.wait_timeout(std::time::Duration::from_secs(20)).expect("ended").unwrap();
+        });
+        assert!(y.iter().all(|v| *v == 3), "{:?}", &y[..4]);
     });
 }
