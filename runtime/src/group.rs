@@ -140,7 +140,10 @@ impl Group {
     /// Set the per-operation timeout. Hazard: too short fails legitimately slow ranks; too long
     /// delays the report of a stuck peer (dead peers are reported at once regardless).
     pub fn set_timeout(&self, t: Duration) {
-        self.inner.timeout_ms.store(t.as_millis().max(1) as u64, Ordering::Relaxed);
+        // At least 1 ms; at most u64::MAX ms (half a billion years, still a valid deadline),
+        // so a huge "no limit" value cannot wrap around to a short one.
+        let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.inner.timeout_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Take the next collective sequence number. Every member takes them in the same order.
@@ -523,6 +526,39 @@ mod tests {
         for (r, (e, t)) in errs.iter().enumerate().skip(1) {
             assert!(e.contains("rank 0 failed in recv"), "rank {r}: {e}");
             assert!(*t < Duration::from_secs(10), "rank {r} heard only after {t:?}");
+        }
+    }
+
+    #[test]
+    fn a_timeout_meant_as_no_limit_stays_long_and_calls_still_work() {
+        // Callers pass huge timeouts to mean "no limit" (torch's `timedelta.max`, or
+        // `Duration::MAX`): it must neither wrap around to a short timeout nor overflow a
+        // deadline, on every transport.
+        let mut kinds = vec![crate::testing::Kind::Mem, crate::testing::Kind::Tcp];
+        #[cfg(feature = "quic")]
+        kinds.push(crate::testing::Kind::Quic);
+        for kind in kinds {
+            let gs = crate::testing::groups(kind, 2).unwrap();
+            for g in &gs {
+                g.set_timeout(Duration::MAX);
+                assert!(g.timeout() > Duration::from_secs(1 << 40), "{:?}", g.timeout());
+                // 2^62 s is a multiple of 2^64 ms: cast to 64 bits, it was 0 ms.
+                g.set_timeout(Duration::from_secs(1 << 62));
+                assert!(g.timeout() > Duration::from_secs(1 << 40), "{:?}", g.timeout());
+                g.set_timeout(Duration::from_secs(86_400 * 999_999_999)); // timedelta.max
+                assert!(g.timeout() > Duration::from_secs(1 << 40), "{:?}", g.timeout());
+            }
+            let got = crate::testing::run(gs, |g| {
+                let mut b = [g.rank() as u8; 4];
+                if g.rank() == 0 {
+                    g.send(1, 9, &b).map(|_| b)
+                } else {
+                    g.recv(0, 9, &mut b).map(|_| b)
+                }
+            });
+            for r in got {
+                assert_eq!(r.unwrap(), [0; 4], "{kind:?}");
+            }
         }
     }
 }

@@ -424,13 +424,9 @@ impl Work {
     /// and can be waited for again.
     #[pyo3(signature = (timeout_s=None))]
     fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
-        let limit = timeout_s
-            .filter(|t| *t > 0.0)
-            .map(|t| {
-                Duration::try_from_secs_f64(t)
-                    .map_err(|e| PyValueError::new_err(format!("timeout {t} s: {e}")))
-            })
-            .transpose()?;
+        // None, zero, negative, NaN, infinite or past `Duration`'s range: no limit.
+        let limit =
+            timeout_s.filter(|t| *t > 0.0).and_then(|t| Duration::try_from_secs_f64(t).ok());
         // The lock is taken and held without the GIL, so a waiter holds it until the outcome
         // is settled and a second waiter cannot return before then.
         let ended = py.allow_threads(|| {
@@ -545,8 +541,9 @@ impl Comm {
         py.allow_threads(|| {
             let opts = tutti_runtime::Options::from_env()?;
             let g = tutti_runtime::init_on_store(rank, world, store, secret, ip, &opts)?;
-            if timeout_s > 0.0 && timeout_s.is_finite() {
-                g.set_timeout(Duration::from_secs_f64(timeout_s));
+            if timeout_s > 0.0 {
+                // Past `Duration`'s range (or infinite): as long as a group waits.
+                g.set_timeout(Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::MAX));
             }
             Ok::<_, tutti_runtime::Error>(g)
         })
