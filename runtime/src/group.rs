@@ -534,9 +534,11 @@ mod tests {
         // Callers pass huge timeouts to mean "no limit" (torch's `timedelta.max`, or
         // `Duration::MAX`): it must neither wrap around to a short timeout nor overflow a
         // deadline, on every transport.
-        let mut kinds = vec![crate::testing::Kind::Mem, crate::testing::Kind::Tcp];
+        use crate::testing::Kind;
         #[cfg(feature = "quic")]
-        kinds.push(crate::testing::Kind::Quic);
+        let kinds = [Kind::Mem, Kind::Tcp, Kind::Quic];
+        #[cfg(not(feature = "quic"))]
+        let kinds = [Kind::Mem, Kind::Tcp];
         for kind in kinds {
             let gs = crate::testing::groups(kind, 2).unwrap();
             for g in &gs {
