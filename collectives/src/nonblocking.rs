@@ -179,18 +179,12 @@ impl<R> Pending<R> {
     ///
     /// # Errors
     /// The collective's error.
-    pub fn wait(self) -> Result<R> {
-        let mut st = self.slot.lock();
+    pub fn wait(mut self) -> Result<R> {
         loop {
-            if let Some(r) = st.take(self.rank) {
+            // With no limit, `wait_timeout` returns only once there is an outcome.
+            if let Some(r) = self.wait_timeout(Duration::MAX) {
                 return r;
             }
-            st = self
-                .slot
-                .cv
-                .wait_timeout(st, Duration::from_millis(500))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
         }
     }
 

@@ -432,16 +432,7 @@ impl Work {
         let ended = py.allow_threads(|| {
             let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             let Some(p) = g.as_mut() else { return true };
-            let r = match limit {
-                Some(d) => match p.wait_timeout(d) {
-                    Some(r) => r,
-                    None => return false,
-                },
-                None => match g.take() {
-                    Some(p) => p.wait(),
-                    None => return true,
-                },
-            };
+            let Some(r) = p.wait_timeout(limit.unwrap_or(Duration::MAX)) else { return false };
             *g = None;
             self.settle(r);
             true

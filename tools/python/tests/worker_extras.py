@@ -148,18 +148,23 @@ def main():
                       "Rank 0 timed out in monitoredBarrier")
     else:
         dist.new_group(list(range(n)))
-    # work.wait(timeout): rank 0's all_reduce cannot end before the others join, 0.3 s later;
-    # its 50 ms wait raises (a RuntimeError, as torch's "Operation timed out!"), the call goes
-    # on, and a wait without a limit gets the exact result.
-    import time
+    # work.wait(timeout): rank 0's all_reduce cannot end before the others join, which they do
+    # only once rank 0 says (through the store) that its check is made; its 50 ms wait raises
+    # (a RuntimeError, as torch's "Operation timed out!"), the call goes on, and a wait without
+    # a limit gets the exact result.
+    store = dist.distributed_c10d._get_default_store()
 
-    if r != 0:
-        time.sleep(0.3)
+    def after_rank_0(key):
+        if r != 0:
+            store.wait([key], datetime.timedelta(seconds=60))
+
+    after_rank_0("tt-timed-wait")
     x = torch.full((1000,), float(r + 1))
     w = dist.all_reduce(x, async_op=True)
     if r == 0:
         expect_raises("timed wait", lambda: w.wait(timeout=datetime.timedelta(milliseconds=50)),
                       "rank 0", "allreduce", "did not end within")
+        store.set("tt-timed-wait", "1")
     w.wait()
     if not torch.equal(x, torch.full((1000,), float(n * (n + 1) // 2))):
         fail(f"allreduce after a timed-out wait: {x[:4].tolist()}")
@@ -167,12 +172,13 @@ def main():
     # get_future does not wait for the call (DDP takes each bucket's future and goes on with
     # the backward pass): rank 0 takes it while its all_reduce cannot end and drops the work;
     # the future then completes with the exact sum, and a callback chained on it runs.
-    if r != 0:
-        time.sleep(0.3)
+    after_rank_0("tt-future")
     x = torch.full((1000,), float(r + 1))
     fut = dist.all_reduce(x, async_op=True).get_future()
-    if r == 0 and fut.done():
-        fail("get_future waited for its all_reduce to end")
+    if r == 0:
+        if fut.done():
+            fail("get_future waited for its all_reduce to end")
+        store.set("tt-future", "1")
     total = float(n * (n + 1) // 2)
     chained = fut.then(lambda f: f.value()[0].sum().item())
     if chained.wait() != 1000 * total or not torch.equal(x, torch.full((1000,), total)):

@@ -140,14 +140,21 @@ def main():
         w.wait()
         assert got == bytearray(bytes([(r - 1) % n]) * 1000), got[:4]
         got.extend(b"x")  # released by the wait
-    # a timed wait, then two threads wait for one work: none returns before it ended (rank 0
-    # starts the call 0.3 s before the others join, so it cannot end early)
+    # a timed wait, then two threads wait for one work: none returns before it ended. The
+    # others join rank 0's call only once rank 0 has timed out waiting (a file says so), and
+    # 0.3 s after that, so it cannot end early.
     if n > 1:
+        import os
         import threading
         import time
 
+        go = f"/tmp/tutti-test-go-{os.environ['MASTER_PORT']}"
         x = np.full(1 << 16, r + 1, np.int64)
         if r != 0:
+            until = time.monotonic() + 60
+            while not os.path.exists(go):
+                assert time.monotonic() < until, "rank 0 never timed out its wait"
+                time.sleep(0.01)
             time.sleep(0.3)
         w = c.allreduce(x, async_op=True)
         if r == 0:
@@ -161,6 +168,7 @@ def main():
                 assert isinstance(e, RuntimeError) and isinstance(e, TimeoutError), type(e)
                 assert "rank 0" in str(e) and "allreduce" in str(e), str(e)
             assert time.monotonic() - t >= 0.05
+            open(go, "w").close()
         seen = []
 
         def waiter():
@@ -174,6 +182,9 @@ def main():
             t.join()
         total = n * (n + 1) // 2
         assert seen == [(True, total, total)] * 2, seen
+        c.barrier()
+        if r == 0:
+            os.remove(go)
     # a sub-communicator of the even ranks
     evens = c.split(range(0, n, 2))
     if r % 2 == 0:

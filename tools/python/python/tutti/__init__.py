@@ -31,9 +31,7 @@ class WaitTimeout(TuttiError, TimeoutError):
 def _wait(native: Work, timeout_s: Optional[float]) -> bool:
     try:
         return native.wait(timeout_s)
-    except WaitTimeout:
-        raise
-    except TimeoutError as e:
+    except TimeoutError as e:  # the native half's, for a call still running
         raise WaitTimeout(str(e)) from None
 
 _NUMPY_DTYPES = {

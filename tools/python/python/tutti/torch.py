@@ -582,15 +582,13 @@ class _Completer:
     end when the group is gone."""
 
     def __init__(self):
-        self._q: Optional[queue.SimpleQueue] = None
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._helpers = 0
         self._unsettled = 0
 
     def put(self, work: "_Work", fut: Future) -> None:
         with self._lock:
-            if self._q is None:
-                self._q = queue.SimpleQueue()
             self._unsettled += 1
             if self._unsettled > self._helpers and self._helpers < _MAX_HELPERS:
                 self._helpers += 1
@@ -603,9 +601,8 @@ class _Completer:
             self._unsettled -= 1
 
     def __del__(self):
-        if self._q is not None:
-            for _ in range(self._helpers):
-                self._q.put(None)
+        for _ in range(self._helpers):
+            self._q.put(None)
 
 
 def _complete(q: queue.SimpleQueue) -> None:
