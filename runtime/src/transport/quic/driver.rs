@@ -34,6 +34,9 @@ const MAX_DATAGRAM: usize = 65_536;
 const GSO_BYTES: usize = 60_000;
 /// Datagrams read per `recvmmsg` off loopback.
 const RECV_BATCH: usize = 16;
+/// On loopback, a datagram shorter than this, read first in a pass, is served before reading on
+/// (see `QuicDriver::drive`).
+const SHORT_DATAGRAM: usize = 4096;
 /// Bytes allocated at a time for received datagrams.
 const RX_ALLOC: usize = 4 * MAX_DATAGRAM;
 /// Frames with at most this much payload are written to quinn in one piece with their header.
@@ -400,9 +403,11 @@ impl QuicDriver {
     fn drive(&mut self, core: &mut Core) {
         self.retry_pending();
         let now = Instant::now();
+        let ended = core.ops_ended();
         let mut reads = 0;
         let mut got = std::mem::take(&mut self.received);
         while reads < RX_BATCH {
+            let first = reads == 0;
             match self.io.recv(&mut self.rxbuf, &mut self.batch, &mut got) {
                 Ok(0) => break,
                 Ok(n) => reads += n,
@@ -419,6 +424,16 @@ impl QuicDriver {
                     continue;
                 }
             }
+            // On loopback, one short datagram first in a pass is most often a whole small
+            // message (or an acknowledgement) and the socket empty behind it. Serve it at once:
+            // if that ended an operation, the pass is over, without the read that would only
+            // learn the socket is empty (a system call per small message: 8-byte allreduces
+            // made 3.8 reads per call before). Otherwise read on as usual, so a stream of large
+            // datagrams is read in batches. What did arrive meanwhile is seen by the next pass
+            // or sleep (readiness is level-triggered).
+            let short = first
+                && self.io.offload.is_none()
+                && matches!(got.as_slice(), [(d, _)] if d.len() < SHORT_DATAGRAM);
             for (mut data, r) in got.drain(..) {
                 // With GRO one read holds several datagrams of `stride` bytes.
                 while !data.is_empty() {
@@ -426,8 +441,21 @@ impl QuicDriver {
                     self.handle_datagram(core, now, r.addr, r.dst_ip, r.ecn, seg);
                 }
             }
+            if short {
+                self.serve(core);
+                if core.ops_ended() != ended {
+                    self.received = got;
+                    return;
+                }
+            }
         }
         self.received = got;
+        self.serve(core);
+    }
+
+    /// Serve the connections that have something to do: input, a due timer, frames to hand
+    /// over.
+    fn serve(&mut self, core: &mut Core) {
         let now = Instant::now();
         for ch in 0..self.peers.len() {
             // Only connections with something to do: input, a due timer, frames to hand over.
