@@ -9,12 +9,15 @@ Installs Open MPI from the distribution's packages when `mpicc` is missing (Debi
 openmpi-bin, libopenmpi-dev; needs root), builds `tools/bench/mpi/mpibench.c` into
 target/mpibench and `collbench` (release) unless present, then runs every point (collective ×
 world × size) for both in every round, alternating which goes first, and prints per point the
-median over rounds of the mean time per call averaged over ranks (the statistic both harnesses
-report: collbench's `time` column — in place for broadcast, as MPI_Bcast is, out of place
-otherwise — and mpibench's mean), busbw by nccl-tests' formulas, and the
+median over rounds of the mean time per call averaged over ranks (the statistic every harness
+reports: collbench's `time` column, mpibench's mean), busbw by nccl-tests' formulas, and the
 ratio of tutti's busbw to the best peer's (above 1: tutti faster), and the median over rounds of
 that ratio taken within each round (the three run back to back there, so a drift of the
-machine between rounds moves it less). Open MPI is forced onto TCP
+machine between rounds moves it less). Each peer is compared with tutti's call of the same
+kind: Open MPI's broadcast works in place and its other calls out of place; torch's
+all_reduce and broadcast work in place and its all_gather out of place. collbench times both
+modes in one run; the table shows tutti in Open MPI's mode (`tutti_us`) and in gloo's
+(`tutti_g_us`), which differ for allreduce only. Open MPI is forced onto TCP
 (`--mca btl tcp,self`), as tutti is. gloo (torch.distributed, CPU tensors, `gloo_bench.py`)
 runs where a Python with torch is found (`--gloo`, else $TUTTI_TORCH_PYTHON, else
 ~/.cache/tutti/venv-torch, as CI makes it) and for the collectives gloo has on CPU (allreduce,
@@ -92,6 +95,7 @@ def mpi_bytes(n, size):
 
 
 GLOO_COLLS = ("allreduce", "allgather", "broadcast")
+GLOO_IN_PLACE = ("allreduce", "broadcast")
 
 
 def find_gloo(arg):
@@ -129,10 +133,13 @@ def run_tutti(cb, coll, n, size, secs, probe):
         if out.returncode != 0:
             sys.exit(f"side_by_side: collbench failed:\n{out.stdout}\n{out.stderr}")
         row = json.load(open(f.name))["runs"][0]["rows"][0]
-    # MPI_Bcast works in place; the other MPI calls have separate send and receive buffers.
+    # Each peer is compared with tutti in its own mode. MPI_Bcast works in place; the other
+    # MPI calls have separate send and receive buffers. torch's all_reduce and broadcast work in
+    # place, its all_gather out of place.
     t = row["ip" if coll == "broadcast" else "oop"]["time_us"] * 1e-6
+    t_gloo = row["ip" if coll in GLOO_IN_PLACE else "oop"]["time_us"] * 1e-6
     probe[(coll, n, size)] = t
-    return row["bytes"], t
+    return row["bytes"], t, t_gloo
 
 
 def main():
@@ -164,38 +171,44 @@ def main():
                         elif who == "gloo":
                             b, t = run_gloo(gloo, coll, n, size, a.seconds)
                         else:
-                            b, t = run_tutti(cb, coll, n, size, a.seconds, probe)
+                            b, t, t_gloo = run_tutti(cb, coll, n, size, a.seconds, probe)
+                            res.setdefault((coll, n, size, "tutti_g"), []).append((b, t_gloo))
                         res.setdefault((coll, n, size, who), []).append((b, t))
         print(f"# round {r + 1} of {a.rounds} done", file=sys.stderr)
     print(f"# {a.rounds} rounds interleaved; median time per call (mean over ranks), busbw GB/s;"
-          " ratio: the faster peer's median time over tutti's; per-round: the median over rounds"
-          " of that ratio within each round")
-    print(f"# {'collective':<15} {'n':>2} {'bytes':>10} {'tutti_us':>10} {'mpi_us':>10} "
-          f"{'gloo_us':>10} {'tutti_bw':>9} {'mpi_bw':>9} {'gloo_bw':>9} {'ratio':>6} "
-          f"{'per-round':>9}")
+          " tutti_us in Open MPI's mode (in place for broadcast, out of place otherwise),"
+          " tutti_g_us in gloo's (in place for allreduce and broadcast); ratio: the smaller of"
+          " each peer's median time over tutti's in that peer's mode; per-round: the median over"
+          " rounds of that ratio within each round")
+    print(f"# {'collective':<15} {'n':>2} {'bytes':>10} {'tutti_us':>10} {'tutti_g_us':>10} "
+          f"{'mpi_us':>10} {'gloo_us':>10} {'tutti_bw':>9} {'mpi_bw':>9} {'gloo_bw':>9} "
+          f"{'ratio':>6} {'per-round':>9}")
     for coll in colls:
         for n in worlds:
             for size in sizes:
                 t = {}
-                for who in ("tutti", "mpi", "gloo"):
+                for who in ("tutti", "tutti_g", "mpi", "gloo"):
                     v = res.get((coll, n, size, who))
                     if v:
                         t[who] = statistics.median(x[1] for x in v)
                 b = mpi_bytes(n, size)
                 bw = {w: b / x * FACTOR[coll](n) / 1e9 for w, x in t.items()}
-                best_peer = min(x for w, x in t.items() if w != "tutti")
-                # Per round: the faster peer's time over tutti's, the three run back to back.
+                # Each peer against tutti in that peer's mode.
+                mine = {"mpi": "tutti", "gloo": "tutti_g"}
+                ratio = min(t[w] / t[mine[w]] for w in ("mpi", "gloo") if w in t)
+                # Per round: the same, the three run back to back.
                 per_round = [
-                    min(res[(coll, n, size, w)][r][1] for w in ("mpi", "gloo")
-                        if (coll, n, size, w) in res) / res[(coll, n, size, "tutti")][r][1]
+                    min(res[(coll, n, size, w)][r][1] / res[(coll, n, size, mine[w])][r][1]
+                        for w in ("mpi", "gloo") if (coll, n, size, w) in res)
                     for r in range(a.rounds)
                 ]
                 cell = lambda w, f: f.format(t[w] * 1e6) if w in t else f"{'-':>10}"
                 bcell = lambda w: f"{bw[w]:>9.3f}" if w in bw else f"{'-':>9}"
                 print(f"  {coll:<15} {n:>2} {size:>10} {cell('tutti', '{:>10.1f}')} "
+                      f"{cell('tutti_g', '{:>10.1f}')} "
                       f"{cell('mpi', '{:>10.1f}')} {cell('gloo', '{:>10.1f}')} "
                       f"{bcell('tutti')} {bcell('mpi')} {bcell('gloo')} "
-                      f"{best_peer / t['tutti']:>6.2f} {statistics.median(per_round):>9.2f}")
+                      f"{ratio:>6.2f} {statistics.median(per_round):>9.2f}")
 
 
 if __name__ == "__main__":
