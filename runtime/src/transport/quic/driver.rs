@@ -399,10 +399,10 @@ impl QuicDriver {
     }
 
     /// One pass over everything: arriving datagrams, due timers, every connection's events,
-    /// streams and packets.
-    fn drive(&mut self, core: &mut Core) {
+    /// streams and packets. `now` is the engine's reading of the clock for this pass, used
+    /// throughout it: a timer that falls due during the pass is served by the next one.
+    fn drive(&mut self, core: &mut Core, now: Instant) {
         self.retry_pending();
-        let now = Instant::now();
         let ended = core.ops_ended();
         let mut reads = 0;
         let mut got = std::mem::take(&mut self.received);
@@ -442,7 +442,7 @@ impl QuicDriver {
                 }
             }
             if short {
-                self.serve(core);
+                self.serve(core, now);
                 if core.ops_ended() != ended {
                     self.received = got;
                     return;
@@ -450,13 +450,12 @@ impl QuicDriver {
             }
         }
         self.received = got;
-        self.serve(core);
+        self.serve(core, now);
     }
 
     /// Serve the connections that have something to do: input, a due timer, frames to hand
     /// over.
-    fn serve(&mut self, core: &mut Core) {
-        let now = Instant::now();
+    fn serve(&mut self, core: &mut Core, now: Instant) {
         for ch in 0..self.peers.len() {
             // Only connections with something to do: input, a due timer, frames to hand over.
             let Some(p) = self.peers.get_mut(&ch) else { continue };
@@ -812,7 +811,7 @@ pub(crate) fn establish(engine: &Engine<QuicDriver>, deadline: Instant) -> Resul
         let (missing, until) = {
             let mut guard = engine.lock();
             let s = &mut *guard;
-            s.driver.drive(&mut s.core);
+            s.driver.drive(&mut s.core, Instant::now());
             if let Some(e) = s.core.poisoned() {
                 return Err(e.to_string());
             }
@@ -849,9 +848,9 @@ impl Driver for QuicDriver {
         self.flush(core, peer, now);
     }
 
-    fn progress(&mut self, core: &mut Core, _mode: Mode, _now: Instant) {
+    fn progress(&mut self, core: &mut Core, _mode: Mode, now: Instant) {
         // Stream data waits in quinn's buffers, not the kernel's: the same pass in every mode.
-        self.drive(core);
+        self.drive(core, now);
     }
 
     fn next_timer(&mut self) -> Option<Instant> {
@@ -867,8 +866,8 @@ impl Driver for QuicDriver {
         });
     }
 
-    fn ready(&mut self, core: &mut Core, _mode: Mode, _fds: &[libc::pollfd], _now: Instant) {
-        self.drive(core);
+    fn ready(&mut self, core: &mut Core, _mode: Mode, _fds: &[libc::pollfd], now: Instant) {
+        self.drive(core, now);
     }
 
     fn link_down(&mut self, core: &mut Core, peer: usize) {
@@ -888,8 +887,8 @@ impl Driver for QuicDriver {
 
     /// Serve the connections until every peer has sent its own close and acknowledged ours
     /// (so nothing in flight is cut off).
-    fn shutdown_step(&mut self, core: &mut Core, _now: Instant) -> bool {
-        self.drive(core);
+    fn shutdown_step(&mut self, core: &mut Core, now: Instant) -> bool {
+        self.drive(core, now);
         self.peers.values().all(|p| {
             p.dead || p.rank.is_some_and(|r| !core.is_up(r) || (core.peer_closed(r) && p.acked))
         })
