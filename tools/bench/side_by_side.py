@@ -95,7 +95,11 @@ def mpi_bytes(n, size):
 
 
 GLOO_COLLS = ("allreduce", "allgather", "broadcast")
-GLOO_IN_PLACE = ("allreduce", "broadcast")
+# The collectives each peer runs in place (MPI_Bcast; torch's all_reduce and broadcast); the
+# others out of place. Each peer is compared with tutti's call of the same kind.
+IN_PLACE = {"mpi": ("broadcast",), "gloo": ("allreduce", "broadcast")}
+# Which of tutti's results each peer is compared with.
+TUTTI_AS = {"mpi": "tutti", "gloo": "tutti_g"}
 
 
 def find_gloo(arg):
@@ -133,11 +137,9 @@ def run_tutti(cb, coll, n, size, secs, probe):
         if out.returncode != 0:
             sys.exit(f"side_by_side: collbench failed:\n{out.stdout}\n{out.stderr}")
         row = json.load(open(f.name))["runs"][0]["rows"][0]
-    # Each peer is compared with tutti in its own mode. MPI_Bcast works in place; the other
-    # MPI calls have separate send and receive buffers. torch's all_reduce and broadcast work in
-    # place, its all_gather out of place.
-    t = row["ip" if coll == "broadcast" else "oop"]["time_us"] * 1e-6
-    t_gloo = row["ip" if coll in GLOO_IN_PLACE else "oop"]["time_us"] * 1e-6
+    # tutti in each peer's mode (see IN_PLACE).
+    t = row["ip" if coll in IN_PLACE["mpi"] else "oop"]["time_us"] * 1e-6
+    t_gloo = row["ip" if coll in IN_PLACE["gloo"] else "oop"]["time_us"] * 1e-6
     probe[(coll, n, size)] = t
     return row["bytes"], t, t_gloo
 
@@ -194,11 +196,10 @@ def main():
                 b = mpi_bytes(n, size)
                 bw = {w: b / x * FACTOR[coll](n) / 1e9 for w, x in t.items()}
                 # Each peer against tutti in that peer's mode.
-                mine = {"mpi": "tutti", "gloo": "tutti_g"}
-                ratio = min(t[w] / t[mine[w]] for w in ("mpi", "gloo") if w in t)
+                ratio = min(t[w] / t[TUTTI_AS[w]] for w in ("mpi", "gloo") if w in t)
                 # Per round: the same, the three run back to back.
                 per_round = [
-                    min(res[(coll, n, size, w)][r][1] / res[(coll, n, size, mine[w])][r][1]
+                    min(res[(coll, n, size, w)][r][1] / res[(coll, n, size, TUTTI_AS[w])][r][1]
                         for w in ("mpi", "gloo") if (coll, n, size, w) in res)
                     for r in range(a.rounds)
                 ]
