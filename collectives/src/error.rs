@@ -13,7 +13,7 @@ pub enum Error {
 
     /// The call's arguments can never work: wrong buffer lengths, a root outside the group, a
     /// dimension that does not divide. Nothing was sent; fix the call.
-    #[error("rank {rank}: invalid {op} call: {detail}")]
+    #[error("{}invalid {op} call: {detail}", tutti_runtime::error::rank_prefix(*rank))]
     InvalidArgument {
         /// Local (group) rank.
         rank: usize,

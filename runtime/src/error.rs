@@ -276,7 +276,7 @@ pub enum Error {
     /// A local I/O error outside any operation (binding a socket, reading a file).
     ///
     /// What to do: the message names the resource; fix permissions, ports or addresses.
-    #[error("rank {rank}: {what}: {detail}")]
+    #[error("{}{what}: {detail}", rank_prefix(*rank))]
     Io {
         /// Local rank (`usize::MAX` before the rank is known).
         rank: usize,
@@ -364,5 +364,16 @@ impl Error {
 
     pub(crate) fn io(rank: usize, what: impl Into<String>, err: &std::io::Error) -> Error {
         Error::Io { rank, what: what.into(), detail: err.to_string() }
+    }
+}
+
+/// `"rank R: "` for a message about rank `R`, or nothing when the rank is not known yet
+/// (`usize::MAX`: a configuration read before rendezvous), so no message ever names rank
+/// 18446744073709551615.
+pub fn rank_prefix(rank: usize) -> String {
+    if rank == usize::MAX {
+        String::new()
+    } else {
+        format!("rank {rank}: ")
     }
 }

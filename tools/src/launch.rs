@@ -48,6 +48,14 @@ pub const NOTICE_WAIT: Duration = Duration::from_secs(2);
 /// Set by the SIGINT/SIGTERM handler.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
+/// Set when the launcher's standard output was closed by its reader (`tutti-run … | head`): the
+/// job is stopped quietly and the launcher exits as a tool killed by SIGPIPE does (141).
+static OUTPUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// The exit code of a job whose output's reader went away: 128 + SIGPIPE, as a shell reports a
+/// process that SIGPIPE ended.
+pub const BROKEN_PIPE_EXIT: i32 = 128 + libc::SIGPIPE;
+
 extern "C" fn on_signal(_: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
 }
@@ -164,9 +172,18 @@ fn forward(
             let text = String::from_utf8_lossy(&line);
             let out = format!("[{rank}] {text}\n");
             if err {
-                let _ = std::io::stderr().lock().write_all(out.as_bytes());
+                // Once the output is gone the job is being stopped for it: what the ranks say
+                // about their peers ending then is not news.
+                if !OUTPUT_CLOSED.load(Ordering::SeqCst) {
+                    let _ = std::io::stderr().lock().write_all(out.as_bytes());
+                }
             } else {
-                let _ = std::io::stdout().lock().write_all(out.as_bytes());
+                let mut o = std::io::stdout().lock();
+                if let Err(e) = o.write_all(out.as_bytes()).and_then(|()| o.flush()) {
+                    if e.kind() == std::io::ErrorKind::BrokenPipe {
+                        OUTPUT_CLOSED.store(true, Ordering::SeqCst);
+                    }
+                }
             }
             if let Some(f) = &log {
                 let _ = f.lock().unwrap_or_else(|p| p.into_inner()).write_all(out.as_bytes());
@@ -443,6 +460,11 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
     // The first rank that finished the job (exit 0), and when.
     let mut finished: Option<(usize, Instant)> = None;
     while running > 0 {
+        if OUTPUT_CLOSED.load(Ordering::SeqCst) {
+            stop_all(&mut children, job.grace);
+            code = BROKEN_PIPE_EXIT;
+            break;
+        }
         if INTERRUPTED.load(Ordering::SeqCst) {
             eprintln!("tutti-run: interrupted; stopping all {} ranks", children.len());
             stop_all(&mut children, job.grace);
@@ -532,6 +554,19 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
                 }
                 Ok(Some(_)) => {}
                 _ => running += 1,
+            }
+        }
+        if let Some((_, st)) = failed {
+            // A rank writing to the output it shares with the launcher found its reader gone
+            // (`collbench | head`): stop the job quietly and end as it did.
+            if st.signal() == Some(libc::SIGPIPE) && crate::stdout_closed() {
+                OUTPUT_CLOSED.store(true, Ordering::SeqCst);
+                signal_all(&mut children, libc::SIGKILL);
+                for (_, c) in children.iter_mut() {
+                    let _ = c.wait();
+                }
+                code = BROKEN_PIPE_EXIT;
+                break;
             }
         }
         if let Some((rank, st)) = failed {

@@ -12,16 +12,54 @@ use std::time::Duration;
 use crate::launch::{self, Job};
 use clap::Parser;
 
+/// What `tutti-run --help` prints after the flags.
+const AFTER_HELP: &str = "\
+Examples:
+  tutti-run --nproc 4 -- target/release/collbench allreduce
+  # two nodes, the same secret on both (never on the command line):
+  tutti-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
+            --token-file ~/.tutti-token --nproc 8 -- ./train --steps 1000
+  tutti-run --elastic --max-restarts 2 --nproc 8 -- ./train    (goes on when a rank dies)
+
+Variables set for every rank:
+  RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (this node's index), MASTER_ADDR,
+  MASTER_PORT (the store's port + 1, left free for a framework's own store, e.g. torch's
+  env:// init), TUTTI_STORE (tcp://ADDR:PORT, the store tutti-run serves on node 0),
+  TUTTI_TOKEN (the job secret), TUTTI_LAUNCHER_FD (the pipe on which tutti-run names a rank
+  that ended, so every survivor fails at once naming it), and TUTTI_JOIN=1 for a replacement
+  started by --max-restarts. Any of these already in tutti-run's environment is replaced.
+Variables read:
+  TUTTI_TOKEN (the job secret; refused together with --token-file), RUST_LOG (default warn),
+  NO_COLOR (no colour in logs; logs are coloured only on a terminal). Every other variable
+  passes to the ranks unchanged.
+
+Exit status: 0 when every rank succeeded; the failing rank's status (128 + signal when a
+signal ended it) otherwise; 130 when interrupted; 141 when the output's reader went away
+(tutti-run … | head); 2 for bad arguments.
+
+Every variable the ranks read, with its default: the Configuration table of tutti's README.";
+
 /// Start N local processes of PROGRAM as the ranks of one tutti job.
 #[derive(Parser, Debug)]
-#[command(name = "tutti-run", version, about)]
+#[command(
+    name = "tutti-run",
+    version,
+    about = "tutti-run: start the ranks of a tutti job on this node, torchrun style",
+    long_about = "tutti-run: start the ranks of a tutti job on this node, torchrun style.\n\n\
+        Node 0 serves the rendezvous store; every rank gets its RANK and the store's address. \
+        When a rank dies, every other rank is told which one at once and the job stops (or, \
+        with --elastic, goes on without it).",
+    after_long_help = AFTER_HELP,
+    after_help = "Examples and the variables set and read: tutti-run --help"
+)]
 pub(crate) struct Args {
-    /// Processes on this node.
-    #[arg(long = "nproc", alias = "nproc-per-node", alias = "nproc_per_node", default_value_t = 1)]
-    nproc: usize,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
+    /// Processes on this node (at least 1).
+    #[arg(long = "nproc", alias = "nproc-per-node", alias = "nproc_per_node", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    nproc: u32,
+    /// Nodes in the job (at least 1).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    nnodes: u32,
     /// This node's index (0 serves the rendezvous store).
     #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
     node_rank: usize,
@@ -55,7 +93,8 @@ pub(crate) struct Args {
     #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
     max_restarts: usize,
     /// The program and its arguments.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true,
+          value_name = "PROGRAM")]
     program: Vec<std::ffi::OsString>,
 }
 
@@ -80,6 +119,21 @@ pub fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if a.node_rank >= a.nnodes as usize {
+        eprintln!(
+            "tutti-run: --node-rank {} is not below --nnodes {} (nodes count from 0)",
+            a.node_rank, a.nnodes
+        );
+        return ExitCode::from(2);
+    }
+    if a.nnodes > 1 && a.master_port == 0 {
+        eprintln!(
+            "tutti-run: a job of {} nodes needs --master-port (every node must find node 0's \
+             store there)",
+            a.nnodes
+        );
+        return ExitCode::from(2);
+    }
     if a.max_restarts > 0 && !a.elastic {
         eprintln!(
             "tutti-run: --max-restarts needs --elastic (without it a lost rank stops the job)"
@@ -87,8 +141,8 @@ pub fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let job = Job {
-        nproc: a.nproc,
-        nnodes: a.nnodes,
+        nproc: a.nproc as usize,
+        nnodes: a.nnodes as usize,
         node_rank: a.node_rank,
         master_addr: a.master_addr,
         master_port: a.master_port,

@@ -35,7 +35,7 @@ struct DevCtx {
 }
 
 /// Collectives a device run covers.
-const DEVICE_COLLS: [&str; 6] =
+pub(crate) const DEVICE_COLLS: [&str; 6] =
     ["allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "reduce"];
 
 /// The shape of one size of one collective.
@@ -110,7 +110,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 impl Bench {
     /// A benchmark over `comm`.
     pub fn new(comm: Comm, s: Settings, transport: &str) -> Bench {
-        let progress = comm.rank() == 0 && std::io::stderr().is_terminal();
+        let progress = comm.rank() == 0 && crate::colour_wanted(std::io::stderr().is_terminal());
         Bench { comm, s, transport: transport.to_string(), progress, dev: None }
     }
 
@@ -197,7 +197,7 @@ impl Bench {
                 Some(f) if f > 1 => format!("{f}(factor)"),
                 _ => format!("{}(bytes)", a.stepbytes),
             };
-            println!(
+            crate::outln!(
                 "# collbench (tutti {}): nranks {n} transport {} minBytes {} maxBytes {} step: {step} warmup iters: {} iters: {} agg iters: {} validation: {}",
                 env!("CARGO_PKG_VERSION"),
                 self.transport,
@@ -209,7 +209,7 @@ impl Bench {
                 a.check
             );
             if a.isolated {
-                println!(
+                crate::outln!(
                     "# isolated: a barrier before every timed iteration; times are single calls"
                 );
             }
@@ -219,8 +219,8 @@ impl Bench {
         let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64)];
         self.comm.allgather(&mine, &mut ords)?;
         if me == 0 {
-            println!("#");
-            println!("# Using devices");
+            crate::outln!("#");
+            crate::outln!("# Using devices");
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             for (r, ord) in ords.iter().enumerate() {
                 let kind = match a.device.as_str() {
@@ -234,17 +234,17 @@ impl Bench {
                     host.trim().to_string()
                 };
                 let dev = if *ord < 0 { "-".to_string() } else { ord.to_string() };
-                println!("#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}]");
+                crate::outln!("#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}]");
             }
             match model {
-                Some(m) => println!(
+                Some(m) => crate::outln!(
                     "# Links: {} hosts; measured {:.1} us per message, {:.3} GB/s per host link, {:.2} ns per byte reduced: automatic choice by the cost model",
                     topo.hosts(),
                     m.alpha * 1e6,
                     1e-9 / m.beta,
                     m.gamma * 1e9
                 ),
-                None => println!(
+                None => crate::outln!(
                     "# Links: {} host(s), loopback-class: automatic choice by the built-in table",
                     topo.hosts()
                 ),
@@ -252,7 +252,7 @@ impl Bench {
         }
         let inert = self.s.args.inert_flags();
         if me == 0 && !inert.is_empty() {
-            println!("# nccl-tests flags accepted without effect here: {}", inert.join(", "));
+            crate::outln!("# nccl-tests flags accepted without effect here: {}", inert.join(", "));
         }
         let mut runs = Vec::new();
         let mut code = 0;
@@ -261,7 +261,7 @@ impl Bench {
         while cycles == 0 || cycle < cycles {
             cycle += 1;
             if me == 0 && cycles != 1 {
-                println!(
+                crate::outln!(
                     "# cycle {cycle}{}",
                     if cycles == 0 { String::new() } else { format!(" of {cycles}") }
                 );
@@ -317,7 +317,7 @@ impl Bench {
         let reduces = matches!(coll, "allreduce" | "reduce" | "reduce_scatter");
         let run_op = if reduces { self.s.op.name().to_string() } else { "none".into() };
         if me == 0 {
-            print!("{}", report::header());
+            crate::out!("{}", report::header());
         }
         let mut run = Run {
             collective: coll.to_string(),
@@ -335,7 +335,7 @@ impl Bench {
             }
             let row = self.size::<T>(coll, size)?;
             if me == 0 {
-                println!("{}", report::row(&row, T::DTYPE.name(), &run_op));
+                crate::outln!("{}", report::row(&row, T::DTYPE.name(), &run_op));
             }
             run.rows.push(row);
         }
@@ -343,12 +343,12 @@ impl Bench {
             eprint!("\r\x1b[2K");
         }
         if me == 0 {
-            print!("{}", report::footer(&run));
+            crate::out!("{}", report::footer(&run));
         }
         if let Some(dev) = &self.dev {
             let (net, copies) = dev.staged.take_trace();
             if me == 0 && !copies.is_empty() {
-                println!(
+                crate::outln!(
                     "# {coll} on {}: {:.0} % of the copy time ran while a segment was on the network ({} copies, {} segment collectives)",
                     dev.device.name(),
                     100.0 * overlap_fraction(&net, &copies),

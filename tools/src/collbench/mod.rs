@@ -48,9 +48,48 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .map_err(|_| format!("{s:?} is not a size (like 8, 64K, 32M, 1G)"))
 }
 
+/// What `collbench --help` prints after the flags.
+const AFTER_HELP: &str = "\
+Examples:
+  collbench                                    every collective, 32 MiB, 4 local ranks over TCP
+  collbench allreduce -b 8 -e 128M -f 2 --np 2 --transport quic -J out.json
+  tutti-run --nproc 8 -- collbench allgather -b 1K -e 1G -f 4      one rank per process
+
+Who sets the ranks:
+  Started by itself, collbench starts --np local ranks (default 4) over --transport (default
+  TUTTI_TRANSPORT, else tcp). Under a launcher (RANK/WORLD_SIZE from tutti-run or torchrun,
+  OMPI_COMM_WORLD_* from mpirun, SLURM_* from srun) each process is one rank: the world size
+  and the transport come from the launcher's environment, and a --np or --transport that
+  disagrees with them is refused.
+
+Variables read:
+  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TUTTI_STORE, TUTTI_TOKEN (or the
+  OMPI_COMM_WORLD_* / SLURM_* forms), TUTTI_TRANSPORT, TUTTI_TIMEOUT (-T wins over it),
+  TUTTI_ALGO (--algo wins over it), the other TUTTI_* tuning variables, RUST_LOG (default warn),
+  NO_COLOR (no colour in logs; logs are coloured only on a terminal).
+Variables set for the --np ranks: as tutti-run sets them (RANK, LOCAL_RANK, WORLD_SIZE,
+  LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TUTTI_STORE, TUTTI_TOKEN, TUTTI_LAUNCHER_FD) and
+  TUTTI_TRANSPORT.
+
+Exit status: 0 when every size was measured and verified; 1 when a result was wrong, a
+--min-bw check failed or a rank failed; 2 for bad arguments; 141 (SIGPIPE) when the output's
+reader went away (collbench | head).
+
+Every variable, with its default: the Configuration table of tutti's README.";
+
 /// Command line, nccl-tests compatible.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "collbench", version, about = "nccl-tests-style benchmark of tutti's collectives")]
+#[command(
+    name = "collbench",
+    version,
+    about = "collbench: nccl-tests-style benchmark of tutti's collectives",
+    long_about = "collbench: nccl-tests-style benchmark of tutti's collectives.\n\n\
+        Prints nccl-tests' table (size, count, type, redop, root, time, algbw, busbw, #wrong, \
+        out of place and in place) for each collective, then p50/p99 and the algorithm used. \
+        Started by itself it runs --np local ranks; under a launcher it is one rank.",
+    after_long_help = AFTER_HELP,
+    after_help = "Examples, the variables read and set, and which setting wins: collbench --help"
+)]
 pub struct Args {
     /// Collective: allreduce, allgather, reduce_scatter, broadcast, reduce, alltoall, gather,
     /// scatter, sendrecv, barrier, or all.
@@ -99,12 +138,15 @@ pub struct Args {
     /// Per-operation timeout in seconds (0: tutti's default, 30 s).
     #[arg(short = 'T', long = "timeout", default_value_t = 0)]
     pub timeout: u64,
-    /// Local ranks to start when not launched by tutti-run/srun/mpirun.
-    #[arg(long = "np", default_value_t = 4)]
-    pub np: usize,
-    /// Transport for --np runs: tcp, quic or mem.
-    #[arg(long, default_value = "tcp")]
-    pub transport: String,
+    /// Local ranks to start when not run under a launcher [default: 4]. Under tutti-run,
+    /// torchrun, srun or mpirun the launcher's world size wins; a different --np is refused.
+    #[arg(long = "np")]
+    pub np: Option<usize>,
+    /// Transport of the --np ranks: tcp, quic or mem (threads in one process) [default:
+    /// TUTTI_TRANSPORT, else tcp]. Given, it wins over TUTTI_TRANSPORT (and says so). Under a
+    /// launcher the environment's transport is used; a different --transport is refused.
+    #[arg(long)]
+    pub transport: Option<String>,
     /// Where the buffers live: host, sim (simulated device: staged through host buffers with
     /// modelled copy latency and bandwidth), cuda (GPU buffers staged through pinned memory;
     /// feature `cuda`) or nccl (GPU buffers, NCCL; feature `nccl`). Device runs cover
@@ -126,13 +168,13 @@ pub struct Args {
     #[arg(long)]
     pub algo: Option<String>,
     /// Write results as JSON to FILE.
-    #[arg(short = 'J', long = "json")]
+    #[arg(short = 'J', long = "json", value_name = "FILE")]
     pub json: Option<std::path::PathBuf>,
-    /// Plot busbw against size to FILE.svg.
-    #[arg(long)]
+    /// Plot busbw against size to FILE (SVG).
+    #[arg(long, value_name = "FILE")]
     pub plot: Option<std::path::PathBuf>,
-    /// Exit non-zero when the average busbw of a collective is below this (GB/s).
-    #[arg(long = "min-bw")]
+    /// Exit non-zero when the average busbw of a collective is below GBPS (GB/s).
+    #[arg(long = "min-bw", value_name = "GBPS")]
     pub min_bw: Option<f64>,
     /// Run the whole sweep this many times (nccl-tests' -N; 0: until stopped).
     #[arg(short = 'N', long = "run_cycles", default_value_t = 1)]
@@ -274,7 +316,38 @@ impl Settings {
             None => None,
         };
         if args.iters == 0 {
-            return Err("-n must be at least 1".into());
+            return Err("-n (iterations) must be at least 1".into());
+        }
+        if args.np == Some(0) {
+            return Err("--np must be at least 1 (the number of local ranks to start)".into());
+        }
+        if args.minbytes > args.maxbytes {
+            return Err(format!(
+                "-b (smallest size, {}) is larger than -e (largest size, {}): nothing to \
+                 measure; give -b ≤ -e",
+                args.minbytes, args.maxbytes
+            ));
+        }
+        match args.stepfactor {
+            Some(f @ (0 | 1)) => {
+                return Err(format!(
+                    "-f {f}: the step factor multiplies each size to get the next, so it must be \
+                     at least 2 (for equal steps use -i BYTES instead)"
+                ))
+            }
+            None if args.stepbytes == 0 && args.minbytes < args.maxbytes => {
+                return Err("-i 0: the step between sizes must be at least 1 byte (or give -f)"
+                    .into())
+            }
+            _ => {}
+        }
+        if args.min_bw.is_some_and(|m| !m.is_finite() || m < 0.0) {
+            return Err("--min-bw must be a number of GB/s, 0 or more".into());
+        }
+        if let Some(t) = &args.transport {
+            if !matches!(t.as_str(), "tcp" | "quic" | "mem") {
+                return Err(format!("--transport {t:?}: choose tcp, quic or mem"));
+            }
         }
         if !matches!(args.device.as_str(), "host" | "sim" | "cuda" | "nccl") {
             return Err(format!(
@@ -282,7 +355,55 @@ impl Settings {
                 args.device
             ));
         }
+        if args.min_bw.is_some() && colls == ["barrier"] {
+            return Err("--min-bw has nothing to check: barrier moves no bytes".into());
+        }
+        if args.device != "host" && !colls.iter().any(|c| bench::DEVICE_COLLS.contains(c)) {
+            return Err(format!(
+                "--device {} runs {}; {} is not one of them",
+                args.device,
+                bench::DEVICE_COLLS.join(", "),
+                args.coll
+            ));
+        }
         Ok(Settings { args, colls, dtype, op, algo })
+    }
+
+    /// The transport of a run that starts its own ranks: `--transport`, else `TUTTI_TRANSPORT`,
+    /// else tcp; with a note when the flag wins over a different variable.
+    ///
+    /// # Errors
+    /// A message when `TUTTI_TRANSPORT` names no transport.
+    pub fn local_transport(&self) -> Result<(String, Option<String>), String> {
+        let env = std::env::var("TUTTI_TRANSPORT").ok().filter(|v| !v.trim().is_empty());
+        if let Some(v) = &env {
+            if !matches!(v.trim(), "tcp" | "quic") {
+                return Err(format!("TUTTI_TRANSPORT={v:?}: expected tcp or quic (or unset it)"));
+            }
+        }
+        Ok(match (&self.args.transport, env) {
+            (Some(flag), Some(v)) if flag != v.trim() => (
+                flag.clone(),
+                Some(format!("--transport {flag} wins over TUTTI_TRANSPORT={}", v.trim())),
+            ),
+            (Some(flag), _) => (flag.clone(), None),
+            (None, Some(v)) => (v.trim().to_string(), None),
+            (None, None) => ("tcp".into(), None),
+        })
+    }
+
+    /// Notes for settings that a flag takes over from a variable (`-T` over `TUTTI_TIMEOUT`,
+    /// `--algo` over `TUTTI_ALGO`).
+    pub fn overrides(&self) -> Vec<String> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let mut v = Vec::new();
+        if let (true, Some(t)) = (self.args.timeout > 0, var("TUTTI_TIMEOUT")) {
+            v.push(format!("-T {} wins over TUTTI_TIMEOUT={t}", self.args.timeout));
+        }
+        if let (Some(a), Some(t)) = (&self.args.algo, var("TUTTI_ALGO")) {
+            v.push(format!("--algo {a} wins over TUTTI_ALGO={t} for every collective"));
+        }
+        v
     }
 }
 
@@ -308,6 +429,10 @@ pub fn run_rank(comm: Comm, s: &Settings, transport: &str) -> i32 {
     let mut bench = Bench::new(comm, s.clone(), transport);
     match bench.run() {
         Ok(code) => code,
+        Err(_) if crate::stdout_closed() => {
+            // The output's reader went away and rank 0 ended for it; this is not a failure.
+            crate::die_of_sigpipe()
+        }
         Err(e) => {
             // tutti's errors start with the rank already; others get it here.
             let msg = e.to_string();
@@ -328,76 +453,112 @@ pub fn main() -> ExitCode {
     let args = Args::parse();
     let settings = match Settings::new(args) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("collbench: {e}");
-            return ExitCode::from(2);
-        }
+        Err(e) => return usage(&e),
     };
     let code = if running_under_launcher() {
-        match Comm::from_env() {
-            Ok(c) => {
-                let t = c.group().transport().name();
-                run_rank(c, &settings, t)
-            }
-            Err(e) => {
-                eprintln!("collbench: {e}");
-                1
-            }
-        }
+        under_launcher(&settings)
     } else {
-        match settings.args.transport.as_str() {
-            "mem" => {
-                let comms = tutti_runtime::Group::mem_world(settings.args.np.max(1))
-                    .into_iter()
-                    .map(|g| Comm::with_config(g, Config::default()))
-                    .collect::<Vec<_>>();
-                let codes: Vec<i32> = std::thread::scope(|sc| {
-                    let hs: Vec<_> = comms
-                        .into_iter()
-                        .map(|c| sc.spawn(|| run_rank(c, &settings, "mem")))
-                        .collect();
-                    hs.into_iter().map(|h| h.join().unwrap_or(101)).collect()
-                });
-                codes.into_iter().max().unwrap_or(0)
-            }
-            t @ ("tcp" | "quic") => {
-                let exe = match std::env::current_exe() {
-                    Ok(e) => e,
-                    Err(e) => {
-                        eprintln!("collbench: cannot find my own executable: {e}");
-                        return ExitCode::from(2);
-                    }
-                };
-                let mut program = vec![exe.into_os_string()];
-                program.extend(std::env::args_os().skip(1));
-                let job = crate::launch::Job {
-                    nproc: settings.args.np.max(1),
-                    nnodes: 1,
-                    node_rank: 0,
-                    master_addr: "127.0.0.1".into(),
-                    master_port: 0,
-                    token: None,
-                    program,
-                    prefix: false,
-                    log_dir: None,
-                    grace: Duration::from_secs(2),
-                    env: vec![("TUTTI_TRANSPORT".into(), t.into())],
-                    elastic: false,
-                    max_restarts: 0,
-                };
-                match crate::launch::run(&job) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        eprintln!("{e}");
-                        2
-                    }
-                }
-            }
-            other => {
-                eprintln!("collbench: unknown transport {other:?} (tcp, quic or mem)");
-                2
-            }
+        match start_local(&settings) {
+            Ok(code) => code,
+            Err(e) => return usage(&e),
         }
     };
     ExitCode::from(code.clamp(0, 255) as u8)
+}
+
+fn usage(e: &str) -> ExitCode {
+    eprintln!("collbench: {e}");
+    ExitCode::from(2)
+}
+
+fn note(settings: &Settings, extra: Option<String>) {
+    for n in extra.into_iter().chain(settings.overrides()) {
+        eprintln!("collbench: note: {n}");
+    }
+}
+
+/// One rank of a job a launcher started: the world and the transport are the launcher's.
+fn under_launcher(settings: &Settings) -> i32 {
+    let comm = match Comm::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("collbench: {e}");
+            return 1;
+        }
+    };
+    let t = comm.group().transport().name();
+    let mut wrong = Vec::new();
+    if let Some(np) = settings.args.np.filter(|np| *np != comm.size()) {
+        wrong.push(format!(
+            "--np {np} disagrees with the launcher's world of {} ranks (under a launcher the \
+             launcher's world wins: drop --np, or start {np} ranks)",
+            comm.size()
+        ));
+    }
+    if let Some(flag) = settings.args.transport.as_deref().filter(|f| *f != t) {
+        wrong.push(format!(
+            "--transport {flag} disagrees with this job's transport {t} (under a launcher \
+             TUTTI_TRANSPORT sets it for every rank: drop --transport, or set \
+             TUTTI_TRANSPORT{})",
+            if flag == "mem" { " (mem runs only as --np threads)".to_string() } else { format!("={flag}") }
+        ));
+    }
+    if let Some(w) = wrong.first() {
+        if comm.rank() == 0 {
+            eprintln!("collbench: {w}");
+        }
+        return 2;
+    }
+    // The ranks that collbench --np started itself: their parent already said the notes.
+    if comm.rank() == 0 && std::env::var_os("TUTTI_COLLBENCH_CHILD").is_none() {
+        note(settings, None);
+    }
+    run_rank(comm, settings, t)
+}
+
+/// Start `--np` local ranks: threads over memory, or processes over TCP or QUIC.
+fn start_local(settings: &Settings) -> Result<i32, String> {
+    let (transport, flag_note) = settings.local_transport()?;
+    // Every variable the ranks will read is checked here, before anything starts, so a typo in
+    // one is an error naming it rather than a value silently ignored.
+    tutti_runtime::rendezvous::Options::from_env().map_err(|e| e.to_string())?;
+    let cfg = Config::from_env().map_err(|e| e.to_string())?;
+    let np = settings.args.np.unwrap_or(4);
+    note(settings, flag_note);
+    if transport == "mem" {
+        let comms = tutti_runtime::Group::mem_world(np)
+            .into_iter()
+            .map(|g| Comm::with_config(g, cfg.clone()))
+            .collect::<Vec<_>>();
+        let codes: Vec<i32> = std::thread::scope(|sc| {
+            let hs: Vec<_> =
+                comms.into_iter().map(|c| sc.spawn(|| run_rank(c, settings, "mem"))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(101)).collect()
+        });
+        return Ok(codes.into_iter().max().unwrap_or(0));
+    }
+    let exe =
+        std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
+    let mut program = vec![exe.into_os_string()];
+    program.extend(std::env::args_os().skip(1));
+    let job = crate::launch::Job {
+        nproc: np,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        token: None,
+        program,
+        prefix: false,
+        log_dir: None,
+        grace: Duration::from_secs(2),
+        // The ranks are told the transport, and no notes again (the parent said them).
+        env: vec![("TUTTI_TRANSPORT".into(), transport), ("TUTTI_COLLBENCH_CHILD".into(), "1".into())],
+        elastic: false,
+        max_restarts: 0,
+    };
+    crate::launch::run(&job).or_else(|e| {
+        eprintln!("{e}");
+        Ok(2)
+    })
 }
