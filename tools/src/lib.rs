@@ -11,16 +11,22 @@ pub mod run;
 
 /// Install a tracing subscriber filtered by `RUST_LOG` (default: warnings), writing to stderr,
 /// in colour only when stderr is a terminal and `NO_COLOR` is unset or empty
-/// ([`colour_wanted`]).
+/// ([`colour_wanted`]); nothing is written once stdout's reader has gone ([`stdout_closed`]).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let ansi = colour_wanted(std::io::stderr().is_terminal());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .try_init();
+    // Once standard output's reader has gone (`collbench | head`) the job is ending for that
+    // reason, and what the ranks log about their peers ending is not news: it is dropped.
+    let writer = || -> Box<dyn Write> {
+        if stdout_closed() {
+            Box::new(std::io::sink())
+        } else {
+            Box::new(std::io::stderr())
+        }
+    };
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(writer).try_init();
 }
 
 /// Whether to write terminal colour codes to a stream: only to a terminal (`is_terminal`), and

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# tutti's whole test suite, set-up included: the README's test command, and what .ci/run runs.
+#
+#   tools/test.sh [ARGS…]      ARGS go to `cargo test` (e.g. `-p tutti-collectives`, a test name)
+#
+# It makes or reuses what the process tests need, then runs every test binary even when one
+# fails (`--no-fail-fast`), so one failure never hides another:
+#   - torch, for the torchrun tests: a virtualenv outside the clone (TUTTI_TORCH_VENV, default
+#     ~/.cache/tutti/venv-torch), made once (about 5 GB and several minutes from PyPI), reused
+#     after;
+#   - Slurm (slurm-wlm, munge) and Open MPI (openmpi-bin) from Debian, for the srun and mpirun
+#     tests (root: installed with apt-get when missing; otherwise install them first). The
+#     Slurm tests start and stop clusters of their own (tests/slurm/slurm.sh).
+# On a fresh machine the first run takes about 25 minutes on 2 cores (the build is most of it);
+# later runs about 12.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { echo "== test.sh: $*" >&2; }
+
+VENV="${TUTTI_TORCH_VENV:-$HOME/.cache/tutti/venv-torch}"
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    say "making the torch virtualenv $VENV (once; several minutes)"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check torch numpy pytest
+fi
+export TUTTI_TORCH_PYTHON="$VENV/bin/python"
+say "$("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
+
+need=()
+command -v srun >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null \
+    || need+=(slurm-wlm munge)
+command -v mpirun >/dev/null || need+=(openmpi-bin)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "test.sh: the launcher tests need ${need[*]} (Debian packages): install them, or run this as root" >&2
+        exit 1
+    fi
+    say "installing ${need[*]} from Debian"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+say "cargo test --workspace --release --no-fail-fast $*"
+exec cargo test --workspace --release --no-fail-fast "$@"
