@@ -98,7 +98,21 @@ fn collbench_refuses_bad_variables_in_np_mode() {
 fn a_flag_that_wins_over_a_variable_says_so_and_the_run_measures() {
     let mut c = cmd(
         BENCH,
-        &["allreduce", "-b", "8", "-e", "64", "-f", "8", "-n", "2", "--np", "2", "--transport", "mem"],
+        &[
+            "allreduce",
+            "-b",
+            "8",
+            "-e",
+            "64",
+            "-f",
+            "8",
+            "-n",
+            "2",
+            "--np",
+            "2",
+            "--transport",
+            "mem",
+        ],
     );
     c.env("TUTTI_TRANSPORT", "tcp").env("TUTTI_TIMEOUT", "20");
     c.args(["-T", "30"]);
@@ -231,7 +245,8 @@ fn help_has_the_tools_own_description_examples_and_variables() {
         for w in words {
             assert!(help.contains(w), "{prog} --help lacks {w:?}:\n{help}");
         }
-        let examples = help.matches("\n  tutti-run ").count() + help.matches("\n  collbench").count();
+        let examples =
+            help.matches("\n  tutti-run ").count() + help.matches("\n  collbench").count();
         assert!(examples >= 2, "{prog} --help has {examples} examples:\n{help}");
     }
     let out = run(cmd(BENCH, &["--help"]));

@@ -4,7 +4,7 @@
 //! rank's message reaches torchrun's "Root Cause" summary; an entry forged in a torch store is
 //! refused.
 //!
-//! torch comes from the package registry into a virtualenv outside the clone (`.ci/run` makes
+//! torch comes from the package registry into a virtualenv outside the clone (`tools/test.sh` makes
 //! it: `~/.cache/tutti/venv-torch`, or `TUTTI_TORCH_PYTHON` names the interpreter). A machine
 //! without it fails these tests, unless `TUTTI_TEST_NO_TORCH=1` says to skip them (printed).
 
@@ -30,7 +30,7 @@ fn torch() -> Option<PathBuf> {
             assert!(
                 std::env::var_os("TUTTI_TEST_NO_TORCH").is_some(),
                 "no Python with torch (~/.cache/tutti/venv-torch, or TUTTI_TORCH_PYTHON): run \
-                 .ci/run once to make it, or set TUTTI_TEST_NO_TORCH=1 to skip the torchrun tests"
+                 tools/test.sh once to make it, or set TUTTI_TEST_NO_TORCH=1 to skip the torchrun tests"
             );
             eprintln!("TUTTI_TEST_NO_TORCH set and no torch: the torchrun tests did not run");
             None

@@ -25,8 +25,11 @@ pub fn init_tracing() {
             Box::new(std::io::stderr())
         }
     };
-    let _ =
-        tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(writer).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(writer)
+        .try_init();
 }
 
 /// Whether to write terminal colour codes to a stream: only to a terminal (`is_terminal`), and

@@ -93,8 +93,12 @@ pub(crate) struct Args {
     #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
     max_restarts: usize,
     /// The program and its arguments.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true,
-          value_name = "PROGRAM")]
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required = true,
+        value_name = "PROGRAM"
+    )]
     program: Vec<std::ffi::OsString>,
 }
 

@@ -254,6 +254,12 @@ fn main() {
         }
         "topology" => topology(&comm),
         "loop" => loop_until_error(&comm),
+        "loop-pid" => {
+            // As `loop`, after printing `PID <rank> <pid>` (for a test that kills one rank of a
+            // job whose launcher it does not control, e.g. srun's or mpirun's).
+            println!("PID {} {}", comm.rank(), std::process::id());
+            loop_until_error(&comm)
+        }
         "orphan" => {
             // `orphan WHO`: rank WHO forks a child that keeps its sockets open (for up to 30 s,
             // printing `ORPHAN <pid>`), then exits with status 3. Its peers, waiting on it in an
@@ -351,7 +357,7 @@ fn main() {
     match r {
         Ok(()) => println!("OK {}", comm.rank()),
         Err(e) => {
-            if scenario == "loop" || scenario == "orphan" {
+            if scenario == "loop" || scenario == "loop-pid" || scenario == "orphan" {
                 println!("ERR {e}");
             } else {
                 println!("ERR rank {}: {e}", comm.rank());

@@ -336,8 +336,9 @@ impl Settings {
                 ))
             }
             None if args.stepbytes == 0 && args.minbytes < args.maxbytes => {
-                return Err("-i 0: the step between sizes must be at least 1 byte (or give -f)"
-                    .into())
+                return Err(
+                    "-i 0: the step between sizes must be at least 1 byte (or give -f)".into()
+                )
             }
             _ => {}
         }
@@ -500,7 +501,11 @@ fn under_launcher(settings: &Settings) -> i32 {
             "--transport {flag} disagrees with this job's transport {t} (under a launcher \
              TUTTI_TRANSPORT sets it for every rank: drop --transport, or set \
              TUTTI_TRANSPORT{})",
-            if flag == "mem" { " (mem runs only as --np threads)".to_string() } else { format!("={flag}") }
+            if flag == "mem" {
+                " (mem runs only as --np threads)".to_string()
+            } else {
+                format!("={flag}")
+            }
         ));
     }
     if let Some(w) = wrong.first() {
@@ -537,8 +542,7 @@ fn start_local(settings: &Settings) -> Result<i32, String> {
         });
         return Ok(codes.into_iter().max().unwrap_or(0));
     }
-    let exe =
-        std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find my own executable: {e}"))?;
     let mut program = vec![exe.into_os_string()];
     program.extend(std::env::args_os().skip(1));
     let job = crate::launch::Job {
@@ -553,7 +557,10 @@ fn start_local(settings: &Settings) -> Result<i32, String> {
         log_dir: None,
         grace: Duration::from_secs(2),
         // The ranks are told the transport, and no notes again (the parent said them).
-        env: vec![("TUTTI_TRANSPORT".into(), transport), ("TUTTI_COLLBENCH_CHILD".into(), "1".into())],
+        env: vec![
+            ("TUTTI_TRANSPORT".into(), transport),
+            ("TUTTI_COLLBENCH_CHILD".into(), "1".into()),
+        ],
         elastic: false,
         max_restarts: 0,
     };
