@@ -11,8 +11,7 @@
 #   - Slurm (slurm-wlm, munge) and Open MPI (openmpi-bin) from Debian, for the srun and mpirun
 #     tests (root: installed with apt-get when missing; otherwise install them first). The
 #     Slurm tests start and stop clusters of their own (tests/slurm/slurm.sh).
-# On a fresh machine the first run takes about 25 minutes on 2 cores (the build is most of it);
-# later runs about 12.
+# On 2 cores the first run takes about 15 minutes (the build and torch's download), later ones 5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
