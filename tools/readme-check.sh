@@ -46,6 +46,15 @@ fi
 echo "readme-check: the Ten lines block is collectives/examples/ten_lines.rs"
 
 [ "$(id -u)" = 0 ] || { echo "readme-check: needs root (a Slurm cluster on namespaces)" >&2; exit 1; }
+# What the blocks and the cluster use beyond what tools/test.sh installs.
+missing=()
+command -v openssl >/dev/null || missing+=(openssl)
+command -v ip >/dev/null || missing+=(iproute2)
+command -v nsenter >/dev/null || missing+=(util-linux)
+if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
 
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/tutti-readme.XXXXXX")"
 name="rm$$"
@@ -57,7 +66,10 @@ cleanup() {
 trap cleanup EXIT
 
 mkdir -p "$scratch/repo"
-(cd "$root" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$scratch/repo")
+# Tracked files deleted from the work tree are not copied (a user's clone would not have them).
+(cd "$root" && git ls-files -co --exclude-standard -z | while IFS= read -r -d '' f; do
+    [ -e "$f" ] && cp --parents -- "$f" "$scratch/repo"
+done; true)
 echo "readme-check: a scratch copy in $scratch/repo ($(cd "$scratch/repo" && find . -type f | wc -l) files)"
 
 bash "$root/tests/cluster/cluster.sh" up 2 --name "$name" >/dev/null
@@ -67,6 +79,9 @@ cat >"$scratch/run.sh" <<EOF
 set -euo pipefail
 # srun from node 0 of the namespace cluster.
 on_node0() { SLURM_CONF="$scratch/slurm/slurm.conf" nsenter --net=/run/netns/$name-h0 "\$@"; }
+# Each command is echoed, with the job secret the README exports blanked out of the log.
+exec {trace}> >(sed -E 's/(TUTTI_TOKEN=)[^ ]+/\1<secret>/g' >&2)
+BASH_XTRACEFD=\$trace
 set -x
 $script
 EOF

@@ -67,7 +67,7 @@ fn refused(c: Command, words: &[&str]) {
 
 #[test]
 fn collbench_refuses_bad_flags_naming_them() {
-    refused(cmd(BENCH, &["--np", "0"]), &["--np", "at least 1"]);
+    refused(cmd(BENCH, &["--np", "0"]), &["--np 0", "1 to 1024"]);
     refused(cmd(BENCH, &["-b", "8", "-e", "4"]), &["-b", "-e", "8", "4"]);
     refused(cmd(BENCH, &["-b", "8", "-e", "64", "-f", "1"]), &["-f 1", "at least 2"]);
     refused(cmd(BENCH, &["-b", "8", "-e", "64", "-f", "0"]), &["-f 0", "at least 2"]);
@@ -76,6 +76,76 @@ fn collbench_refuses_bad_flags_naming_them() {
     refused(cmd(BENCH, &["barrier", "--min-bw", "1"]), &["--min-bw", "barrier"]);
     refused(cmd(BENCH, &["--device", "sim", "sendrecv"]), &["--device sim", "sendrecv"]);
     refused(cmd(BENCH, &["allreduce", "-d", "float128"]), &["float128", "choose from"]);
+    refused(cmd(BENCH, &["--np", "100000"]), &["--np 100000", "1 to 1024", "tutti-run"]);
+    refused(cmd(BENCH, &["-m", "0"]), &["--agg_iters"]);
+    refused(cmd(BENCH, &["-a", "7"]), &["--average"]);
+    refused(cmd(BENCH, &["allreduce", "--algo", "teleport"]), &["teleport", "ring", "bruck"]);
+    refused(cmd(BENCH, &["broadcast", "--algo", "ring"]), &["--algo ring", "broadcast", "chain"]);
+    refused(cmd(BENCH, &["broadcast", "--np", "4", "-r", "4"]), &["-r 4", "0 to 3"]);
+    refused(cmd(BENCH, &["allgather", "--np", "3", "--algo", "rd"]), &["--algo", "power-of-two"]);
+    refused(
+        cmd(BENCH, &["allreduce", "-J", "/nonexistent/dir/out.json"]),
+        &["-J /nonexistent/dir/out.json", "cannot write"],
+    );
+    refused(cmd(BENCH, &["allreduce", "--plot", "/nonexistent/x.svg"]), &["--plot"]);
+}
+
+#[test]
+fn an_algorithm_forced_on_all_runs_the_collectives_it_implements() {
+    let out = run(cmd(
+        BENCH,
+        &["all", "--algo", "ring", "-b", "8", "-e", "64", "-f", "8", "-n", "1", "--np", "3"],
+    ));
+    assert!(out.status.success(), "{}", text(&out));
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(so.contains("ring") && !so.contains("broadcast"), "{}", text(&out));
+}
+
+#[test]
+fn variables_a_launcher_owns_do_not_leak_into_its_ranks() {
+    // A leftover TUTTI_JOIN=1 would make every rank wait to be taken into a running job.
+    for prog in [&[RUN, "--nproc", "2", "--", BENCH][..], &[BENCH][..]] {
+        let mut c = cmd(prog[0], &prog[1..]);
+        c.args(["allreduce", "-b", "8", "-e", "8", "-n", "1", "--np", "2"]).env("TUTTI_JOIN", "1");
+        let out = run(c);
+        assert!(out.status.success(), "{prog:?} with TUTTI_JOIN=1:\n{}", text(&out));
+    }
+    // TUTTI_TOKEN_FILE is read as --token-file is, and not handed on beside the launcher's
+    // own TUTTI_TOKEN.
+    let dir = std::env::temp_dir().join(format!("tutti-cli-tf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("token");
+    std::fs::write(&f, "0123456789abcdef0123\n").unwrap();
+    std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    for prog in [&[RUN, "--nproc", "2", "--", BENCH][..], &[BENCH][..]] {
+        let mut c = cmd(prog[0], &prog[1..]);
+        c.args(["allreduce", "-b", "8", "-e", "8", "-n", "1", "--np", "2"])
+            .env("TUTTI_TOKEN_FILE", &f);
+        let out = run(c);
+        assert!(out.status.success(), "{prog:?} with TUTTI_TOKEN_FILE:\n{}", text(&out));
+    }
+    let mut c = cmd(RUN, &["--nproc", "1", "--", "true"]);
+    c.env("TUTTI_TOKEN_FILE", &f).env("TUTTI_TOKEN", "0123456789abcdef0123");
+    refused(c, &["more than once"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_launcher_collbench_starts_is_named_collbench() {
+    // The ranks fail once started (this build has no CUDA): whoever reports the failed rank is
+    // collbench, never a tutti-run the user did not run.
+    let out =
+        run(cmd(BENCH, &["allreduce", "--np", "2", "-b", "8", "-e", "8", "--device", "cuda"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(err.contains("collbench: rank") && err.contains("cuda"), "{}", text(&out));
+    assert!(!err.contains("tutti-run"), "{}", text(&out));
+    // A malformed variable under a launcher is bad input too.
+    let mut c = cmd(RUN, &["--nproc", "2", "--", BENCH, "allreduce", "-b", "8", "-e", "8"]);
+    c.env("TUTTI_TRANSPORT", "pigeon");
+    let out = run(c);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("TUTTI_TRANSPORT"), "{}", text(&out));
 }
 
 #[test]

@@ -25,9 +25,10 @@ const LIMIT: Duration = Duration::from_secs(180);
 /// One cluster at a time in this process (each has its own daemons, but the machine has 2 cores).
 static ONE: Mutex<()> = Mutex::new(());
 
+/// Whether `prog` is installed (on PATH, or in /usr/sbin where Debian puts the daemons).
 fn have(prog: &str) -> bool {
     Command::new("sh")
-        .args(["-c", &format!("command -v {prog}")])
+        .args(["-c", &format!("PATH=\"$PATH:/usr/sbin:/sbin\" command -v {prog}")])
         .stdout(Stdio::null())
         .status()
         .is_ok_and(|s| s.success())

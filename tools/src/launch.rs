@@ -83,6 +83,8 @@ pub struct Job {
     pub log_dir: Option<PathBuf>,
     /// Time between SIGTERM and SIGKILL when stopping children.
     pub grace: Duration,
+    /// The program that launches, in its messages (`tutti-run`, or `collbench` for `--np`).
+    pub name: &'static str,
     /// Extra environment for every child.
     pub env: Vec<(String, String)>,
     /// `--elastic`: a rank that ends in failure does not stop the job; the others are told and
@@ -117,13 +119,13 @@ impl std::fmt::Debug for Job {
 #[non_exhaustive]
 pub enum LaunchError {
     /// Bad arguments.
-    #[error("tutti-run: {0}")]
+    #[error("{0}")]
     Usage(String),
     /// The store could not be started.
-    #[error("tutti-run: {0}")]
+    #[error("{0}")]
     Store(#[from] tutti_runtime::Error),
     /// A child could not be started.
-    #[error("tutti-run: cannot start rank {rank} ({program}): {err}")]
+    #[error("cannot start rank {rank} ({program}): {err}")]
     Spawn {
         /// The rank.
         rank: usize,
@@ -208,12 +210,12 @@ fn signal_all(children: &mut [(usize, Child)], sig: i32) {
 
 /// Kill what is left in the children's process groups once the children have ended (processes
 /// they forked that outlived them), saying so; a finished job leaves nothing running.
-fn reap_leftovers(children: &[(usize, Child)]) {
+fn reap_leftovers(children: &[(usize, Child)], name: &str) {
     for (rank, c) in children {
         let pgid = c.id() as libc::pid_t;
         // SAFETY: signal 0 only checks whether the group has members.
         if unsafe { libc::kill(-pgid, 0) } == 0 {
-            eprintln!("tutti-run: rank {rank} left processes running; killing them");
+            eprintln!("{name}: rank {rank} left processes running; killing them");
             // SAFETY: killing the process group our child led.
             unsafe { libc::kill(-pgid, libc::SIGKILL) };
         }
@@ -313,6 +315,11 @@ impl Spawn<'_> {
             .env("MASTER_PORT", framework_port(self.port).to_string())
             .env("TUTTI_STORE", self.store_url)
             .env("TUTTI_TOKEN", self.token)
+            // The launcher read the secret (a file named here would clash with the token it
+            // hands out), and only a replacement joins a running job: neither may leak in from
+            // the launcher's own environment.
+            .env_remove("TUTTI_TOKEN_FILE")
+            .env_remove("TUTTI_JOIN")
             .stdin(Stdio::null());
         if join {
             cmd.env("TUTTI_JOIN", "1");
@@ -466,7 +473,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
             break;
         }
         if INTERRUPTED.load(Ordering::SeqCst) {
-            eprintln!("tutti-run: interrupted; stopping all {} ranks", children.len());
+            eprintln!("{}: interrupted; stopping all {} ranks", job.name, children.len());
             stop_all(&mut children, job.grace);
             code = 130;
             break;
@@ -512,11 +519,11 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
                                 pumps.extend(p);
                                 running += 1;
                             }
-                            Err(e) => eprintln!("tutti-run: cannot start a replacement: {e}"),
+                            Err(e) => eprintln!("{}: cannot start a replacement: {e}", job.name),
                         }
                     }
                 } else {
-                    eprintln!("tutti-run: rank {rank} {what}; no rank is left, the job failed");
+                    eprintln!("{}: rank {rank} {what}; no rank is left, the job failed", job.name);
                 }
             }
             if running > 0 {
@@ -571,7 +578,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
         }
         if let Some((rank, st)) = failed {
             let what = describe(st);
-            eprintln!("tutti-run: rank {rank} {what}; telling and stopping the other ranks");
+            eprintln!("{}: rank {rank} {what}; telling and stopping the other ranks", job.name);
             tell_survivors(&mut children, &mut notices, rank, &what);
             all_ended_within(&mut children, NOTICE_WAIT.min(job.grace));
             stop_all(&mut children, job.grace);
@@ -580,7 +587,7 @@ pub fn run(job: &Job) -> Result<i32, LaunchError> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    reap_leftovers(&children);
+    reap_leftovers(&children, job.name);
     // The pumps end when the last holder of each pipe is gone; a process that left the group
     // (setsid) may still hold one, so wait a little, never forever.
     let deadline = Instant::now() + PUMP_WAIT;

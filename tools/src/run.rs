@@ -27,9 +27,11 @@ Variables set for every rank:
   env:// init), TUTTI_STORE (tcp://ADDR:PORT, the store tutti-run serves on node 0),
   TUTTI_TOKEN (the job secret), TUTTI_LAUNCHER_FD (the pipe on which tutti-run names a rank
   that ended, so every survivor fails at once naming it), and TUTTI_JOIN=1 for a replacement
-  started by --max-restarts. Any of these already in tutti-run's environment is replaced.
+  started by --max-restarts. Any of these already in tutti-run's environment is replaced;
+  TUTTI_JOIN and TUTTI_TOKEN_FILE are removed from the other ranks' environment.
 Variables read:
-  TUTTI_TOKEN (the job secret; refused together with --token-file), RUST_LOG (default warn),
+  TUTTI_TOKEN or TUTTI_TOKEN_FILE (the job secret, as --token-file; give one of the three),
+  RUST_LOG (default warn),
   NO_COLOR (no colour in logs; logs are coloured only on a terminal). Every other variable
   passes to the ranks unchanged.
 
@@ -70,7 +72,7 @@ pub(crate) struct Args {
     #[arg(long = "master-port", alias = "master_port", default_value_t = 0)]
     master_port: u16,
     /// A file holding the job secret shared by all nodes, readable by this user only (default:
-    /// TUTTI_TOKEN, or a fresh secret on a single node). The secret never goes on a command line,
+    /// TUTTI_TOKEN or TUTTI_TOKEN_FILE, or a fresh secret on a single node). The secret never goes on a command line,
     /// where every user of the host could read it.
     #[arg(long = "token-file", alias = "token_file")]
     token_file: Option<PathBuf>,
@@ -106,7 +108,24 @@ pub(crate) struct Args {
 pub fn main() -> ExitCode {
     crate::init_tracing();
     let a = Args::parse();
-    let token = match (a.token_file, std::env::var("TUTTI_TOKEN").ok().filter(|t| !t.is_empty())) {
+    let env_file =
+        std::env::var_os("TUTTI_TOKEN_FILE").filter(|f| !f.is_empty()).map(PathBuf::from);
+    let given = [
+        a.token_file.is_some(),
+        std::env::var("TUTTI_TOKEN").is_ok_and(|t| !t.is_empty()),
+        env_file.is_some(),
+    ];
+    if given.iter().filter(|g| **g).count() > 1 {
+        eprintln!(
+            "tutti-run: the job secret is given more than once (--token-file, TUTTI_TOKEN, \
+             TUTTI_TOKEN_FILE): use one"
+        );
+        return ExitCode::from(2);
+    }
+    let token = match (
+        a.token_file.or(env_file),
+        std::env::var("TUTTI_TOKEN").ok().filter(|t| !t.is_empty()),
+    ) {
         (Some(_), Some(_)) => Err("both --token-file and TUTTI_TOKEN are given: use one".into()),
         (Some(f), None) => tutti_runtime::rendezvous::secret::read_token_file(&f)
             .map(Some)
@@ -133,7 +152,8 @@ pub fn main() -> ExitCode {
     if a.nnodes > 1 && a.master_port == 0 {
         eprintln!(
             "tutti-run: a job of {} nodes needs --master-port (every node must find node 0's \
-             store there)",
+             store there) and the same secret on every node (--token-file, TUTTI_TOKEN or \
+             TUTTI_TOKEN_FILE)",
             a.nnodes
         );
         return ExitCode::from(2);
@@ -155,6 +175,7 @@ pub fn main() -> ExitCode {
         prefix: !a.no_prefix,
         log_dir: a.log_dir,
         grace: Duration::from_secs_f64(a.grace),
+        name: "tutti-run",
         env: Vec::new(),
         elastic: a.elastic,
         max_restarts: a.max_restarts,
@@ -162,7 +183,7 @@ pub fn main() -> ExitCode {
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("{e}");
+            eprintln!("tutti-run: {e}");
             ExitCode::from(2)
         }
     }

@@ -9,13 +9,16 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use tutti_collectives::{Algo, Comm, Config, DType, ReduceOp};
+use tutti_collectives::{Algo, Coll, Comm, Config, DType, ReduceOp};
 
 pub mod bench;
 pub mod report;
 
 pub use bench::Bench;
 pub use report::{Row, Run};
+
+/// Most local ranks `--np` starts (threads or processes of one host).
+pub const MAX_NP: usize = 1024;
 
 /// Collectives collbench knows, in `all` order.
 pub const COLLECTIVES: [&str; 10] = [
@@ -114,8 +117,9 @@ pub struct Args {
     #[arg(short = 'w', long = "warmup_iters", default_value_t = 1)]
     pub warmup: usize,
     /// Operations aggregated per timed iteration.
-    #[arg(short = 'm', long = "agg_iters", default_value_t = 1)]
-    pub agg: usize,
+    #[arg(short = 'm', long = "agg_iters", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub agg: u64,
     /// Verify the first iteration of every size (0 disables).
     #[arg(short = 'c', long = "check", default_value_t = 1)]
     pub check: u32,
@@ -129,7 +133,8 @@ pub struct Args {
     #[arg(short = 'r', long = "root", default_value_t = 0)]
     pub root: usize,
     /// Time reported: 0 rank 0, 1 mean over ranks, 2 min, 3 max.
-    #[arg(short = 'a', long = "average", default_value_t = 1)]
+    #[arg(short = 'a', long = "average", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(0..=3))]
     pub average: u32,
     /// Per-iteration timing (p50/p99 are always in the extras table; accepted for
     /// compatibility).
@@ -138,12 +143,13 @@ pub struct Args {
     /// Per-operation timeout in seconds (0: tutti's default, 30 s).
     #[arg(short = 'T', long = "timeout", default_value_t = 0)]
     pub timeout: u64,
-    /// Local ranks to start when not run under a launcher [default: 4]. Under tutti-run,
-    /// torchrun, srun or mpirun the launcher's world size wins; a different --np is refused.
+    /// Local ranks to start when not run under a launcher, 1 to 1024 [default: 4]. Under
+    /// tutti-run, torchrun, srun or mpirun the launcher's world size wins; a different --np is
+    /// refused.
     #[arg(long = "np")]
     pub np: Option<usize>,
     /// Transport of the --np ranks: tcp, quic or mem (threads in one process) [default:
-    /// TUTTI_TRANSPORT, else tcp]. Given, it wins over TUTTI_TRANSPORT (and says so). Under a
+    /// TUTTI_TRANSPORT (tcp or quic), else tcp]. Given, it wins over TUTTI_TRANSPORT (and says so). Under a
     /// launcher the environment's transport is used; a different --transport is refused.
     #[arg(long)]
     pub transport: Option<String>,
@@ -312,14 +318,42 @@ impl Settings {
             format!("unknown op {:?}; choose from sum, prod, min, max, avg", args.op)
         })?;
         let algo = match &args.algo {
-            Some(a) => Some(Algo::parse(a).ok_or_else(|| format!("unknown algorithm {a:?}"))?),
+            Some(a) => Some(Algo::parse(a).ok_or_else(|| {
+                let names: Vec<&str> = Algo::ALL.iter().map(|a| a.name()).collect();
+                format!("unknown algorithm {a:?}; choose from {}", names.join(", "))
+            })?),
             None => None,
         };
+        let mut colls = colls;
+        if let Some(a) = algo {
+            let runs = |c: &str| Coll::parse(c).is_some_and(|c| c.algos().contains(&a));
+            if args.coll == "all" {
+                colls.retain(|c| runs(c));
+                if colls.is_empty() {
+                    return Err(format!("--algo {a} implements none of collbench's collectives"));
+                }
+            } else if let Some(c) = colls.first().filter(|c| !runs(c)) {
+                let by: Vec<&str> = Coll::parse(c)
+                    .map(|c| c.algos().iter().map(|a| a.name()).collect())
+                    .unwrap_or_default();
+                return Err(format!(
+                    "--algo {a} does not implement {c}; {c} runs {}",
+                    if by.is_empty() {
+                        "no selectable algorithm".to_string()
+                    } else {
+                        by.join(", ")
+                    }
+                ));
+            }
+        }
         if args.iters == 0 {
             return Err("-n (iterations) must be at least 1".into());
         }
-        if args.np == Some(0) {
-            return Err("--np must be at least 1 (the number of local ranks to start)".into());
+        if let Some(np) = args.np.filter(|n| !(1..=MAX_NP).contains(n)) {
+            return Err(format!(
+                "--np {np}: the number of local ranks to start must be 1 to {MAX_NP} (for more, \
+                 start them with a launcher: tutti-run --nproc N -- collbench …)"
+            ));
         }
         if args.minbytes > args.maxbytes {
             return Err(format!(
@@ -368,6 +402,50 @@ impl Settings {
             ));
         }
         Ok(Settings { args, colls, dtype, op, algo })
+    }
+
+    /// What can only be checked once the world's size `n` is known: the root of rooted
+    /// collectives, and a forced algorithm's needs (a power-of-two world).
+    ///
+    /// # Errors
+    /// A message naming the flag.
+    pub fn check_world(&self, n: usize) -> Result<(), String> {
+        let rooted = ["broadcast", "reduce", "gather", "scatter"];
+        if self.args.root >= n && self.colls.iter().any(|c| rooted.contains(c)) {
+            return Err(format!(
+                "-r {}: the root of {} must be a rank of the {n} ranks (0 to {})",
+                self.args.root,
+                self.colls
+                    .iter()
+                    .filter(|c| rooted.contains(c))
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                n - 1
+            ));
+        }
+        if let Some(a) = self.algo {
+            for c in self.colls.iter().filter_map(|c| Coll::parse(c)) {
+                c.supports(a, n, true)
+                    .map_err(|why| format!("--algo {a} with {n} ranks: {why}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the output files (-J, --plot) can be written, checked before anything runs (by
+    /// creating them; the results overwrite them at the end).
+    ///
+    /// # Errors
+    /// A message naming the flag and the file.
+    pub fn check_outputs(&self) -> Result<(), String> {
+        for (flag, p) in [("-J", &self.args.json), ("--plot", &self.args.plot)] {
+            if let Some(p) = p {
+                std::fs::File::create(p)
+                    .map_err(|e| format!("{flag} {}: cannot write the file: {e}", p.display()))?;
+            }
+        }
+        Ok(())
     }
 
     /// The transport of a run that starts its own ranks: `--transport`, else `TUTTI_TRANSPORT`,
@@ -438,11 +516,14 @@ pub fn run_rank(comm: Comm, s: &Settings, transport: &str) -> i32 {
             // tutti's errors start with the rank already; others get it here.
             let msg = e.to_string();
             let mine = format!("rank {}:", bench.rank());
-            if msg.starts_with(&mine) {
-                eprintln!("collbench: {msg}");
+            let line = if msg.starts_with(&mine) {
+                format!("collbench: {msg}\n")
             } else {
-                eprintln!("collbench: {mine} {msg}");
-            }
+                format!("collbench: {mine} {msg}\n")
+            };
+            // One write: the ranks of a job share stderr, and a line written in pieces would
+            // interleave with theirs.
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             1
         }
     }
@@ -484,7 +565,13 @@ fn under_launcher(settings: &Settings) -> i32 {
         Ok(c) => c,
         Err(e) => {
             eprintln!("collbench: {e}");
-            return 1;
+            // A malformed variable is bad input (2), like a bad flag; anything else failed (1).
+            let bad_input = matches!(
+                &e,
+                tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(_))
+                    | tutti_collectives::Error::InvalidArgument { op: "config", .. }
+            );
+            return if bad_input { 2 } else { 1 };
         }
     };
     let t = comm.group().transport().name();
@@ -508,10 +595,29 @@ fn under_launcher(settings: &Settings) -> i32 {
             }
         ));
     }
+    if let Err(e) = settings.check_world(comm.size()) {
+        wrong.push(e);
+    }
     if let Some(w) = wrong.first() {
         if comm.rank() == 0 {
             eprintln!("collbench: {w}");
         }
+        return 2;
+    }
+    // Rank 0 writes the output files: it checks them, and every rank learns its verdict, so a
+    // job with an unwritable -J stops before measuring, all ranks alike.
+    let mut verdict = [0u8];
+    if comm.rank() == 0 {
+        if let Err(e) = settings.check_outputs() {
+            eprintln!("collbench: {e}");
+            verdict[0] = 1;
+        }
+    }
+    if let Err(e) = comm.broadcast(&mut verdict, 0) {
+        eprintln!("collbench: rank {}: {e}", comm.rank());
+        return 1;
+    }
+    if verdict[0] != 0 {
         return 2;
     }
     // The ranks that collbench --np started itself: their parent already said the notes.
@@ -529,6 +635,8 @@ fn start_local(settings: &Settings) -> Result<i32, String> {
     tutti_runtime::rendezvous::Options::from_env().map_err(|e| e.to_string())?;
     let cfg = Config::from_env().map_err(|e| e.to_string())?;
     let np = settings.args.np.unwrap_or(4);
+    settings.check_world(np)?;
+    settings.check_outputs()?;
     note(settings, flag_note);
     if transport == "mem" {
         let comms = tutti_runtime::Group::mem_world(np)
@@ -556,6 +664,7 @@ fn start_local(settings: &Settings) -> Result<i32, String> {
         prefix: false,
         log_dir: None,
         grace: Duration::from_secs(2),
+        name: "collbench",
         // The ranks are told the transport, and no notes again (the parent said them).
         env: vec![
             ("TUTTI_TRANSPORT".into(), transport),
@@ -565,7 +674,7 @@ fn start_local(settings: &Settings) -> Result<i32, String> {
         max_restarts: 0,
     };
     crate::launch::run(&job).or_else(|e| {
-        eprintln!("{e}");
+        eprintln!("collbench: {e}");
         Ok(2)
     })
 }
