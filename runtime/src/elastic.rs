@@ -50,9 +50,11 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
+use crate::connect::{connect, Purpose};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::rendezvous::Options;
+use crate::membership::Membership;
+use crate::options::Options;
 use crate::store::Store;
 
 /// How long the proposer waits, once every unsuspected member is in, for suspected members
@@ -61,78 +63,10 @@ const SUSPECT_GRACE: Duration = Duration::from_millis(100);
 /// How often the proposer shows it is alive, and how long its silence voids a round.
 const BEAT: Duration = Duration::from_millis(100);
 const BEAT_LOST: Duration = Duration::from_secs(1);
-/// How long the survivors' new connections may take before the ones that did not come are
-/// agreed away.
-const REBUILD_CONNECT: Duration = Duration::from_secs(10);
 /// Store polling interval while waiting for check-ins.
 const POLL: Duration = Duration::from_millis(2);
 /// How often a waiting rank looks for newly lost peers, and the proposer rereads check-ins.
 const REFRESH: Duration = Duration::from_millis(20);
-
-/// What a group needs to rebuild itself over the survivors of a failure: the store that
-/// outlives the ranks, the job's secret and id, its membership, and how to connect.
-#[derive(Clone)]
-pub(crate) struct Rejoin {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) token: String,
-    pub(crate) job: u64,
-    pub(crate) epoch: u64,
-    /// Stable ids of the members, in rank order.
-    pub(crate) ids: Vec<u64>,
-    pub(crate) opts: Options,
-    pub(crate) master_ip: Option<IpAddr>,
-    pub(crate) launcher_fd: Option<i32>,
-    /// This process joined the job at this epoch (a replacement), rather than starting it or
-    /// staying on from the epoch before.
-    pub(crate) joined: bool,
-    /// `grow` calls made at this epoch (every member makes the same ones).
-    pub(crate) grows: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Rejoin {
-    /// The store under the keys of one epoch's connections.
-    pub(crate) fn epoch_store(&self, epoch: u64) -> Arc<dyn Store> {
-        if epoch == 0 {
-            return self.store.clone();
-        }
-        Arc::new(PrefixStore { inner: self.store.clone(), prefix: format!("tutti/epoch/{epoch}/") })
-    }
-
-    /// The job id the transports of `epoch` authenticate with: connections of different
-    /// epochs refuse each other.
-    pub(crate) fn epoch_job(&self, epoch: u64) -> u64 {
-        self.job ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-    }
-}
-
-/// A store seen under a key prefix (one epoch's rendezvous keys apart from another's).
-struct PrefixStore {
-    inner: Arc<dyn Store>,
-    prefix: String,
-}
-
-impl Store for PrefixStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.inner.set(&format!("{}{key}", self.prefix), value)
-    }
-    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        self.inner.get(&format!("{}{key}", self.prefix), timeout)
-    }
-    fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        self.inner.add(&format!("{}{key}", self.prefix), delta)
-    }
-    fn delete(&self, key: &str) -> Result<bool> {
-        self.inner.delete(&format!("{}{key}", self.prefix))
-    }
-    fn check(&self, keys: &[&str]) -> Result<bool> {
-        let keys: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        self.inner.check(&refs)
-    }
-    fn describe(&self) -> String {
-        format!("{} under {}", self.inner.describe(), self.prefix)
-    }
-}
 
 /// One survivor's check-in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -478,7 +412,7 @@ impl Group {
     /// [`Error::Config`] for a group that cannot shrink (in-memory, or a sub-group).
     pub fn shrink_with(&self, note: &[u8]) -> Result<Shrunk> {
         let (rejoin, keep) = self.parts();
-        let Some(rejoin) = rejoin.map(|r| Rejoin::clone(r)) else {
+        let Some(rejoin) = rejoin.map(|r| Membership::clone(r)) else {
             return Err(Error::Config(
                 "only a world group made by rendezvous can shrink (it needs the job's store); \
                  rebuild sub-groups from the shrunken world"
@@ -582,7 +516,8 @@ impl Group {
             };
             // Every member is inside its shrink by now: a member that does not connect soon
             // died after the decision (agree again without it).
-            match connect_epoch(&cur, new_rank, epoch, kept.clone(), keep.clone(), false, wait) {
+            let rebuild = Purpose::Rebuild { wait };
+            match connect(&cur, new_rank, epoch, kept.clone(), keep.clone(), false, rebuild) {
                 Ok(group) => {
                     info!(
                         rank,
@@ -606,17 +541,23 @@ impl Group {
                 }
                 Err(e) => {
                     // Someone agreed and then did not come (a second failure): agree again
-                    // on this membership, suspecting whoever never published an address.
+                    // on this membership, suspecting whoever the launcher reports gone and
+                    // whoever never published an address (over the transport in use).
                     warn!(rank, epoch, "connecting the survivors failed, agreeing again: {e}");
                     let store = cur.epoch_store(epoch);
+                    let gone = crate::connect::gone_members(&kept, cur.formed);
                     suspects = (0..kept.len())
                         .filter(|r| {
-                            let key = crate::transport::tcp::addr_key(*r);
-                            !store.check(&[key.as_str()]).unwrap_or(false)
+                            gone.contains(r)
+                                || !crate::connect::published(
+                                    cur.opts.transport,
+                                    store.as_ref(),
+                                    *r,
+                                )
                         })
                         .map(|r| kept[r])
                         .collect();
-                    cur = Rejoin { epoch, ids: kept, ..cur };
+                    cur = Membership { epoch, ids: kept, ..cur };
                 }
             }
         }
@@ -693,7 +634,7 @@ impl Group {
     /// does not connect (shrink, on this group, to go on without them);
     /// [`Error::Config`] for a group that cannot grow.
     pub fn grow(&self) -> Result<Option<Grown>> {
-        let Some(cur) = self.parts().0.map(|r| Rejoin::clone(r)) else {
+        let Some(cur) = self.parts().0.map(|r| Membership::clone(r)) else {
             return Err(Error::Config(
                 "only a world group made by rendezvous can grow (it needs the job's store)".into(),
             ));
@@ -733,8 +674,9 @@ impl Group {
         }
         let me = cur.ids[self.rank()];
         let rank = ids.iter().position(|id| *id == me).unwrap_or(usize::MAX);
+        let keep = self.parts().1.to_vec();
         let group =
-            connect_epoch(&cur, rank, epoch, ids.clone(), self.parts().1.to_vec(), false, wait)?;
+            connect(&cur, rank, epoch, ids.clone(), keep, false, Purpose::Rebuild { wait })?;
         info!(rank, world = ids.len(), epoch, "grew: newcomers taken in");
         Ok(Some(Grown { group, newcomers: (cur.ids.len()..ids.len()).collect(), epoch }))
     }
@@ -743,39 +685,6 @@ impl Group {
 /// Store counters of newcomers: asked to join, and taken in.
 const JOINERS: &str = "tutti/joiners";
 const JOINERS_TAKEN: &str = "tutti/joiners/taken";
-
-/// Connect this process's transport of membership `epoch` (members `ids`, this one at
-/// `rank`) and make its world group, with the per-operation timeout `wait`; the connect
-/// itself may take `wait` or [`REBUILD_CONNECT`], whichever is shorter.
-fn connect_epoch(
-    cur: &Rejoin,
-    rank: usize,
-    epoch: u64,
-    ids: Vec<u64>,
-    keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
-    joined: bool,
-    wait: Duration,
-) -> Result<Group> {
-    let store = cur.epoch_store(epoch);
-    let mut opts = cur.opts.clone();
-    opts.link.connect_timeout = opts.link.connect_timeout.min(wait).min(REBUILD_CONNECT);
-    let t = crate::rendezvous::open_transport(
-        rank,
-        ids.len(),
-        cur.epoch_job(epoch),
-        &cur.token,
-        store.as_ref(),
-        cur.master_ip,
-        &opts,
-    )?;
-    if let Some(fd) = cur.launcher_fd {
-        crate::rendezvous::launcher::watch(fd, &t, ids.iter().map(|id| *id as usize).collect());
-    }
-    let next = Rejoin { epoch, ids, joined, grows: Default::default(), ..cur.clone() };
-    let g = Group::with_parts(t, keep, Some(Arc::new(next)));
-    g.set_timeout(wait);
-    Ok(g)
-}
 
 /// A replacement process joins a running job (`TUTTI_JOIN=1`): it asks through the store,
 /// waits until the members' next [`Group::grow`] takes it in, and connects that world.
@@ -790,7 +699,7 @@ pub(crate) fn join(
     keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
 ) -> Result<Group> {
     let wait = opts.link.connect_timeout;
-    let job = crate::rendezvous::job_id(store.as_ref(), id, wait)?;
+    let job = crate::connect::job_id(store.as_ref(), id, wait)?;
     let ticket = store.add(JOINERS, 1)?;
     store.set(&format!("tutti/joiner/{ticket}"), &(id as u64).to_le_bytes())?;
     info!(id, ticket, "asked to join the running job; waiting to be taken in");
@@ -807,7 +716,7 @@ pub(crate) fn join(
         rank: id,
         detail: format!("the welcome at {key} does not name this process (id {id})"),
     })?;
-    let cur = Rejoin {
+    let cur = Membership {
         store,
         token,
         job,
@@ -818,8 +727,10 @@ pub(crate) fn join(
         launcher_fd,
         joined: true,
         grows: Default::default(),
+        // A newcomer counts every notice from its own start on.
+        formed: Instant::now(),
     };
-    let g = connect_epoch(&cur, rank, epoch, ids, keep, true, opts.timeout)?;
+    let g = connect(&cur, rank, epoch, ids, keep, true, Purpose::Rebuild { wait: opts.timeout })?;
     info!(id, rank, world = g.size(), epoch, "joined the running job");
     Ok(g)
 }

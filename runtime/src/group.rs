@@ -40,7 +40,7 @@ struct GroupInner {
     /// Things that must live as long as the group (the store server on rank 0).
     keep: Vec<Arc<dyn Any + Send + Sync>>,
     /// How to rebuild the world over the survivors of a failure (groups made by rendezvous).
-    rejoin: Option<Arc<crate::elastic::Rejoin>>,
+    rejoin: Option<Arc<crate::membership::Membership>>,
 }
 
 impl std::fmt::Debug for Group {
@@ -63,7 +63,7 @@ impl Group {
     pub(crate) fn with_parts(
         transport: Arc<dyn Transport>,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
-        rejoin: Option<Arc<crate::elastic::Rejoin>>,
+        rejoin: Option<Arc<crate::membership::Membership>>,
     ) -> Group {
         let n = transport.world_size();
         let rank = transport.rank();
@@ -205,7 +205,7 @@ impl Group {
     /// How this group rebuilds itself after a failure, and what it keeps alive.
     pub(crate) fn parts(
         &self,
-    ) -> (Option<&Arc<crate::elastic::Rejoin>>, &[Arc<dyn Any + Send + Sync>]) {
+    ) -> (Option<&Arc<crate::membership::Membership>>, &[Arc<dyn Any + Send + Sync>]) {
         (self.inner.rejoin.as_ref(), &self.inner.keep)
     }
 

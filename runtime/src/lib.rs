@@ -25,11 +25,14 @@
 //! ```
 
 pub mod auth;
+mod connect;
 pub mod elastic;
 pub mod error;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod group;
+mod membership;
+mod options;
 pub mod rendezvous;
 pub mod store;
 #[cfg(any(test, feature = "testing"))]

@@ -96,3 +96,92 @@ fn half_the_world_lost_fails_the_job_with_the_usual_line() {
     assert!(err.contains("no rank is left, the job failed"), "{err}");
     assert!(out.contains("cut off") && out.contains("not a strict majority"), "{out}");
 }
+
+/// Eight ranks over `transport`; once they train, SIGKILL one rank and, `gap` later (while the
+/// survivors agree and reconnect), a second. The six left must notice the second loss as fast
+/// as the first (the launcher's notice, or a refused connection) instead of waiting out the 10 s
+/// connect deadline, agree again, finish every step with equal weights, and equal a replay of
+/// their schedule. Returns the time from the first kill to the first step on six ranks.
+fn second_loss_during_the_reconnect(transport: &str, gap: Duration) -> Duration {
+    use std::io::{BufRead, BufReader};
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.args(["--elastic", "--nproc", "8", "--grace", "1", "--"])
+        .arg(example())
+        .args(["--steps", "300", "--step-ms", "10"])
+        .env("TUTTI_TRANSPORT", transport)
+        .env_remove("TUTTI_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("tutti-run");
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, String)>();
+    let out = child.stdout.take().expect("stdout");
+    let pump = std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send((Instant::now(), l));
+        }
+    });
+    let mut lines: Vec<(Instant, String)> = Vec::new();
+    let start = Instant::now();
+    // Training on all eight: rank 0 past step 20.
+    while !lines.iter().any(|(_, l)| l.starts_with("[0] STEP 20 ")) {
+        assert!(start.elapsed() < Duration::from_secs(120), "never trained:\n{lines:?}");
+        if let Ok(x) = rx.recv_timeout(Duration::from_millis(50)) {
+            lines.push(x);
+        }
+    }
+    let kids = children_of(child.id());
+    assert_eq!(kids.len(), 8, "{kids:?}");
+    // SAFETY: signalling processes this test's launcher started.
+    unsafe { libc::kill(kids[3] as i32, libc::SIGKILL) };
+    let killed = Instant::now();
+    std::thread::sleep(gap);
+    // SAFETY: as above.
+    unsafe { libc::kill(kids[6] as i32, libc::SIGKILL) };
+    while matches!(child.try_wait(), Ok(None)) {
+        assert!(killed.elapsed() < Duration::from_secs(120), "tutti-run --elastic hung");
+        while let Ok(x) = rx.try_recv() {
+            lines.push(x);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = pump.join();
+    lines.extend(rx.try_iter());
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    let text: Vec<&str> = lines.iter().map(|(_, l)| l.as_str()).collect();
+    let all = text.join("\n");
+    assert_eq!(child.wait().ok().and_then(|s| s.code()), Some(0), "{err}\n{all}");
+    let done: Vec<&str> =
+        text.iter().filter_map(|l| l.split_once("DONE ").map(|(_, d)| d)).collect();
+    assert_eq!(done.len(), 6, "six survivors should finish:\n{err}\n{all}");
+    assert!(done.windows(2).all(|w| w[0] == w[1]), "the survivors' weights differ: {done:?}");
+    let schedule = done[0].split(" schedule ").nth(1).expect("a schedule");
+    let replay = Command::new(example()).args(["--schedule", schedule]).output().expect("replay");
+    assert_eq!(
+        String::from_utf8_lossy(&replay.stdout).trim(),
+        format!("DONE {}", done[0]),
+        "the survivors differ from a replay of their schedule"
+    );
+    let first_on_six = lines
+        .iter()
+        .find(|(at, l)| *at > killed && l.contains(" world 6 ") && l.contains(" STEP "))
+        .map(|(at, _)| *at - killed)
+        .expect("a step on six ranks");
+    eprintln!("{transport}: second loss {gap:?} after the first; six ranks step again after {first_on_six:?}");
+    first_on_six
+}
+
+#[test]
+fn a_second_loss_during_the_reconnect_is_noticed_at_once() {
+    for transport in ["tcp", "quic"] {
+        let took = second_loss_during_the_reconnect(transport, Duration::from_millis(75));
+        // Waiting out the rebuild's connect deadline took 10 s; noticing the loss takes a
+        // fraction of a second. 5 s leaves room for a loaded machine.
+        assert!(
+            took < Duration::from_secs(5),
+            "{transport}: the survivors took {took:?} to go on after a second loss"
+        );
+    }
+}

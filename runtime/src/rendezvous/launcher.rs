@@ -17,6 +17,7 @@
 
 use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
 
 use tracing::{debug, warn};
 
@@ -125,11 +126,41 @@ fn read(fd: RawFd) {
     }
 }
 
+/// Every notice this process received: launch rank, how it ended, when the notice came. One
+/// line per process that ended (the launcher writes one each), so it stays small.
+static ENDED: Mutex<Vec<(usize, String, Instant)>> = Mutex::new(Vec::new());
+
+/// The first of `launch_ranks` (the members of a world being connected, by launch rank) that the
+/// launcher reported ended after `since`: its index in `launch_ranks` and how it ended. A notice
+/// from before `since` concerned an earlier process of that launch rank (a replacement has
+/// the same one), so it is not counted.
+pub(crate) fn ended_since(launch_ranks: &[usize], since: Instant) -> Option<(usize, String)> {
+    let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
+    ended.iter().filter(|(_, _, at)| *at > since).find_map(|(r, what, _)| {
+        let i = launch_ranks.iter().position(|l| l == r)?;
+        Some((i, format!("tutti-run reports that rank {r} {what}")))
+    })
+}
+
+/// All of `launch_ranks` that [`ended_since`] `since`, by index.
+pub(crate) fn all_ended_since(launch_ranks: &[usize], since: Instant) -> Vec<usize> {
+    let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut v: Vec<usize> = ended
+        .iter()
+        .filter(|(_, _, at)| *at > since)
+        .filter_map(|(r, _, _)| launch_ranks.iter().position(|l| l == r))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 fn apply(line: &[u8]) {
     let Some((rank, what)) = parse(line) else {
         warn!("ignoring a malformed launcher notice {:?}", String::from_utf8_lossy(line));
         return;
     };
+    ENDED.lock().unwrap_or_else(|p| p.into_inner()).push((rank, what.clone(), Instant::now()));
     let live: Vec<(Arc<dyn Transport>, Option<usize>)> = {
         let w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
         w.as_ref().map_or_else(Vec::new, |w| {

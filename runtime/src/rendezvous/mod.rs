@@ -15,15 +15,14 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::auth::{self, JobKey};
+use crate::connect::Purpose;
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::membership::Membership;
 use crate::store::{FileStore, SignedStore, Store, StoreServer, TcpStore, TorchStore};
-use crate::transport::tcp::{JobIdentity, TcpTransport};
-use crate::transport::LinkConfig;
-use crate::transport::QuicConfig;
 
 pub mod env;
 pub mod ifaddr;
@@ -31,202 +30,8 @@ pub mod launcher;
 pub mod secret;
 pub mod slurm;
 
+pub use crate::options::{Options, TransportKind};
 pub use env::{EnvInfo, Launcher, StoreSpec};
-
-/// Which transport connects the ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum TransportKind {
-    /// TCP with HMAC-authenticated connections (no encryption).
-    Tcp,
-    /// QUIC: TLS 1.3 with pinned per-rank certificates. Needs the `quic` cargo feature.
-    Quic,
-}
-
-/// Options for [`init`]; [`Options::from_env`] reads the `TUTTI_*` variables.
-#[derive(Clone)]
-pub struct Options {
-    /// Job secret (`TUTTI_TOKEN`, or read from `TUTTI_TOKEN_FILE`), at least 16 characters.
-    /// Default: none; then a single-host job (store on a loopback address, or a file store)
-    /// makes one and keeps it in a file only this user can read, and a job whose store is
-    /// reachable from other hosts refuses to start unless `insecure` is set.
-    pub token: Option<String>,
-    /// `TUTTI_INSECURE=1`: let a job without a secret whose store is reachable from other hosts
-    /// start, with rank 0 handing a fresh secret out through the store. Hazard: anyone who can
-    /// reach the store can then read it and join the job. Logged at warn on every rank.
-    pub insecure: bool,
-    /// Interface filter (`TUTTI_SOCKET_IFNAME`, NCCL syntax). Default: the route to the master.
-    pub ifname: Option<ifaddr::IfSpec>,
-    /// Per-operation timeout (`TUTTI_TIMEOUT`, seconds). Default 30 s.
-    pub timeout: Duration,
-    /// Transport (`TUTTI_TRANSPORT`: `tcp` or `quic`). Default `tcp`.
-    pub transport: TransportKind,
-    /// Settings of both transports (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
-    /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`,
-    /// `TUTTI_TCP_CONGESTION`).
-    pub link: LinkConfig,
-    /// QUIC-only settings (`TUTTI_QUIC_MTU`, `TUTTI_QUIC_GSO`).
-    pub quic: QuicConfig,
-}
-
-impl Default for Options {
-    fn default() -> Options {
-        Options {
-            token: None,
-            insecure: false,
-            ifname: None,
-            timeout: crate::group::DEFAULT_TIMEOUT,
-            transport: TransportKind::Tcp,
-            link: LinkConfig::default(),
-            quic: QuicConfig::default(),
-        }
-    }
-}
-
-/// Longest duration a setting may ask for (about 31 years): deadlines computed from it never
-/// overflow.
-const MAX_SECS: f64 = 1e9;
-
-fn secs(name: &str, v: &str) -> Result<Duration> {
-    let f: f64 = v
-        .trim()
-        .parse()
-        .ok()
-        .filter(|f: &f64| f.is_finite() && *f > 0.0 && *f <= MAX_SECS)
-        .ok_or_else(|| {
-            Error::Config(format!(
-                "{name}={v:?} is not a number of seconds above 0 and at most {MAX_SECS:e}"
-            ))
-        })?;
-    Ok(Duration::from_secs_f64(f))
-}
-
-impl std::fmt::Debug for Options {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Options")
-            .field("token", &self.token.as_ref().map(|_| "(redacted)"))
-            .field("insecure", &self.insecure)
-            .field("ifname", &self.ifname)
-            .field("timeout", &self.timeout)
-            .field("transport", &self.transport)
-            .field("link", &self.link)
-            .field("quic", &self.quic)
-            .finish()
-    }
-}
-
-impl Options {
-    /// Read `TUTTI_TOKEN` or `TUTTI_TOKEN_FILE`, `TUTTI_INSECURE`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
-    /// `TUTTI_TRANSPORT`, `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER`, `TUTTI_QUIC_MTU`,
-    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES` and `TUTTI_TCP_CONGESTION`; an
-    /// empty variable counts as unset.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming a malformed variable.
-    pub fn from_env() -> Result<Options> {
-        Options::from_lookup(|k| std::env::var(k).ok())
-    }
-
-    /// [`Options::from_env`] with the variables looked up by `lookup`.
-    ///
-    /// # Errors
-    /// As [`Options::from_env`].
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Options> {
-        let mut o = Options::default();
-        let get = |k: &str| lookup(k).filter(|v| !v.is_empty());
-        o.token = match (get("TUTTI_TOKEN"), get("TUTTI_TOKEN_FILE")) {
-            (Some(_), Some(_)) => {
-                return Err(Error::Config(
-                    "both TUTTI_TOKEN and TUTTI_TOKEN_FILE are set: set one".into(),
-                ))
-            }
-            (Some(t), None) => {
-                secret::check_token(&t, "TUTTI_TOKEN")?;
-                Some(t)
-            }
-            (None, Some(f)) => Some(secret::read_token_file(std::path::Path::new(&f))?),
-            (None, None) => None,
-        };
-        if let Some(v) = get("TUTTI_INSECURE") {
-            o.insecure = match v.trim() {
-                "1" => true,
-                "0" => false,
-                _ => return Err(Error::Config(format!("TUTTI_INSECURE={v:?}: expected 1 or 0"))),
-            };
-        }
-        if let Some(v) = get("TUTTI_SOCKET_IFNAME") {
-            o.ifname = Some(v.parse()?);
-        }
-        if let Some(v) = get("TUTTI_TIMEOUT") {
-            o.timeout = secs("TUTTI_TIMEOUT", &v)?;
-        }
-        if let Some(v) = get("TUTTI_CONNECT_TIMEOUT") {
-            o.link.connect_timeout = secs("TUTTI_CONNECT_TIMEOUT", &v)?;
-        }
-        if let Some(v) = get("TUTTI_TRANSPORT") {
-            o.transport = match v.trim() {
-                "tcp" => TransportKind::Tcp,
-                "quic" => TransportKind::Quic,
-                other => {
-                    return Err(Error::Config(format!(
-                        "TUTTI_TRANSPORT={other:?}: expected tcp or quic"
-                    )))
-                }
-            };
-        }
-        if let Some(v) = get("TUTTI_KEEPALIVE") {
-            o.link.keepalive_interval = secs("TUTTI_KEEPALIVE", &v)?;
-        }
-        if let Some(v) = get("TUTTI_DEAD_AFTER") {
-            o.link.dead_after = secs("TUTTI_DEAD_AFTER", &v)?;
-        }
-        if let Some(v) = get("TUTTI_QUIC_MTU") {
-            o.quic.loopback_mtu = v
-                .trim()
-                .parse::<u16>()
-                .ok()
-                .filter(|m| (QuicConfig::MIN_MTU..=QuicConfig::MAX_MTU).contains(m))
-                .ok_or_else(|| {
-                    Error::Config(format!(
-                        "TUTTI_QUIC_MTU={v:?} is not a datagram size from {} to {} bytes",
-                        QuicConfig::MIN_MTU,
-                        QuicConfig::MAX_MTU
-                    ))
-                })?;
-        }
-        if let Some(v) = get("TUTTI_QUIC_GSO") {
-            o.quic.gso = match v.trim() {
-                "1" => true,
-                "0" => false,
-                _ => return Err(Error::Config(format!("TUTTI_QUIC_GSO={v:?}: expected 1 or 0"))),
-            };
-        }
-        if let Some(v) = get("TUTTI_WINDOW_BYTES") {
-            o.link.window = v.trim().parse::<u64>().ok().filter(|w| *w > 0).ok_or_else(|| {
-                Error::Config(format!("TUTTI_WINDOW_BYTES={v:?} is not a positive byte count"))
-            })?;
-        }
-        if let Some(v) = get("TUTTI_TCP_CONGESTION") {
-            let v = v.trim();
-            if v.is_empty()
-                || v.len() > 15
-                || !v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-            {
-                return Err(Error::Config(format!(
-                    "TUTTI_TCP_CONGESTION={v:?} is not an algorithm name (e.g. cubic, reno, bbr) or `system`"
-                )));
-            }
-            o.link.tcp_congestion = (v != "system").then(|| v.to_string());
-        }
-        if let Some(v) = get("TUTTI_SPIN_US") {
-            let us: u64 = v.trim().parse().map_err(|_| {
-                Error::Config(format!("TUTTI_SPIN_US={v:?} is not a whole number of µs"))
-            })?;
-            o.link.spin = Duration::from_micros(us);
-        }
-        Ok(o)
-    }
-}
 
 /// True when a launcher (tutti-run, torchrun, srun, mpirun) set the rank environment: a
 /// program then takes its one rank from [`init_from_env`] instead of starting ranks itself.
@@ -514,18 +319,14 @@ fn connect(
         store.set("tutti/job", &job.to_le_bytes())?;
         (token, job)
     } else {
-        let job = job_id(store.as_ref(), rank, deadline)?;
+        let job = crate::connect::job_id(store.as_ref(), rank, deadline)?;
         let token = match token {
             Some(t) => t,
             None => String::from_utf8_lossy(&store.get("tutti/token", deadline)?).into_owned(),
         };
         (token, job)
     };
-    let t = open_transport(rank, world, job, &token, store.as_ref(), master_ip, opts)?;
-    if let Some(fd) = launcher_fd {
-        launcher::watch(fd, &t, (0..world).collect());
-    }
-    let rejoin = crate::elastic::Rejoin {
+    let membership = Membership {
         store,
         token,
         job,
@@ -536,57 +337,16 @@ fn connect(
         launcher_fd,
         joined: false,
         grows: Default::default(),
+        formed: Instant::now(),
     };
-    let g = Group::with_parts(t, keep, Some(Arc::new(rejoin)));
-    g.set_timeout(opts.timeout);
-    Ok(g)
-}
-
-/// The job id rank 0 published in `store`, waiting up to `deadline` for it.
-pub(crate) fn job_id(store: &dyn Store, rank: usize, deadline: Duration) -> Result<u64> {
-    let raw = crate::store::get_or(store, "tutti/job", deadline, || Error::Rendezvous {
-        rank,
-        detail: format!("rank 0 did not publish the job id within {deadline:?}"),
-    })?;
-    <[u8; 8]>::try_from(raw.as_slice())
-        .map(u64::from_le_bytes)
-        .map_err(|_| Error::Rendezvous { rank, detail: "malformed job id in the store".into() })
-}
-
-/// Connect this rank's transport of kind `opts.transport` to the `world` ranks of `job`
-/// through `store`.
-pub(crate) fn open_transport(
-    rank: usize,
-    world: usize,
-    job: u64,
-    token: &str,
-    store: &dyn Store,
-    master_ip: Option<IpAddr>,
-    opts: &Options,
-) -> Result<Arc<dyn crate::transport::Transport>> {
-    let mut tcp = opts.link.clone();
-    tcp.bind_ip = ifaddr::select(opts.ifname.as_ref(), master_ip)?;
-    let id = JobIdentity { rank, world, job, key: JobKey::from_token(token) };
-    Ok(match opts.transport {
-        TransportKind::Tcp => {
-            let t = TcpTransport::connect(&id, store, &tcp)?;
-            info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (tcp)");
-            Arc::new(t)
-        }
-        #[cfg(feature = "quic")]
-        TransportKind::Quic => {
-            let t = crate::transport::quic::QuicTransport::connect(&id, store, &tcp, &opts.quic)?;
-            info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (quic)");
-            Arc::new(t)
-        }
-        #[cfg(not(feature = "quic"))]
-        TransportKind::Quic => return Err(Error::NotCompiledWith("quic")),
-    })
+    let ids = membership.ids.clone();
+    crate::connect::connect(&membership, rank, 0, ids, keep, false, Purpose::StartUp)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::QuicConfig;
 
     fn with(vars: &[(&str, &str)]) -> Result<Options> {
         let vars: Vec<(String, String)> =

@@ -7,6 +7,7 @@
 //! - `client.rs`: [`TcpStore`];
 //! - `file.rs`: [`FileStore`].
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -77,7 +78,7 @@ pub trait Store: Send + Sync {
 }
 
 /// A shared store is a store.
-impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+impl<S: Store + ?Sized> Store for Arc<S> {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         (**self).set(key, value)
     }
@@ -236,6 +237,42 @@ pub(crate) fn forged(rank: usize, peer: usize, what: &str) -> Error {
              answer was forged or altered on its way (or rank {peer} runs with another secret); \
              nothing was sent to it"
         ),
+    }
+}
+
+/// A store seen under a key prefix (one epoch's rendezvous keys apart from another's).
+pub(crate) struct PrefixStore {
+    inner: Arc<dyn Store>,
+    prefix: String,
+}
+
+impl PrefixStore {
+    /// `inner`'s keys that start with `prefix`, seen without it.
+    pub(crate) fn new(inner: Arc<dyn Store>, prefix: String) -> PrefixStore {
+        PrefixStore { inner, prefix }
+    }
+}
+
+impl Store for PrefixStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(&format!("{}{key}", self.prefix), value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.inner.get(&format!("{}{key}", self.prefix), timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(&format!("{}{key}", self.prefix), delta)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(&format!("{}{key}", self.prefix))
+    }
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        let keys: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.inner.check(&refs)
+    }
+    fn describe(&self) -> String {
+        format!("{} under {}", self.inner.describe(), self.prefix)
     }
 }
 

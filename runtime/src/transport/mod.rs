@@ -127,6 +127,77 @@ pub(crate) mod queue;
 pub mod quic;
 pub mod tcp;
 
+/// What a connect in progress asks between its waits: whether a rank it waits for is already
+/// known to have ended (the launcher said so), so a rebuild fails at once, naming it, instead of
+/// waiting out its deadline for a process that will never come. [`Watch::NONE`] waits until the
+/// deadline (start-up, where a peer may only be slow to start).
+#[derive(Clone, Copy)]
+pub(crate) struct Watch<'a> {
+    gone: Option<&'a (dyn Fn() -> Option<(usize, String)> + Sync)>,
+}
+
+impl<'a> Watch<'a> {
+    /// No watch: every wait lasts until its deadline.
+    pub(crate) const NONE: Watch<'static> = Watch { gone: None };
+    /// How often a watched wait looks again.
+    const SLICE: Duration = Duration::from_millis(20);
+
+    /// Watch with `gone`, which names a rank of the world being connected that has ended, and
+    /// how.
+    pub(crate) fn new(gone: &'a (dyn Fn() -> Option<(usize, String)> + Sync)) -> Watch<'a> {
+        Watch { gone: Some(gone) }
+    }
+
+    /// [`Error::Rendezvous`] naming the rank that ended, if one did.
+    pub(crate) fn check(&self, rank: usize) -> Result<()> {
+        match self.gone.and_then(|f| f()) {
+            None => Ok(()),
+            Some((peer, what)) => Err(Error::Rendezvous {
+                rank,
+                detail: format!(
+                    "rank {peer} of the world being connected is gone ({what}); connecting \
+                     without it is for the survivors to agree on"
+                ),
+            }),
+        }
+    }
+
+    /// Whether this watch looks at all ([`Watch::NONE`] does not).
+    pub(crate) fn is_watching(&self) -> bool {
+        self.gone.is_some()
+    }
+
+    /// How long one wait may last before the watch looks again: all of `left` without a watch.
+    pub(crate) fn slice(&self, left: Duration) -> Duration {
+        if self.gone.is_some() {
+            left.min(Self::SLICE)
+        } else {
+            left
+        }
+    }
+
+    /// `store`'s value at `key`, waiting until `deadline` (then `on_timeout`'s error), and
+    /// looking between slices of the wait.
+    pub(crate) fn get(
+        &self,
+        store: &dyn crate::store::Store,
+        rank: usize,
+        key: &str,
+        deadline: Instant,
+        on_timeout: impl FnOnce() -> Error,
+    ) -> Result<Vec<u8>> {
+        loop {
+            self.check(rank)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match store.get(key, self.slice(left)) {
+                Err(Error::StoreTimeout { .. }) if Instant::now() < deadline => continue,
+                Err(Error::StoreTimeout { .. }) => return Err(on_timeout()),
+                other => return other,
+            }
+        }
+    }
+}
+
 /// Identifies a posted operation on one transport.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct OpId(pub u64);

@@ -24,6 +24,7 @@ use tracing::{debug, warn};
 
 use crate::transport::core::{Core, LinkFail};
 use crate::transport::engine::{Driver, Engine, Mode};
+use crate::transport::Watch;
 use crate::wire::HEADER_LEN;
 
 /// Datagrams read per pass before the connections are served.
@@ -802,18 +803,23 @@ pub(crate) fn connect_to(
     s.driver.connect_to(&mut s.core, peer, cfg, addr)
 }
 
-/// Drive start-up until every peer is connected and identified, or `deadline`. Afterwards new
-/// connection attempts are refused.
-pub(crate) fn establish(engine: &Engine<QuicDriver>, deadline: Instant) -> Result<(), String> {
+/// Drive start-up until every peer is connected and identified, or `deadline`, or `watch`
+/// says a peer has ended (`Err(Err(…))`). Afterwards new connection attempts are refused.
+pub(crate) fn establish(
+    engine: &Engine<QuicDriver>,
+    deadline: Instant,
+    watch: Watch<'_>,
+) -> Result<(), Result<String, crate::error::Error>> {
     let (rank, world) = (engine.rank(), engine.world());
     let mut fds = Vec::new();
     loop {
+        watch.check(rank).map_err(Err)?;
         let (missing, until) = {
             let mut guard = engine.lock();
             let s = &mut *guard;
             s.driver.drive(&mut s.core, Instant::now());
             if let Some(e) = s.core.poisoned() {
-                return Err(e.to_string());
+                return Err(Ok(e.to_string()));
             }
             let missing: Vec<usize> = (0..world)
                 .filter(|&j| j != rank)
@@ -824,10 +830,14 @@ pub(crate) fn establish(engine: &Engine<QuicDriver>, deadline: Instant) -> Resul
                 return Ok(());
             }
             engine.poll_set(s, Mode::Wait, &mut fds);
-            (missing, s.driver.next_timer().map_or(deadline, |t| t.min(deadline)))
+            let look =
+                Instant::now() + watch.slice(deadline.saturating_duration_since(Instant::now()));
+            (missing, s.driver.next_timer().map_or(look, |t| t.min(look)))
         };
         if Instant::now() >= deadline {
-            return Err(format!("ranks {missing:?} did not complete a QUIC connection in time"));
+            return Err(Ok(format!(
+                "ranks {missing:?} did not complete a QUIC connection in time"
+            )));
         }
         engine.sleep(&mut fds, until);
     }

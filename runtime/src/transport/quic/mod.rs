@@ -29,6 +29,7 @@ mod tls;
 
 use crate::transport::core::{Core, CoreConfig};
 use crate::transport::engine::{Engine, Running, Wired};
+use crate::transport::Watch;
 use driver::QuicDriver;
 
 /// Store key under which rank `r` publishes `addr|fingerprint`.
@@ -180,7 +181,7 @@ impl QuicTransport {
         cfg: &LinkConfig,
         quic: &QuicConfig,
     ) -> Result<QuicTransport> {
-        Self::connect_as(id, store, cfg, quic, None)
+        Self::connect_as(id, store, cfg, quic, None, Watch::NONE)
     }
 
     /// [`QuicTransport::connect`], with `loopback` overriding whether the path is treated as
@@ -192,6 +193,7 @@ impl QuicTransport {
         cfg: &LinkConfig,
         quic: &QuicConfig,
         loopback: Option<bool>,
+        watch: Watch<'_>,
     ) -> Result<QuicTransport> {
         let (rank, world) = (id.rank, id.world);
         let start = Instant::now();
@@ -211,8 +213,7 @@ impl QuicTransport {
         // Everyone's address and fingerprint, from the authenticated store.
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
         for (j, slot) in peers.iter_mut().enumerate().filter(|(j, _)| *j != rank) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let raw = crate::store::get_or(store, &quic_key(j), left, || {
+            let raw = watch.get(store, rank, &quic_key(j), deadline, || {
                 rv(format!(
                     "rank {j} did not publish its QUIC address within {:?}",
                     cfg.connect_timeout
@@ -277,11 +278,12 @@ impl QuicTransport {
             cc.transport_config(transport.clone());
             driver::connect_to(&engine, j, cc, *addr).map_err(rv)?;
         }
-        driver::establish(&engine, deadline).map_err(|e| {
-            rv(format!(
+        driver::establish(&engine, deadline, watch).map_err(|e| match e {
+            Ok(e) => rv(format!(
                 "{e} (within {:?}; a refused certificate also ends here)",
                 cfg.connect_timeout
-            ))
+            )),
+            Err(gone) => gone,
         })?;
         let wire = Running::start(engine, format!("tutti-quic-{rank}"))
             .map_err(|e| Error::io(rank, "spawning the QUIC driver thread", &e))?;
@@ -344,7 +346,14 @@ mod tests {
         // MTU discovery), forced on 127.0.0.1: messages from 0 bytes to 8 MiB both ways at once,
         // content checked byte for byte.
         let (ts, _server) = crate::testing::job(2, &LinkConfig::default(), |id, store, cfg| {
-            QuicTransport::connect_as(id, store, cfg, &QuicConfig::default(), Some(false))
+            QuicTransport::connect_as(
+                id,
+                store,
+                cfg,
+                &QuicConfig::default(),
+                Some(false),
+                Watch::NONE,
+            )
         })
         .unwrap();
         let sizes = [0usize, 1, 1199, 1472, 60_000, 65_536, 1 << 20, 8 << 20];

@@ -18,7 +18,6 @@ use tracing::{debug, info, warn};
 
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
-use crate::store::get_or;
 use crate::store::Store;
 
 mod driver;
@@ -26,7 +25,7 @@ pub(crate) mod handshake;
 
 use crate::transport::core::{Core, CoreConfig};
 use crate::transport::engine::{Engine, Running, Wired};
-use crate::transport::LinkConfig;
+use crate::transport::{LinkConfig, Watch};
 use crate::util::Slot;
 use driver::TcpDriver;
 
@@ -76,6 +75,17 @@ impl TcpTransport {
     /// that did not publish an address or connect within `connect_timeout`, or that refused us
     /// (different job, world size, token, or a duplicate rank).
     pub fn connect(id: &JobIdentity, store: &dyn Store, cfg: &LinkConfig) -> Result<TcpTransport> {
+        Self::connect_watched(id, store, cfg, Watch::NONE)
+    }
+
+    /// [`TcpTransport::connect`], failing at once when `watch` says a peer has ended or a peer's
+    /// published address refuses connections (its process is gone).
+    pub(crate) fn connect_watched(
+        id: &JobIdentity,
+        store: &dyn Store,
+        cfg: &LinkConfig,
+        watch: Watch<'_>,
+    ) -> Result<TcpTransport> {
         let (rank, world) = (id.rank, id.world);
         let start = Instant::now();
         let deadline = start + cfg.connect_timeout;
@@ -109,8 +119,7 @@ impl TcpTransport {
             // Learn every lower rank's address first, so the store is not needed once connected.
             let mut addrs = Vec::with_capacity(rank);
             for j in 0..rank {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let raw = get_or(store, &addr_key(j), left, || Error::Rendezvous {
+                let raw = watch.get(store, rank, &addr_key(j), deadline, || Error::Rendezvous {
                     rank,
                     detail: format!(
                         "rank {j} did not publish its address within {:?}: it never started, \
@@ -128,17 +137,19 @@ impl TcpTransport {
                 addrs.push(addr);
             }
             for (j, addr) in addrs.into_iter().enumerate() {
-                streams[j] = Some(connect_one(id, j, addr, deadline, cfg)?);
+                streams[j] = Some(connect_one(id, j, addr, deadline, cfg, watch)?);
             }
             let higher = world - rank - 1;
             let mut got = 0;
             while got < higher {
+                watch.check(rank)?;
                 let left = deadline.saturating_duration_since(Instant::now());
-                match rx.recv_timeout(left) {
+                match rx.recv_timeout(watch.slice(left)) {
                     Ok((j, s)) => {
                         streams[j] = Some(s);
                         got += 1;
                     }
+                    Err(_) if Instant::now() < deadline => {}
                     Err(_) => {
                         let missing: Vec<usize> =
                             (rank + 1..world).filter(|j| streams[*j].is_none()).collect();
@@ -198,16 +209,25 @@ impl TcpTransport {
     }
 }
 
+/// Refusals in a row after which a watched connect takes a peer's published address for a
+/// closed listener (with the backoff, about 30 ms of them).
+const REFUSED_GONE: u32 = 4;
+
 fn connect_one(
     id: &JobIdentity,
     j: usize,
     addr: SocketAddr,
     deadline: Instant,
     cfg: &LinkConfig,
+    watch: Watch<'_>,
 ) -> Result<TcpStream> {
     let rank = id.rank;
     let mut backoff = Duration::from_millis(2);
+    // Refusals in a row at an address the peer published after it was listening: its listener
+    // is closed, so (when watched) the peer has ended.
+    let mut refused = 0;
     loop {
+        watch.check(rank)?;
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(Error::Rendezvous {
@@ -219,6 +239,17 @@ fn connect_one(
         let mut s = match attempt {
             Ok(s) => s,
             Err(e) => {
+                refused =
+                    if e.kind() == std::io::ErrorKind::ConnectionRefused { refused + 1 } else { 0 };
+                if refused >= REFUSED_GONE && watch.is_watching() {
+                    return Err(Error::Rendezvous {
+                        rank,
+                        detail: format!(
+                            "rank {j} refuses connections at the address it published ({addr}): \
+                             its process has ended"
+                        ),
+                    });
+                }
                 debug!(rank, peer = j, %addr, "connect failed: {e}; retrying");
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_millis(100));
