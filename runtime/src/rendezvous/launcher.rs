@@ -239,6 +239,26 @@ mod tests {
         assert_eq!(json_string("a\"b\\c\nd\u{1}é"), "\"a\\\"b\\\\c\\nd\\u0001é\"");
     }
 
+    /// A notice counts for a membership formed before it, never for one formed after it (a
+    /// replacement has its predecessor's launch rank), and names the member by its index in
+    /// the world being connected.
+    #[test]
+    fn a_notice_counts_only_for_memberships_formed_before_it() {
+        // Launch ranks far above any other test's, so the process-wide list is ours alone.
+        let before = Instant::now();
+        apply(b"dead 9005 was killed by signal 9 (SIGKILL)");
+        let after = Instant::now();
+        let members = [9001, 9003, 9005, 9007];
+        let (i, what) = ended_since(&members, before).expect("reported");
+        assert_eq!(i, 2);
+        assert!(what.contains("rank 9005") && what.contains("SIGKILL"), "{what}");
+        assert_eq!(ended_since(&members, after), None);
+        assert_eq!(ended_since(&[9001, 9003], before), None);
+        apply(b"dead 9001 exited with status 3");
+        assert_eq!(all_ended_since(&members, before), vec![0, 2]);
+        assert_eq!(all_ended_since(&members, after), vec![0]);
+    }
+
     #[test]
     fn notices_round_trip_and_stay_one_bounded_line() {
         let l = notice(2, "was killed by signal 9 (SIGKILL)");

@@ -429,6 +429,70 @@ mod refused {
         }
         assert!(start.elapsed() < Duration::from_secs(15));
     }
+
+    /// A watched connect (a rebuild) fails as soon as the watch reports a member gone, naming
+    /// it, long before its connect deadline; and a member whose published address refuses
+    /// connections is taken for ended. Unwatched, both wait for the deadline.
+    #[test]
+    fn a_watched_connect_fails_at_once_on_a_gone_or_refusing_member() {
+        use crate::store::{Store, StoreServer, TcpStore};
+        use crate::transport::Watch;
+        let key = JobKey::from_token("k");
+        let server =
+            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
+                .unwrap();
+        let cfg = LinkConfig { connect_timeout: Duration::from_secs(30), ..LinkConfig::default() };
+        // Rank 2 never comes; after 200 ms the watch says it is gone.
+        let start = Instant::now();
+        let gone = || {
+            (start.elapsed() > Duration::from_millis(200)).then(|| (2, "was killed".to_string()))
+        };
+        let errs: Vec<(String, Duration)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (key, cfg, addr, gone) = (key.clone(), cfg.clone(), server.addr(), &gone);
+                    s.spawn(move || {
+                        let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
+                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 2, key };
+                        let e = TcpTransport::connect_watched(
+                            &id,
+                            &store as &dyn Store,
+                            &cfg,
+                            Watch::new(gone),
+                        )
+                        .unwrap_err()
+                        .to_string();
+                        (e, start.elapsed())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (e, at) in &errs {
+            assert!(e.contains("rank 2 of the world being connected is gone"), "{e}");
+            assert!(*at < Duration::from_secs(5), "took {at:?}: {e}");
+        }
+        // Rank 0 published an address whose listener is closed now (its process ended): the
+        // watched rank 1 says so at once.
+        let store = TcpStore::connect(server.addr(), 1, 3, Some(&key), T).unwrap();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        crate::store::set_signed(
+            &store,
+            &key,
+            3,
+            &crate::transport::tcp::addr_key(0),
+            closed.to_string().as_bytes(),
+        )
+        .unwrap();
+        let id = crate::transport::tcp::JobIdentity { rank: 1, world: 2, job: 3, key: key.clone() };
+        let never = || None;
+        let start = Instant::now();
+        let e = TcpTransport::connect_watched(&id, &store as &dyn Store, &cfg, Watch::new(&never))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 0 refuses connections") && e.contains("ended"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    }
 }
 
 transport_test!(probe_sees_arrived_messages_and_recv_any_takes_them, |kind| {
