@@ -182,6 +182,82 @@ impl Decision {
     }
 }
 
+/// One round of the agreement as its proposer sees it, without any I/O: the membership that
+/// failed, when the round started, how long the proposer waits for a member nobody suspects,
+/// and when the agreement gives up. [`Round::step`] is the whole decision, a function of what
+/// the proposer has read (check-ins, members the store says have no process) and the time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Round<'a> {
+    /// The membership that failed (stable ids in rank order).
+    pub(crate) ids: &'a [u64],
+    pub(crate) started: Instant,
+    pub(crate) wait: Duration,
+    pub(crate) deadline: Instant,
+}
+
+/// What the proposer does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Read again later. `all_in_at`: since when every member nobody suspects has checked in
+    /// (pass it back to the next step), if they have.
+    Wait { all_in_at: Option<Instant> },
+    /// Close the round with this outcome.
+    Close(Outcome),
+}
+
+/// How a round closes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// A strict majority of the membership checked in: these members (stable id and note, in
+    /// the old order) go on.
+    Go(Vec<(u64, Vec<u8>)>),
+    /// Only these checked in, not a strict majority: nobody goes on.
+    Stop(Vec<u64>),
+}
+
+impl Round<'_> {
+    /// The decision at `now`, given each member's check-in (`reports`, in `ids` order),
+    /// the members the store says have no process (`absent`), and the `all_in_at` the last
+    /// step returned. The round closes when everyone checked in; or [`SUSPECT_GRACE`] after
+    /// every member nobody suspects did (a suspected member alive after all may still come);
+    /// or when the proposer's `wait` or the agreement's deadline is over.
+    pub(crate) fn step(
+        &self,
+        reports: &[Option<Report>],
+        absent: &[u64],
+        all_in_at: Option<Instant>,
+        now: Instant,
+    ) -> Step {
+        let suspected = |id: &u64| {
+            absent.contains(id) || reports.iter().flatten().any(|r| r.suspects.contains(id))
+        };
+        let waiting = self.ids.iter().zip(reports).any(|(id, r)| r.is_none() && !suspected(id));
+        let everyone = reports.iter().all(Option::is_some);
+        let all_in_at = if waiting { None } else { all_in_at.or(Some(now)) };
+        let grace_over = all_in_at.is_some_and(|t| now >= t + SUSPECT_GRACE);
+        if everyone || grace_over || now >= self.started + self.wait || now >= self.deadline {
+            Step::Close(self.outcome(reports))
+        } else {
+            Step::Wait { all_in_at }
+        }
+    }
+
+    /// The members that checked in, and whether they are a strict majority.
+    fn outcome(&self, reports: &[Option<Report>]) -> Outcome {
+        let members: Vec<(u64, Vec<u8>)> = self
+            .ids
+            .iter()
+            .zip(reports)
+            .filter_map(|(id, r)| r.as_ref().map(|r| (*id, r.note.clone())))
+            .collect();
+        if members.len() * 2 > self.ids.len() {
+            Outcome::Go(members)
+        } else {
+            Outcome::Stop(members.into_iter().map(|(id, _)| id).collect())
+        }
+    }
+}
+
 /// Who takes part in one agreement, and how long it may take.
 pub(crate) struct Agreement<'a> {
     pub(crate) store: &'a dyn Store,
@@ -258,6 +334,8 @@ impl Agreement<'_> {
     fn propose(&self, k: u64, refresh: &mut dyn FnMut() -> Result<()>) -> Result<Decision> {
         let beat = self.key(&format!("beat/{k}"));
         let start = Instant::now();
+        let round =
+            Round { ids: self.ids, started: start, wait: self.wait, deadline: self.deadline };
         let mut last_beat = start;
         let mut all_in_at: Option<Instant> = None;
         let mut reports: Vec<Option<Report>> = vec![None; self.ids.len()];
@@ -287,11 +365,11 @@ impl Agreement<'_> {
                     }
                 }
             }
-            let mut suspected: Vec<u64> =
+            let suspected_by_reports: Vec<u64> =
                 reports.iter().flatten().flat_map(|r| r.suspects.iter().copied()).collect();
             if presence && again {
                 for (id, r) in self.ids.iter().zip(&reports) {
-                    if r.is_none() && !suspected.contains(id) && !absent.contains(id) {
+                    if r.is_none() && !suspected_by_reports.contains(id) && !absent.contains(id) {
                         let key = format!("{}{id}", crate::store::PRESENT);
                         if self.store.add(&key, 0)? <= 0 {
                             absent.push(*id);
@@ -299,27 +377,17 @@ impl Agreement<'_> {
                     }
                 }
             }
-            suspected.extend(&absent);
-            let waiting =
-                self.ids.iter().zip(&reports).any(|(id, r)| r.is_none() && !suspected.contains(id));
-            let everyone = reports.iter().all(Option::is_some);
-            let now = Instant::now();
-            if !waiting && all_in_at.is_none() {
-                all_in_at = Some(now);
-            }
-            let grace_over = all_in_at.is_some_and(|t| now >= t + SUSPECT_GRACE);
-            if everyone || grace_over || now >= start + self.wait || now >= self.deadline {
-                break;
+            match round.step(&reports, &absent, all_in_at, Instant::now()) {
+                Step::Wait { all_in_at: a } => all_in_at = a,
+                Step::Close(outcome) => {
+                    return Ok(match outcome {
+                        Outcome::Go(members) => Decision::Go(new_epoch(self.store)?, members),
+                        Outcome::Stop(seen) => Decision::Stop(seen),
+                    })
+                }
             }
             std::thread::sleep(POLL);
         }
-        let members: Vec<(u64, Vec<u8>)> =
-            self.ids.iter().zip(reports).filter_map(|(id, r)| r.map(|r| (*id, r.note))).collect();
-        Ok(if members.len() * 2 > self.ids.len() {
-            Decision::Go(new_epoch(self.store)?, members)
-        } else {
-            Decision::Stop(members.into_iter().map(|(id, _)| id).collect())
-        })
     }
 
     /// Wait for round `k`'s proposer; `None` when the round is void.
@@ -771,6 +839,122 @@ mod tests {
         }
         assert_eq!(Decision::decode(&[0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]), None);
         assert_eq!(Decision::decode(&[7]), None);
+    }
+
+    /// The decision alone, on a made-up clock: no store, no threads, no sleeps.
+    mod decision {
+        use super::*;
+
+        fn report(suspects: &[u64]) -> Option<Report> {
+            Some(Report { suspects: suspects.to_vec(), note: vec![] })
+        }
+
+        fn go(ids: &[u64]) -> Step {
+            Step::Close(Outcome::Go(ids.iter().map(|id| (*id, vec![])).collect()))
+        }
+
+        const IDS: [u64; 5] = [10, 11, 12, 13, 14];
+
+        fn round(t0: Instant) -> Round<'static> {
+            Round {
+                ids: &IDS,
+                started: t0,
+                wait: Duration::from_secs(30),
+                deadline: t0 + Duration::from_secs(40),
+            }
+        }
+
+        #[test]
+        fn everyone_in_closes_at_once_in_the_old_order() {
+            let t0 = Instant::now();
+            let all: Vec<_> = IDS.iter().map(|_| report(&[])).collect();
+            assert_eq!(round(t0).step(&all, &[], None, t0), go(&IDS));
+        }
+
+        #[test]
+        fn a_member_nobody_suspects_is_waited_for_until_the_proposers_wait() {
+            let t0 = Instant::now();
+            let r = round(t0);
+            let mut in_ = vec![report(&[]); 5];
+            in_[2] = None;
+            assert_eq!(
+                r.step(&in_, &[], None, t0 + Duration::from_secs(29)),
+                Step::Wait { all_in_at: None }
+            );
+            assert_eq!(
+                r.step(&in_, &[], None, t0 + Duration::from_secs(30)),
+                go(&[10, 11, 13, 14])
+            );
+        }
+
+        #[test]
+        fn a_suspected_member_gets_the_grace_and_is_taken_if_it_comes() {
+            let t0 = Instant::now();
+            let r = round(t0);
+            // 13 is suspected by 10; the rest are in.
+            let mut in_ = vec![report(&[13]), report(&[]), report(&[]), None, report(&[])];
+            let at = t0 + Duration::from_millis(5);
+            let Step::Wait { all_in_at: Some(all_in) } = r.step(&in_, &[], None, at) else {
+                panic!("should wait out the grace")
+            };
+            assert_eq!(all_in, at);
+            let just_before = all_in + SUSPECT_GRACE - Duration::from_millis(1);
+            assert!(matches!(r.step(&in_, &[], Some(all_in), just_before), Step::Wait { .. }));
+            assert_eq!(
+                r.step(&in_, &[], Some(all_in), all_in + SUSPECT_GRACE),
+                go(&[10, 11, 12, 14])
+            );
+            // Alive after all (a broken link, not a dead process): it checks in in time.
+            in_[3] = report(&[]);
+            assert_eq!(r.step(&in_, &[], Some(all_in), just_before), go(&IDS));
+        }
+
+        #[test]
+        fn a_member_the_store_says_has_no_process_counts_as_suspected() {
+            let t0 = Instant::now();
+            let r = round(t0);
+            let in_ = vec![report(&[]), report(&[]), None, report(&[]), report(&[])];
+            assert_eq!(r.step(&in_, &[], None, t0), Step::Wait { all_in_at: None });
+            let Step::Wait { all_in_at } = r.step(&in_, &[12], None, t0) else { panic!() };
+            assert_eq!(all_in_at, Some(t0));
+            assert_eq!(r.step(&in_, &[12], all_in_at, t0 + SUSPECT_GRACE), go(&[10, 11, 13, 14]));
+        }
+
+        #[test]
+        fn without_a_strict_majority_nobody_goes_on() {
+            let t0 = Instant::now();
+            let r = Round { ids: &IDS[..4], ..round(t0) };
+            let in_ = vec![report(&[12, 13]), report(&[12, 13]), None, None];
+            let Step::Wait { all_in_at } = r.step(&in_, &[], None, t0) else { panic!() };
+            assert_eq!(
+                r.step(&in_, &[], all_in_at, t0 + SUSPECT_GRACE),
+                Step::Close(Outcome::Stop(vec![10, 11]))
+            );
+        }
+
+        #[test]
+        fn the_deadline_closes_the_round_whatever_is_missing() {
+            let t0 = Instant::now();
+            let r = Round { wait: Duration::from_secs(60), ..round(t0) };
+            let in_ = vec![report(&[]), report(&[]), report(&[]), None, None];
+            assert_eq!(r.step(&in_, &[], None, t0 + Duration::from_secs(40)), go(&[10, 11, 12]));
+        }
+
+        /// Notes travel with their members.
+        #[test]
+        fn notes_are_the_members_own() {
+            let t0 = Instant::now();
+            let ids = [1u64, 2, 3];
+            let r = Round { ids: &ids, ..round(t0) };
+            let in_: Vec<_> = ids
+                .iter()
+                .map(|id| Some(Report { suspects: vec![], note: vec![*id as u8; 2] }))
+                .collect();
+            assert_eq!(
+                r.step(&in_, &[], None, t0),
+                Step::Close(Outcome::Go(vec![(1, vec![1, 1]), (2, vec![2, 2]), (3, vec![3, 3])]))
+            );
+        }
     }
 
     fn agree_all(
