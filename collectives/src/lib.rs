@@ -24,6 +24,7 @@
 pub mod algo;
 pub(crate) mod coll;
 mod comm;
+mod config;
 pub mod device;
 pub mod dtype;
 mod error;
@@ -32,6 +33,7 @@ pub mod kernel;
 pub mod model;
 mod nonblocking;
 pub mod plan;
+mod probe;
 pub mod select;
 pub mod tensor;
 pub mod topo;
@@ -39,7 +41,8 @@ mod tune;
 pub mod verify;
 
 pub use coll::Coll;
-pub use comm::{Comm, Config, Stats, DEFAULT_CHUNK, DEFAULT_SEGMENT};
+pub use comm::{Comm, Stats};
+pub use config::{Config, DEFAULT_CHUNK, DEFAULT_SEGMENT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use nonblocking::{Lent, Pending, Scope};

@@ -294,12 +294,12 @@ impl Comm {
     /// this one's settings, forced algorithm and known topology and links.
     fn lane(&self, g: tutti_runtime::Group) -> Comm {
         let mut c = Comm::with_config(g, self.config().clone());
-        c.force = self.force;
-        if let Some(t) = self.topo.get() {
-            let _ = c.topo.set(t.clone());
+        c.sel.force = self.sel.force;
+        if let Some(t) = self.sel.topo.get() {
+            let _ = c.sel.topo.set(t.clone());
         }
-        if let Some(l) = self.link.get() {
-            let _ = c.link.set(*l);
+        if let Some(l) = self.sel.link.get() {
+            let _ = c.sel.link.set(*l);
         }
         c
     }

@@ -193,6 +193,205 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
     }
 }
 
+/// Allreduces of at most this many bytes choose from the table even on slow links: there the
+/// per-message CPU cost of ranks that share cores decides, as on loopback, more than the link,
+/// and the tree, with fewer ranks busy at once, wins. Measured on 1 Gbit/s links (4 hosts × 1
+/// and 2 ranks): at 4 KiB the tree took 0.4–0.5 of the model's choice, at 16 KiB 0.5 with 2
+/// ranks per host; at 64 KiB the model's choice was the best. (Broadcast, all-gather and
+/// reduce-scatter follow the model at every size: it picked their best there.)
+pub(crate) const MODEL_FROM: usize = 16 << 10;
+
+/// The one owner of a communicator's algorithm choice, in the order it is asked: a forced
+/// algorithm (`Comm::with_algo`), the tuner (`TUTTI_TUNE=1`), the per-collective overrides
+/// (`TUTTI_ALGO`), the cost model on links the probe found slow (`probe.rs`), the built-in
+/// table ([`choose`]); and the allreduce chunking policy (`TUTTI_CHUNK_BYTES`). Clones share
+/// what was measured (the topology, the links) and what was tuned.
+#[derive(Clone)]
+pub(crate) struct Selector {
+    pub(crate) cfg: std::sync::Arc<crate::config::Config>,
+    pub(crate) force: Option<Algo>,
+    tuner: std::sync::Arc<crate::tune::Tuner>,
+    /// Which ranks share a host, once known (see `Comm::topology`).
+    pub(crate) topo: std::sync::Arc<std::sync::OnceLock<std::sync::Arc<crate::topo::Topology>>>,
+    /// The links, once measured (see `Comm::link_scale`): the cost model on links at least
+    /// 4 times slower than loopback, `None` otherwise.
+    pub(crate) link: std::sync::Arc<std::sync::OnceLock<Option<crate::model::Model>>>,
+}
+
+impl Selector {
+    /// A selector with `cfg`'s overrides, nothing measured or tuned yet.
+    pub(crate) fn new(cfg: crate::config::Config) -> Selector {
+        Selector {
+            cfg: std::sync::Arc::new(cfg),
+            force: None,
+            tuner: Default::default(),
+            topo: Default::default(),
+            link: Default::default(),
+        }
+    }
+
+    /// Whether `coll`'s algorithm is forced (`Comm::with_algo` or `TUTTI_ALGO`).
+    pub(crate) fn forced(&self, coll: Coll) -> bool {
+        self.force.is_some() || self.cfg.overrides.0.contains_key(&coll)
+    }
+
+    /// The cost model, once the probe found slow links (or `Comm::with_model` set one).
+    pub(crate) fn link_model(&self) -> Option<crate::model::Model> {
+        self.link.get().copied().flatten()
+    }
+
+    /// The topology known so far (one host of `n` ranks before the probe).
+    pub(crate) fn topo_now(&self, n: usize) -> std::sync::Arc<crate::topo::Topology> {
+        self.topo
+            .get()
+            .cloned()
+            .unwrap_or_else(|| std::sync::Arc::new(crate::topo::Topology::flat(n)))
+    }
+
+    /// The tuning class of a call, when tuning decides it.
+    pub(crate) fn tuning(
+        &self,
+        coll: Coll,
+        bytes: usize,
+        uniform: bool,
+    ) -> Option<crate::tune::Key> {
+        let tunable = match coll {
+            Coll::Allreduce | Coll::Broadcast | Coll::Reduce => true,
+            Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll => uniform,
+            Coll::Gather | Coll::Scatter | Coll::Barrier => false,
+        };
+        (self.cfg.tune && tunable && !self.forced(coll))
+            .then(|| crate::tune::Key::new(coll, bytes, uniform))
+    }
+
+    /// The algorithm for a call of `coll` moving `bytes` (nccl-tests' S) on `n` ranks
+    /// (`uniform`: every rank contributes the same count).
+    pub(crate) fn algo(&self, coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
+        let model = self.link_model();
+        let auto = || {
+            // On links slower than loopback, the cost model, above MODEL_FROM; it covers the
+            // collectives whose choice trades steps against bytes. All-to-all's choice is
+            // about message counts.
+            let modelled = matches!(
+                coll,
+                Coll::Allreduce | Coll::Broadcast | Coll::Allgather | Coll::ReduceScatter
+            );
+            model
+                .filter(|_| modelled && (coll != Coll::Allreduce || bytes > MODEL_FROM))
+                .and_then(|m| {
+                    let algos = coll
+                        .algos()
+                        .iter()
+                        .copied()
+                        .filter(|a| coll.supports(*a, n, uniform).is_ok());
+                    m.best(coll, algos, bytes as f64, &self.topo_now(n))
+                })
+                .unwrap_or_else(|| choose(coll, bytes, n, uniform))
+        };
+        if let Some(key) = self.tuning(coll, bytes, uniform) {
+            return self.tuner.pick(key, n, auto());
+        }
+        self.force.or_else(|| self.cfg.overrides.0.get(&coll).copied()).unwrap_or_else(auto)
+    }
+
+    /// The elements per piece of an allreduce of `count` elements of `esize` bytes on `n`
+    /// ranks that runs as back-to-back pieces (`Config::chunk`), or `None` to run it whole:
+    /// off, small, forced, tuned, on slow links (the links must have been measured), or
+    /// fewer than two pieces.
+    pub(crate) fn allreduce_pieces(&self, count: usize, esize: usize, n: usize) -> Option<usize> {
+        let cfg = &self.cfg;
+        let bytes = count * esize;
+        if cfg.chunk == 0
+            || bytes <= cfg.chunk
+            || n < 2
+            || self.forced(Coll::Allreduce)
+            || cfg.tune
+            || self.link_model().is_some()
+        {
+            return None;
+        }
+        let piece = cfg.chunk.max(2 * cfg.segment * n);
+        let pieces = bytes.div_ceil(piece);
+        (pieces >= 2).then(|| count.div_ceil(pieces))
+    }
+
+    /// Record a tuned call's time; the times every rank must agree on (by their maximum)
+    /// when this call completes a round of the class.
+    pub(crate) fn record(
+        &self,
+        key: crate::tune::Key,
+        algo: Algo,
+        t: std::time::Duration,
+    ) -> Option<Vec<f64>> {
+        self.tuner.record(key, algo, t)
+    }
+
+    /// Decide a class from the agreed times.
+    pub(crate) fn decide(&self, key: crate::tune::Key, agreed: &[f64]) -> Option<Algo> {
+        self.tuner.decide(key, agreed)
+    }
+
+    /// The choices tuning has made so far.
+    pub(crate) fn tuned(&self) -> Vec<(Coll, usize, Algo)> {
+        self.tuner.decided()
+    }
+}
+
+#[cfg(test)]
+mod link_tests {
+    use super::*;
+    use crate::comm::Comm;
+    use crate::model::Model;
+
+    /// The selector's choice for a call on `self`'s group.
+    trait AlgoFor {
+        fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo;
+    }
+
+    impl AlgoFor for Comm {
+        fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
+            self.sel.algo(coll, bytes, self.size(), uniform)
+        }
+    }
+
+    #[test]
+    fn slow_links_choose_from_the_model() {
+        let comms = Comm::mem_world(8);
+        let c = &comms[0];
+        // Over memory (and on one host) nothing is probed: the table's choices.
+        assert_eq!(c.link_scale().unwrap(), 1.0);
+        assert_eq!(c.topology().unwrap().hosts(), 1);
+        assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Tree);
+        // 1 Gbit/s links (8 ns per byte), 50 µs per message, reductions at 2 GB/s.
+        let m = Model { alpha: 50e-6, beta: 8e-9, beta_local: 0.4e-9, gamma: 0.5e-9 };
+        let one = c.with_hosts(&[0, 1, 2, 3, 4, 5, 6, 7]).unwrap().with_model(m);
+        assert!((one.link_scale().unwrap() - 8.0).abs() < 1e-9);
+        let ar = |c: &Comm, b: usize| c.algo_for(Coll::Allreduce, b, true);
+        assert_eq!(ar(&one, 64 << 20), Algo::Ring);
+        // Small calls keep the table (tree beyond 2 ranks).
+        assert_eq!(ar(&one, 8), Algo::Tree);
+        assert_eq!(ar(&one, MODEL_FROM), Algo::Tree);
+        assert_eq!(one.algo_for(Coll::Broadcast, 16 << 20, true), Algo::Chain);
+        // Back to back, the chain's calls overlap: it wins small broadcasts on these links too
+        // (the table keeps the tree up to 256 KiB).
+        assert_eq!(one.algo_for(Coll::Broadcast, 4 << 10, true), Algo::Chain);
+        assert_eq!(one.algo_for(Coll::Allgather, 16 << 20, true), Algo::Ring);
+        // Four ranks on each of two hosts: large allreduces go two-level, and recursive doubling
+        // (whose far partners all cross the host's link) is not chosen for middle sizes.
+        let two = c.with_hosts(&[0, 0, 0, 0, 1, 1, 1, 1]).unwrap().with_model(m);
+        assert_eq!(ar(&two, 64 << 20), Algo::TwoLevel);
+        assert_ne!(ar(&two, 1 << 20), Algo::RecursiveDoubling);
+        // All-to-all is not moved; a forced algorithm still wins; on one host, the table.
+        assert_eq!(
+            two.algo_for(Coll::AllToAll, 64 << 10, true),
+            c.algo_for(Coll::AllToAll, 64 << 10, true)
+        );
+        assert_eq!(two.with_algo(Algo::Ring).algo_for(Coll::Allreduce, 8, true), Algo::Ring);
+        assert_eq!(ar(&c.with_hosts(&[0; 8]).unwrap(), 64 << 10), Algo::Tree);
+        assert!(c.with_hosts(&[0; 3]).is_err());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

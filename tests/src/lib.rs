@@ -25,6 +25,16 @@ pub fn run_with_deadline(mut cmd: Command, limit: Duration) -> (Output, bool) {
     (child.wait_with_output().expect("wait"), killed)
 }
 
+/// A finished process's status, stdout and stderr, for an assertion message.
+pub fn describe(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 /// How the ranks of a test job find each other.
 #[derive(Debug, Clone)]
 pub enum Rendezvous {

@@ -46,12 +46,7 @@ fn run(c: Command) -> Output {
 }
 
 fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    tutti_tests::describe(o)
 }
 
 /// `prog args` is refused: exit 2, nothing measured, and stderr contains every one of `words`.

@@ -61,12 +61,7 @@ fn slurm_here() -> bool {
 }
 
 fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    tutti_tests::describe(o)
 }
 
 /// A Slurm cluster in its own directory, taken down (and its namespace hosts with it) when

@@ -48,27 +48,10 @@ impl Comm {
     /// tuning), links as fast as loopback (no cost model), at least two pieces of at least
     /// the chunk and two segments per rank each.
     fn allreduce_piece(&self, count: usize, esize: usize) -> Result<Option<usize>> {
-        let cfg = self.config();
-        let bytes = count * esize;
-        if cfg.chunk == 0
-            || bytes <= cfg.chunk
-            || self.size() < 2
-            || self.forced(Coll::Allreduce)
-            || cfg.tune
-        {
-            return Ok(None);
-        }
-        // The link probe (every rank makes this call at the same point).
-        self.link_scale()?;
-        if self.link_model().is_some() {
-            return Ok(None);
-        }
-        let piece = cfg.chunk.max(2 * cfg.segment * self.size());
-        let pieces = bytes.div_ceil(piece);
-        if pieces < 2 {
-            return Ok(None);
-        }
-        Ok(Some(count.div_ceil(pieces)))
+        // The link probe first (every rank makes this call at the same point): on slow links
+        // the whole allreduce is chosen by the cost model, never pieces.
+        self.ensure_probed()?;
+        Ok(self.sel.allreduce_pieces(count, esize, self.size()))
     }
 
     fn allreduce_whole<T: Element>(

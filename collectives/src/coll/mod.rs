@@ -19,8 +19,10 @@ pub(crate) mod alltoall;
 pub(crate) mod barrier;
 pub(crate) mod broadcast;
 pub(crate) mod gather;
+mod p2p;
 pub(crate) mod reduce;
 pub(crate) mod reduce_scatter;
+mod rooted;
 pub(crate) mod scatter;
 
 /// The collectives: one enum, one spelling (`name`) in errors, logs, `TUTTI_ALGO`, collbench

@@ -1,0 +1,78 @@
+//! A communicator's settings ([`Config`]): the `TUTTI_*` variables of the collectives layer.
+
+use crate::error::{Error, Result};
+use crate::select::Overrides;
+
+/// Default pipeline segment size in bytes (`TUTTI_SEGMENT_BYTES`).
+pub const DEFAULT_SEGMENT: usize = 512 << 10;
+
+/// Default allreduce chunk in bytes (`TUTTI_CHUNK_BYTES`): see [`Config::chunk`].
+pub const DEFAULT_CHUNK: usize = 4 << 20;
+
+/// Settings of a communicator.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Pipeline segment size in bytes. Default 512 KiB ([`DEFAULT_SEGMENT`]). Hazard: below
+    /// 128 KiB large messages lose bandwidth to per-segment overhead; above a few MiB the
+    /// pipeline has too few segments to overlap.
+    pub segment: usize,
+    /// Allreduces larger than this many bytes (and than two segments per rank) run as
+    /// back-to-back allreduces of pieces this large, each a whole reduce-scatter and
+    /// all-gather, on links as fast as loopback: a rank's block is then still in the
+    /// processor's cache when the all-gather sends it, instead of read back from memory.
+    /// Default 4 MiB ([`DEFAULT_CHUNK`]); 0 turns it off. Hazard: each piece pays the ring's
+    /// `2(n-1)` latency steps again, which on slow links (where the cost model chooses, and
+    /// pieces are never made) would cost more than the cache saves.
+    pub chunk: usize,
+    /// Per-collective algorithm overrides (`TUTTI_ALGO`). Default none: automatic choice.
+    pub overrides: Overrides,
+    /// Choose algorithms by timing them on the first calls of each size class (`TUTTI_TUNE=1`;
+    /// see `tune.rs`). Default off: the built-in table. Hazard: the first few calls of each class
+    /// run slower algorithms on purpose, and one small allreduce is added when a class is decided.
+    pub tune: bool,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            segment: DEFAULT_SEGMENT,
+            chunk: DEFAULT_CHUNK,
+            overrides: Overrides::default(),
+            tune: false,
+        }
+    }
+}
+
+impl Config {
+    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE`, `TUTTI_SEGMENT_BYTES` and `TUTTI_CHUNK_BYTES`
+    /// from the environment.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the malformed variable.
+    pub fn from_env() -> Result<Config> {
+        let mut c = Config::default();
+        let bad =
+            |detail: String| Error::InvalidArgument { rank: usize::MAX, op: "config", detail };
+        if let Ok(v) = std::env::var("TUTTI_ALGO") {
+            c.overrides = Overrides::parse(&v).map_err(bad)?;
+        }
+        if let Ok(v) = std::env::var("TUTTI_TUNE") {
+            c.tune = match v.trim() {
+                "1" => true,
+                "0" | "" => false,
+                _ => return Err(bad(format!("TUTTI_TUNE={v:?}: expected 1 or 0"))),
+            };
+        }
+        if let Ok(v) = std::env::var("TUTTI_SEGMENT_BYTES") {
+            c.segment = v.trim().parse::<usize>().ok().filter(|s| *s > 0).ok_or_else(|| {
+                bad(format!("TUTTI_SEGMENT_BYTES={v:?} is not a positive integer"))
+            })?;
+        }
+        if let Ok(v) = std::env::var("TUTTI_CHUNK_BYTES") {
+            c.chunk = v.trim().parse::<usize>().map_err(|_| {
+                bad(format!("TUTTI_CHUNK_BYTES={v:?} is not an integer (0 turns chunks off)"))
+            })?;
+        }
+        Ok(c)
+    }
+}
