@@ -89,11 +89,8 @@ pub(crate) struct Req<'a> {
 /// shows both settings instead of waiting on each other or blaming the counts.
 pub(crate) fn settings_digest(algo: Algo, segment: usize, chunk: usize) -> u16 {
     let a = Algo::ALL.iter().position(|x| *x == algo).map_or(0, |i| i + 1) as u16;
-    // FNV-1a over the two sizes' bytes, folded to 12 bits.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in (segment as u64).to_le_bytes().into_iter().chain((chunk as u64).to_le_bytes()) {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
+    // The two sizes hashed, folded to 12 bits.
+    let h = tutti_runtime::wire::fnv1a(0, [segment as u64, chunk as u64]);
     let folded = (h ^ (h >> 12) ^ (h >> 24) ^ (h >> 36) ^ (h >> 48)) as u16 & 0x0fff;
     (a << 12) | folded
 }

@@ -45,30 +45,31 @@ impl Default for Config {
 
 impl Config {
     /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE`, `TUTTI_SEGMENT_BYTES` and `TUTTI_CHUNK_BYTES`
-    /// from the environment.
+    /// from the environment; an empty variable counts as unset (as the runtime's settings do).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the malformed variable.
+    /// A configuration error ([`Error::Runtime`] holding `tutti_runtime::Error::Config`)
+    /// naming the malformed variable.
     pub fn from_env() -> Result<Config> {
         let mut c = Config::default();
-        let bad =
-            |detail: String| Error::InvalidArgument { rank: usize::MAX, op: "config", detail };
-        if let Ok(v) = std::env::var("TUTTI_ALGO") {
+        let bad = |detail: String| Error::Runtime(tutti_runtime::Error::Config(detail));
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        if let Some(v) = var("TUTTI_ALGO") {
             c.overrides = Overrides::parse(&v).map_err(bad)?;
         }
-        if let Ok(v) = std::env::var("TUTTI_TUNE") {
+        if let Some(v) = var("TUTTI_TUNE") {
             c.tune = match v.trim() {
                 "1" => true,
-                "0" | "" => false,
+                "0" => false,
                 _ => return Err(bad(format!("TUTTI_TUNE={v:?}: expected 1 or 0"))),
             };
         }
-        if let Ok(v) = std::env::var("TUTTI_SEGMENT_BYTES") {
+        if let Some(v) = var("TUTTI_SEGMENT_BYTES") {
             c.segment = v.trim().parse::<usize>().ok().filter(|s| *s > 0).ok_or_else(|| {
                 bad(format!("TUTTI_SEGMENT_BYTES={v:?} is not a positive integer"))
             })?;
         }
-        if let Ok(v) = std::env::var("TUTTI_CHUNK_BYTES") {
+        if let Some(v) = var("TUTTI_CHUNK_BYTES") {
             c.chunk = v.trim().parse::<usize>().map_err(|_| {
                 bad(format!("TUTTI_CHUNK_BYTES={v:?} is not an integer (0 turns chunks off)"))
             })?;

@@ -184,7 +184,7 @@ impl Decision {
 
 /// One round of the agreement as its proposer sees it, without any I/O: the membership that
 /// failed, when the round started, how long the proposer waits for a member nobody suspects,
-/// and when the agreement gives up. [`Round::step`] is the whole decision, a function of what
+/// and when the agreement gives up. [`Round::verdict`] is the whole decision, a function of what
 /// the proposer has read (check-ins, members the store says have no process) and the time.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Round<'a> {
@@ -197,7 +197,7 @@ pub(crate) struct Round<'a> {
 
 /// What the proposer does next.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Step {
+pub(crate) enum Verdict {
     /// Read again later. `all_in_at`: since when every member nobody suspects has checked in
     /// (pass it back to the next step), if they have.
     Wait { all_in_at: Option<Instant> },
@@ -221,13 +221,13 @@ impl Round<'_> {
     /// step returned. The round closes when everyone checked in; or [`SUSPECT_GRACE`] after
     /// every member nobody suspects did (a suspected member alive after all may still come);
     /// or when the proposer's `wait` or the agreement's deadline is over.
-    pub(crate) fn step(
+    pub(crate) fn verdict(
         &self,
         reports: &[Option<Report>],
         absent: &[u64],
         all_in_at: Option<Instant>,
         now: Instant,
-    ) -> Step {
+    ) -> Verdict {
         let suspected = |id: &u64| {
             absent.contains(id) || reports.iter().flatten().any(|r| r.suspects.contains(id))
         };
@@ -236,9 +236,9 @@ impl Round<'_> {
         let all_in_at = if waiting { None } else { all_in_at.or(Some(now)) };
         let grace_over = all_in_at.is_some_and(|t| now >= t + SUSPECT_GRACE);
         if everyone || grace_over || now >= self.started + self.wait || now >= self.deadline {
-            Step::Close(self.outcome(reports))
+            Verdict::Close(self.outcome(reports))
         } else {
-            Step::Wait { all_in_at }
+            Verdict::Wait { all_in_at }
         }
     }
 
@@ -377,9 +377,9 @@ impl Agreement<'_> {
                     }
                 }
             }
-            match round.step(&reports, &absent, all_in_at, Instant::now()) {
-                Step::Wait { all_in_at: a } => all_in_at = a,
-                Step::Close(outcome) => {
+            match round.verdict(&reports, &absent, all_in_at, Instant::now()) {
+                Verdict::Wait { all_in_at: a } => all_in_at = a,
+                Verdict::Close(outcome) => {
                     return Ok(match outcome {
                         Outcome::Go(members) => Decision::Go(new_epoch(self.store)?, members),
                         Outcome::Stop(seen) => Decision::Stop(seen),
@@ -849,8 +849,8 @@ mod tests {
             Some(Report { suspects: suspects.to_vec(), note: vec![] })
         }
 
-        fn go(ids: &[u64]) -> Step {
-            Step::Close(Outcome::Go(ids.iter().map(|id| (*id, vec![])).collect()))
+        fn go(ids: &[u64]) -> Verdict {
+            Verdict::Close(Outcome::Go(ids.iter().map(|id| (*id, vec![])).collect()))
         }
 
         const IDS: [u64; 5] = [10, 11, 12, 13, 14];
@@ -868,7 +868,7 @@ mod tests {
         fn everyone_in_closes_at_once_in_the_old_order() {
             let t0 = Instant::now();
             let all: Vec<_> = IDS.iter().map(|_| report(&[])).collect();
-            assert_eq!(round(t0).step(&all, &[], None, t0), go(&IDS));
+            assert_eq!(round(t0).verdict(&all, &[], None, t0), go(&IDS));
         }
 
         #[test]
@@ -878,11 +878,11 @@ mod tests {
             let mut in_ = vec![report(&[]); 5];
             in_[2] = None;
             assert_eq!(
-                r.step(&in_, &[], None, t0 + Duration::from_secs(29)),
-                Step::Wait { all_in_at: None }
+                r.verdict(&in_, &[], None, t0 + Duration::from_secs(29)),
+                Verdict::Wait { all_in_at: None }
             );
             assert_eq!(
-                r.step(&in_, &[], None, t0 + Duration::from_secs(30)),
+                r.verdict(&in_, &[], None, t0 + Duration::from_secs(30)),
                 go(&[10, 11, 13, 14])
             );
         }
@@ -894,19 +894,22 @@ mod tests {
             // 13 is suspected by 10; the rest are in.
             let mut in_ = vec![report(&[13]), report(&[]), report(&[]), None, report(&[])];
             let at = t0 + Duration::from_millis(5);
-            let Step::Wait { all_in_at: Some(all_in) } = r.step(&in_, &[], None, at) else {
+            let Verdict::Wait { all_in_at: Some(all_in) } = r.verdict(&in_, &[], None, at) else {
                 panic!("should wait out the grace")
             };
             assert_eq!(all_in, at);
             let just_before = all_in + SUSPECT_GRACE - Duration::from_millis(1);
-            assert!(matches!(r.step(&in_, &[], Some(all_in), just_before), Step::Wait { .. }));
+            assert!(matches!(
+                r.verdict(&in_, &[], Some(all_in), just_before),
+                Verdict::Wait { .. }
+            ));
             assert_eq!(
-                r.step(&in_, &[], Some(all_in), all_in + SUSPECT_GRACE),
+                r.verdict(&in_, &[], Some(all_in), all_in + SUSPECT_GRACE),
                 go(&[10, 11, 12, 14])
             );
             // Alive after all (a broken link, not a dead process): it checks in in time.
             in_[3] = report(&[]);
-            assert_eq!(r.step(&in_, &[], Some(all_in), just_before), go(&IDS));
+            assert_eq!(r.verdict(&in_, &[], Some(all_in), just_before), go(&IDS));
         }
 
         #[test]
@@ -914,10 +917,13 @@ mod tests {
             let t0 = Instant::now();
             let r = round(t0);
             let in_ = vec![report(&[]), report(&[]), None, report(&[]), report(&[])];
-            assert_eq!(r.step(&in_, &[], None, t0), Step::Wait { all_in_at: None });
-            let Step::Wait { all_in_at } = r.step(&in_, &[12], None, t0) else { panic!() };
+            assert_eq!(r.verdict(&in_, &[], None, t0), Verdict::Wait { all_in_at: None });
+            let Verdict::Wait { all_in_at } = r.verdict(&in_, &[12], None, t0) else { panic!() };
             assert_eq!(all_in_at, Some(t0));
-            assert_eq!(r.step(&in_, &[12], all_in_at, t0 + SUSPECT_GRACE), go(&[10, 11, 13, 14]));
+            assert_eq!(
+                r.verdict(&in_, &[12], all_in_at, t0 + SUSPECT_GRACE),
+                go(&[10, 11, 13, 14])
+            );
         }
 
         #[test]
@@ -925,10 +931,10 @@ mod tests {
             let t0 = Instant::now();
             let r = Round { ids: &IDS[..4], ..round(t0) };
             let in_ = vec![report(&[12, 13]), report(&[12, 13]), None, None];
-            let Step::Wait { all_in_at } = r.step(&in_, &[], None, t0) else { panic!() };
+            let Verdict::Wait { all_in_at } = r.verdict(&in_, &[], None, t0) else { panic!() };
             assert_eq!(
-                r.step(&in_, &[], all_in_at, t0 + SUSPECT_GRACE),
-                Step::Close(Outcome::Stop(vec![10, 11]))
+                r.verdict(&in_, &[], all_in_at, t0 + SUSPECT_GRACE),
+                Verdict::Close(Outcome::Stop(vec![10, 11]))
             );
         }
 
@@ -937,7 +943,7 @@ mod tests {
             let t0 = Instant::now();
             let r = Round { wait: Duration::from_secs(60), ..round(t0) };
             let in_ = vec![report(&[]), report(&[]), report(&[]), None, None];
-            assert_eq!(r.step(&in_, &[], None, t0 + Duration::from_secs(40)), go(&[10, 11, 12]));
+            assert_eq!(r.verdict(&in_, &[], None, t0 + Duration::from_secs(40)), go(&[10, 11, 12]));
         }
 
         /// Notes travel with their members.
@@ -951,8 +957,12 @@ mod tests {
                 .map(|id| Some(Report { suspects: vec![], note: vec![*id as u8; 2] }))
                 .collect();
             assert_eq!(
-                r.step(&in_, &[], None, t0),
-                Step::Close(Outcome::Go(vec![(1, vec![1, 1]), (2, vec![2, 2]), (3, vec![3, 3])]))
+                r.verdict(&in_, &[], None, t0),
+                Verdict::Close(Outcome::Go(vec![
+                    (1, vec![1, 1]),
+                    (2, vec![2, 2]),
+                    (3, vec![3, 3])
+                ]))
             );
         }
     }

@@ -264,15 +264,8 @@ impl Group {
             return Ok(None);
         };
         // Deterministic id from parent id, creation index and members: equal on every member.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ u64::from(self.inner.id);
-        let mut mix = |v: u64| {
-            h ^= v;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        };
-        mix(n);
-        for r in ranks {
-            mix(*r as u64);
-        }
+        let words = std::iter::once(n).chain(ranks.iter().map(|r| *r as u64));
+        let h = crate::wire::fnv1a(u64::from(self.inner.id), words);
         let id = ((h ^ (h >> 32)) as u32 & !P2P_GROUP_BIT).max(1);
         let members: Vec<usize> = ranks.iter().map(|r| self.inner.members[*r]).collect();
         info!(parent = self.inner.id, id, ?members, "new group");

@@ -386,6 +386,18 @@ impl Header {
     }
 }
 
+/// FNV-1a over 64-bit words, from `seed` (0 for none): the one hash every rank computes alike
+/// for what must agree without a message — a sub-group's id from its parent's and its members,
+/// a call's settings digest in its fingerprint. Not for anything an attacker chooses.
+pub fn fnv1a(seed: u64, words: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed;
+    for w in words {
+        h ^= w;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;

@@ -47,6 +47,26 @@ pub(crate) struct CoreConfig {
     pub(crate) keepalive: Option<Duration>,
 }
 
+impl CoreConfig {
+    /// The settings a driver's core takes from the link settings: the driver says which
+    /// messages it parks (`park_above`) and whether the core sends keep-alives (`keepalive`:
+    /// `false` when the driver's protocol keeps the link alive itself).
+    pub(crate) fn from_link(
+        cfg: &crate::transport::LinkConfig,
+        park_above: u64,
+        keepalive: bool,
+    ) -> CoreConfig {
+        CoreConfig {
+            unexpected_limit: cfg.unexpected_limit,
+            window: cfg.window,
+            park_above,
+            probe_after: cfg.probe_after,
+            dead_after: cfg.dead_after,
+            keepalive: keepalive.then_some(cfg.keepalive_interval),
+        }
+    }
+}
+
 /// Why a link failed, as the driver or the core saw it.
 #[derive(Debug)]
 pub(crate) enum LinkFail {
@@ -216,7 +236,7 @@ impl Core {
     /// The peers that are gone (closed, broken or silent), for the survivors' agreement; a
     /// peer counts as silent here when nothing, not even a keep-alive, came from it for
     /// `dead_after`, whether or not an operation waits on it.
-    pub(crate) fn gone_peers(&self, now: Instant) -> Vec<usize> {
+    pub(crate) fn lost_peers(&self, now: Instant) -> Vec<usize> {
         // A link still up that has carried nothing for the dead-peer limit: after our own
         // failure the live peers have closed theirs (answering our abort), so what stays up
         // and silent is a peer we cannot reach.

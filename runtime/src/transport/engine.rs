@@ -411,7 +411,7 @@ impl<D: Driver> Engine<D> {
     }
 
     pub(crate) fn lost_peers(&self) -> Vec<usize> {
-        self.lock().core.gone_peers(Instant::now())
+        self.lock().core.lost_peers(Instant::now())
     }
 
     /// The background driver: runs until [`Engine::stop`], serving the connections (and the

@@ -566,11 +566,8 @@ fn under_launcher(settings: &Settings) -> i32 {
         Err(e) => {
             eprintln!("collbench: {e}");
             // A malformed variable is bad input (2), like a bad flag; anything else failed (1).
-            let bad_input = matches!(
-                &e,
-                tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(_))
-                    | tutti_collectives::Error::InvalidArgument { op: "config", .. }
-            );
+            let bad_input =
+                matches!(&e, tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(_)));
             return if bad_input { 2 } else { 1 };
         }
     };

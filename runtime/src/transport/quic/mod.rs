@@ -254,16 +254,9 @@ impl QuicTransport {
         let core = Core::new(
             rank,
             world,
-            CoreConfig {
-                unexpected_limit: cfg.unexpected_limit,
-                window: cfg.window,
-                // Any size may be buffered eagerly; the peer's window still parks (flow control).
-                park_above: u64::MAX,
-                probe_after: cfg.probe_after,
-                dead_after: cfg.dead_after,
-                // quinn sends its own keep-alives (see `transport_config`).
-                keepalive: None,
-            },
+            // Any size may be buffered eagerly (the peer's window still parks: flow control);
+            // quinn sends its own keep-alives (see `transport_config`).
+            CoreConfig::from_link(cfg, u64::MAX, false),
             Instant::now(),
         );
         let engine = QuicDriver::new(rank, world, sock, !loopback, ep, allowed)

@@ -181,19 +181,8 @@ impl TcpTransport {
             return Err(e);
         }
         let now = Instant::now();
-        let mut core = Core::new(
-            rank,
-            world,
-            CoreConfig {
-                unexpected_limit: cfg.unexpected_limit,
-                window: cfg.window,
-                park_above: driver::EAGER_MAX,
-                probe_after: cfg.probe_after,
-                dead_after: cfg.dead_after,
-                keepalive: Some(cfg.keepalive_interval),
-            },
-            now,
-        );
+        let mut core =
+            Core::new(rank, world, CoreConfig::from_link(cfg, driver::EAGER_MAX, true), now);
         let engine = TcpDriver::new(streams, &mut core, now, cfg.tcp_congestion.as_deref())
             .and_then(|d| Engine::new(core, d, cfg.spin))
             .map_err(|e| Error::io(rank, "configuring connections", &e))?;
