@@ -13,7 +13,7 @@ use crate::dtype::{as_bytes_mut, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::exec::{self, Call, PlanKey, Scratch};
 use crate::model::Model;
-use crate::plan::{split, Plan};
+use crate::plan::Plan;
 use crate::select::{Algo, Selector};
 use crate::topo::Topology;
 
@@ -62,9 +62,6 @@ impl std::fmt::Debug for Comm {
             .finish_non_exhaustive()
     }
 }
-
-/// The `plan` of a rooted collective over per-rank blocks (gather, scatter).
-pub(crate) type RootedPlan = fn(&PlanCtx, Algo, &[(usize, usize)], usize) -> Result<Plan>;
 
 /// One collective call, as its method validated it.
 pub(crate) struct Req<'a> {
@@ -505,40 +502,6 @@ impl Comm {
         };
         self.execute(req, algo, |ctx, a, t| crate::coll::allgather::plan(ctx, a, &blocks, t))
             .map(|_| ())
-    }
-
-    /// Gather or scatter in place: rank `r`'s block is `buf[r*c..(r+1)*c]`.
-    pub(crate) fn rooted_inplace<T: Element>(
-        &self,
-        coll: Coll,
-        buf: &mut [T],
-        root: usize,
-        plan: RootedPlan,
-    ) -> Result<Stats> {
-        self.call(coll.name(), || {
-            self.check_root(coll.name(), root)?;
-            let n = self.size();
-            if !buf.len().is_multiple_of(n) {
-                return Err(self.invalid(
-                    coll.name(),
-                    format!("{} elements do not divide by {n} ranks", buf.len()),
-                ));
-            }
-            let blocks = split(buf.len(), n, size_of::<T>());
-            let req = Req {
-                coll,
-                dtype: T::DTYPE,
-                redop: None,
-                root: Some(root),
-                count: buf.len() / n,
-                bytes: size_of_val(buf),
-                uniform: true,
-                data: as_bytes_mut(buf),
-                input: None,
-                finish: None,
-            };
-            self.run(req, |ctx, algo, _| plan(ctx, algo, &blocks, root))
-        })
     }
 
     pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {

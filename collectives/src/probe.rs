@@ -41,6 +41,10 @@ pub(crate) fn measure(comm: &Comm, ip: std::net::IpAddr) -> Result<(Topology, Op
     comm.exec_allgather(Algo::Ring, &key, &mut keys)?;
     let topo = Topology::from_keys(&keys.chunks(16).collect::<Vec<_>>());
     let hosts = topo.hosts();
+    // Known from now on, so the timed ring below walks the ranks host by host (`on_ring`), as
+    // every ring the choice will plan does: with ranks placed round-robin over hosts a ring in
+    // rank order would cross hosts at every link and measure the links too slow.
+    let _ = comm.sel.topo.set(std::sync::Arc::new(topo.clone()));
     if hosts < 2 {
         return Ok((topo, None));
     }

@@ -11,9 +11,11 @@
 //! ```
 //!
 //! A rebuilt world is connected under a [`Watch`]: a member the launcher reports gone since the
-//! membership being replaced was formed, or whose published address refuses connections, fails
-//! the connect at once (naming it) instead of after [`REBUILD_CONNECT`], so the survivors agree
-//! again without it in about the time a first loss takes.
+//! membership being replaced was formed (a newcomer: since this connect began), or whose
+//! published address refuses connections, fails the connect at once (naming it) instead of
+//! after [`REBUILD_CONNECT`], so the survivors agree again without it in about the time a first
+//! loss takes. The launcher's notices are read from the first connect on, and a member that
+//! ended while its world connected is named to the new transport once it exists.
 
 use std::any::Any;
 use std::net::IpAddr;
@@ -75,10 +77,15 @@ pub(crate) fn connect(
             wait
         }
     };
+    let start = Instant::now();
+    if let Some(fd) = cur.launcher_fd {
+        // Notices are stamped from now on, whatever this connect does.
+        launcher::listen(fd);
+    }
     // Stable ids are the members' launch ranks (what the launcher's notices name).
     let launch: Vec<usize> = ids.iter().map(|id| *id as usize).collect();
-    let since = cur.formed;
-    let gone = || launcher::ended_since(&launch, since);
+    let since = cutoffs(cur, &ids, start);
+    let gone = || launcher::ended_since(&launch, &since);
     let watch = match purpose {
         Purpose::StartUp => Watch::NONE,
         Purpose::Rebuild { .. } => Watch::new(&gone),
@@ -94,16 +101,12 @@ pub(crate) fn connect(
         watch,
     )?;
     if let Some(fd) = cur.launcher_fd {
-        launcher::watch(fd, &t, launch);
+        // A member that ended while the world connected is named now.
+        launcher::watch(fd, &t, launch, start);
     }
-    let next = Membership {
-        epoch,
-        ids,
-        joined,
-        grows: Default::default(),
-        formed: Instant::now(),
-        ..cur.clone()
-    };
+    // Formed when its connect began: a notice after that is about a member of this world.
+    let next =
+        Membership { epoch, ids, joined, grows: Default::default(), formed: start, ..cur.clone() };
     let g = Group::with_parts(t, keep, Some(Arc::new(next)));
     g.set_timeout(timeout);
     Ok(g)
@@ -122,11 +125,19 @@ pub(crate) fn published(kind: TransportKind, store: &dyn Store, r: usize) -> boo
     store.check(&[key.as_str()]).unwrap_or(false)
 }
 
-/// The members of a world being connected that are gone: those the launcher reported ended
-/// since `since` (see [`launcher::ended_since`]); their ranks in that world.
-pub(crate) fn gone_members(ids: &[u64], since: Instant) -> Vec<usize> {
+/// Since when a launcher notice about each member of `ids` counts: a member of `cur` since
+/// `cur` formed; a newcomer (taken in by a grow, whose launch rank an ended process may have
+/// had) since `start`, when this connect began — its predecessor's notice came before it asked
+/// to join, so before the members decided to take it in.
+fn cutoffs(cur: &Membership, ids: &[u64], start: Instant) -> Vec<Instant> {
+    ids.iter().map(|id| if cur.ids.contains(id) { cur.formed } else { start }).collect()
+}
+
+/// The members `ids` of a world that `cur` was connecting that are gone: those the launcher
+/// reported ended since `cur` formed (see [`launcher::ended_since`]); their ranks in that world.
+pub(crate) fn gone_members(cur: &Membership, ids: &[u64]) -> Vec<usize> {
     let launch: Vec<usize> = ids.iter().map(|id| *id as usize).collect();
-    launcher::all_ended_since(&launch, since)
+    launcher::all_ended_since(&launch, &cutoffs(cur, ids, Instant::now()))
 }
 
 /// Connect this rank's transport of kind `opts.transport` to the `world` ranks of `job`

@@ -609,22 +609,24 @@ impl Group {
                 }
                 Err(e) => {
                     // Someone agreed and then did not come (a second failure): agree again
-                    // on this membership, suspecting whoever the launcher reports gone and
-                    // whoever never published an address (over the transport in use).
+                    // on this membership. Suspect whom the launcher reports gone; only when it
+                    // reports nobody (the connect waited out its deadline), whoever never
+                    // published an address over the transport in use. A connect that failed
+                    // at once on a known loss must not suspect members merely slower to
+                    // publish: they are alive, and would be cut off.
                     warn!(rank, epoch, "connecting the survivors failed, agreeing again: {e}");
                     let store = cur.epoch_store(epoch);
-                    let gone = crate::connect::gone_members(&kept, cur.formed);
-                    suspects = (0..kept.len())
-                        .filter(|r| {
-                            gone.contains(r)
-                                || !crate::connect::published(
-                                    cur.opts.transport,
-                                    store.as_ref(),
-                                    *r,
-                                )
-                        })
-                        .map(|r| kept[r])
-                        .collect();
+                    let gone = crate::connect::gone_members(&cur, &kept);
+                    suspects = if gone.is_empty() {
+                        (0..kept.len())
+                            .filter(|r| {
+                                !crate::connect::published(cur.opts.transport, store.as_ref(), *r)
+                            })
+                            .map(|r| kept[r])
+                            .collect()
+                    } else {
+                        gone.iter().map(|r| kept[*r]).collect()
+                    };
                     cur = Membership { epoch, ids: kept, ..cur };
                 }
             }

@@ -1,6 +1,6 @@
 //! How a rank connects: the transport, its settings and timeouts ([`Options`]), read from the
 //! `TUTTI_*` variables. Rendezvous, the connect path and elastic membership read it; it imports
-//! none of them.
+//! none of them (only rendezvous's leaf helpers for interfaces and secrets).
 
 use std::time::Duration;
 

@@ -175,8 +175,10 @@ fn second_loss_during_the_reconnect(transport: &str, gap: Duration) -> Duration 
 
 #[test]
 fn a_second_loss_during_the_reconnect_is_noticed_at_once() {
-    for transport in ["tcp", "quic"] {
-        let took = second_loss_during_the_reconnect(transport, Duration::from_millis(75));
+    // The second loss lands in the agreement or in the connect, as the gap and the machine's
+    // load decide: both must go on.
+    for (transport, gap) in [("tcp", 40), ("quic", 75), ("tcp", 120), ("quic", 40)] {
+        let took = second_loss_during_the_reconnect(transport, Duration::from_millis(gap));
         // Waiting out the rebuild's connect deadline took 10 s; noticing the loss takes a
         // fraction of a second. 5 s leaves room for a loaded machine.
         assert!(

@@ -60,17 +60,15 @@ struct Watcher {
 
 static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
 
-/// Fail `transport` when the launcher behind `fd` reports a dead rank. The first call starts the
-/// reader thread (and marks `fd` close-on-exec, so the process's own children do not take the
-/// notices); later calls with the same descriptor only add the transport.
-pub(crate) fn watch(fd: RawFd, transport: &Arc<dyn Transport>, launch_ranks: Vec<usize>) {
+/// Start reading the launcher's notices on `fd`, before any transport exists (the first
+/// connect calls it first thing), so a notice is stamped when it comes, not when a transport
+/// is finally there to fail. The first call starts the reader thread (and marks `fd`
+/// close-on-exec, so the process's own children do not take the notices); later calls with the
+/// same descriptor do nothing.
+pub(crate) fn listen(fd: RawFd) {
     let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(w) = w.as_mut() {
-        if w.fd == fd {
-            w.transports.retain(|(t, _)| t.strong_count() > 0);
-            w.transports.push((Arc::downgrade(transport), launch_ranks));
-            return;
-        }
+    if w.as_ref().is_some_and(|w| w.fd == fd) {
+        return;
     }
     // SAFETY: F_GETFD/F_SETFD on a descriptor number only reads and sets its flags.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
@@ -80,11 +78,42 @@ pub(crate) fn watch(fd: RawFd, transport: &Arc<dyn Transport>, launch_ranks: Vec
     }
     // SAFETY: as above.
     unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) };
-    *w = Some(Watcher { fd, transports: vec![(Arc::downgrade(transport), launch_ranks)] });
+    *w = Some(Watcher { fd, transports: Vec::new() });
     let spawned = std::thread::Builder::new().name("tutti-launcher".into()).spawn(move || read(fd));
     if let Err(e) = spawned {
         warn!("cannot start the launcher-notice thread: {e}");
         *w = None;
+    }
+}
+
+/// Fail `transport` when the launcher behind `fd` reports a dead rank (`launch_ranks[r]` is the
+/// launch rank of the transport's rank `r`). Notices that came after `since` (when its connect
+/// began) but before this call are applied now: a member that died while the world connected
+/// is named as one that dies later would be.
+pub(crate) fn watch(
+    fd: RawFd,
+    transport: &Arc<dyn Transport>,
+    launch_ranks: Vec<usize>,
+    since: Instant,
+) {
+    listen(fd);
+    let missed: Vec<(usize, String)> = {
+        let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(w) = w.as_mut().filter(|w| w.fd == fd) else { return };
+        w.transports.retain(|(t, _)| t.strong_count() > 0);
+        w.transports.push((Arc::downgrade(transport), launch_ranks.clone()));
+        let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
+        ended
+            .iter()
+            .filter(|(_, _, at)| *at > since)
+            .filter_map(|(r, what, _)| {
+                let here = launch_ranks.iter().position(|l| l == r)?;
+                Some((here, format!("tutti-run reports that rank {r} {what}")))
+            })
+            .collect()
+    };
+    for (r, detail) in missed {
+        transport.peer_died(r, &detail);
     }
 }
 
@@ -130,25 +159,27 @@ fn read(fd: RawFd) {
 /// line per process that ended (the launcher writes one each), so it stays small.
 static ENDED: Mutex<Vec<(usize, String, Instant)>> = Mutex::new(Vec::new());
 
-/// The first of `launch_ranks` (the members of a world being connected, by launch rank) that the
-/// launcher reported ended after `since`: its index in `launch_ranks` and how it ended. A notice
-/// from before `since` concerned an earlier process of that launch rank (a replacement has
-/// the same one), so it is not counted.
-pub(crate) fn ended_since(launch_ranks: &[usize], since: Instant) -> Option<(usize, String)> {
+/// The first member of a world being connected (launch rank `launch_ranks[i]`) that the
+/// launcher reported ended after `since[i]`: its index and how it ended. Each member has its own
+/// cutoff: a notice from before it concerned an earlier process of that launch rank (a
+/// replacement has its predecessor's), so it is not counted.
+pub(crate) fn ended_since(launch_ranks: &[usize], since: &[Instant]) -> Option<(usize, String)> {
     let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
-    ended.iter().filter(|(_, _, at)| *at > since).find_map(|(r, what, _)| {
+    ended.iter().find_map(|(r, what, at)| {
         let i = launch_ranks.iter().position(|l| l == r)?;
-        Some((i, format!("tutti-run reports that rank {r} {what}")))
+        (*at > since[i]).then(|| (i, format!("tutti-run reports that rank {r} {what}")))
     })
 }
 
-/// All of `launch_ranks` that [`ended_since`] `since`, by index.
-pub(crate) fn all_ended_since(launch_ranks: &[usize], since: Instant) -> Vec<usize> {
+/// All the members that [`ended_since`] their cutoffs, by index.
+pub(crate) fn all_ended_since(launch_ranks: &[usize], since: &[Instant]) -> Vec<usize> {
     let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
     let mut v: Vec<usize> = ended
         .iter()
-        .filter(|(_, _, at)| *at > since)
-        .filter_map(|(r, _, _)| launch_ranks.iter().position(|l| l == r))
+        .filter_map(|(r, _, at)| {
+            let i = launch_ranks.iter().position(|l| l == r)?;
+            (*at > since[i]).then_some(i)
+        })
         .collect();
     v.sort_unstable();
     v.dedup();
@@ -249,14 +280,16 @@ mod tests {
         apply(b"dead 9005 was killed by signal 9 (SIGKILL)");
         let after = Instant::now();
         let members = [9001, 9003, 9005, 9007];
-        let (i, what) = ended_since(&members, before).expect("reported");
+        let (i, what) = ended_since(&members, &[before; 4]).expect("reported");
         assert_eq!(i, 2);
         assert!(what.contains("rank 9005") && what.contains("SIGKILL"), "{what}");
-        assert_eq!(ended_since(&members, after), None);
-        assert_eq!(ended_since(&[9001, 9003], before), None);
+        assert_eq!(ended_since(&members, &[after; 4]), None);
+        assert_eq!(ended_since(&[9001, 9003], &[before; 2]), None);
+        // A replacement of 9005 taken in after the notice has its own, later cutoff.
+        assert_eq!(ended_since(&members, &[before, before, after, before]), None);
         apply(b"dead 9001 exited with status 3");
-        assert_eq!(all_ended_since(&members, before), vec![0, 2]);
-        assert_eq!(all_ended_since(&members, after), vec![0]);
+        assert_eq!(all_ended_since(&members, &[before; 4]), vec![0, 2]);
+        assert_eq!(all_ended_since(&members, &[after; 4]), vec![0]);
     }
 
     #[test]
@@ -299,7 +332,7 @@ mod tests {
         ];
         for kind in kinds {
             let ts = testing::world(kind, 3).unwrap();
-            watch(fds[0], &ts[0], vec![0, 1, 2]);
+            watch(fds[0], &ts[0], vec![0, 1, 2], Instant::now());
             let errs: Vec<String> = std::thread::scope(|s| {
                 let waits = [(0usize, 1usize), (2, 0)].map(|(me, from)| {
                     let t = &ts[me];

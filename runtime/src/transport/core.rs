@@ -9,6 +9,22 @@
 //! what [`Core::sendq`] holds and reports how far it got ([`Core::tx_done`]), and sleeps until
 //! the earlier of its own timers and the core's. The generic engine (`engine.rs`) ties the two
 //! together behind the [`Transport`](crate::transport::Transport) trait.
+//!
+//! ## The core's methods, by family
+//!
+//! | family | methods | who calls, when |
+//! |---|---|---|
+//! | life | `new`, `link_up`, `close_all`, `abort`, `peer_closing`, `link_failed` | the driver as links come up, close or break; the engine on a local abort or a clean shutdown |
+//! | operations | `post_send`, `post_recv`, `take_finished`, `cancel`, `probe`, `unpark` | the engine for the transport's callers (post, then wait on the op) |
+//! | transmit | `sendq`, `wants_tx`, `tx_done`, `tx_finished`, `send_raw` | the driver: write what `sendq` holds, report how far with `tx_done` |
+//! | receive | `wants_rx`, `rx_parked`, `rx_idle`, `heard`, `rx_direct`, `rx_direct_done`, `rx_bytes` | the driver: offer arrived bytes (`rx_bytes`, or straight into a posted buffer with `rx_direct`) |
+//! | time | `poll_wait`, `poll_timeout`, `handle_timeout` | the engine: each pass of a wait asks `poll_wait` what to do next; it sleeps until the earlier of `poll_timeout` and the driver's timer, then `handle_timeout` (keep-alives, probes, dead peers) |
+//! | events | `take_down`, `take_fresh_poison` | the engine after each pass: links the core gave up on (the driver closes them), and a fresh poisoning whose abort frames must go out |
+//! | getters | `rank`, `world`, `poisoned`, `ops_ended`, `is_up`, `lost_peers`, `peer_closed`, `unexpected_held` | anyone holding the lock |
+//!
+//! The order of one engine pass: post (operations) → the driver's flush and reads (transmit,
+//! receive) → `poll_wait` (time) → `take_down` / `take_fresh_poison` (events) → sleep until the
+//! next deadline or input.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -149,7 +149,7 @@ impl TcpTransport {
                         streams[j] = Some(s);
                         got += 1;
                     }
-                    Err(_) if Instant::now() < deadline => {}
+                    Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
                     Err(_) => {
                         let missing: Vec<usize> =
                             (rank + 1..world).filter(|j| streams[*j].is_none()).collect();
@@ -199,7 +199,7 @@ impl TcpTransport {
 }
 
 /// Refusals in a row after which a watched connect takes a peer's published address for a
-/// closed listener (with the backoff, about 30 ms of them).
+/// closed listener (with the backoff between them, about 15 ms).
 const REFUSED_GONE: u32 = 4;
 
 fn connect_one(
