@@ -186,7 +186,8 @@ impl QuicTransport {
 
     /// [`QuicTransport::connect`], with `loopback` overriding whether the path is treated as
     /// loopback (tests run the network path — small datagrams, GSO, `recvmmsg`, MTU discovery —
-    /// on 127.0.0.1 with `Some(false)`).
+    /// on 127.0.0.1 with `Some(false)`), failing at once when `watch` says a peer has ended (a
+    /// rebuild; start-up passes `Watch::NONE`).
     pub(crate) fn connect_as(
         id: &JobIdentity,
         store: &dyn Store,
