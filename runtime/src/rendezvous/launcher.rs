@@ -97,22 +97,13 @@ pub(crate) fn watch(
     since: Instant,
 ) {
     listen(fd);
-    let missed: Vec<(usize, String)> = {
+    {
         let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
         let Some(w) = w.as_mut().filter(|w| w.fd == fd) else { return };
         w.transports.retain(|(t, _)| t.strong_count() > 0);
         w.transports.push((Arc::downgrade(transport), launch_ranks.clone()));
-        let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
-        ended
-            .iter()
-            .filter(|(_, _, at)| *at > since)
-            .filter_map(|(r, what, _)| {
-                let here = launch_ranks.iter().position(|l| l == r)?;
-                Some((here, format!("tutti-run reports that rank {r} {what}")))
-            })
-            .collect()
-    };
-    for (r, detail) in missed {
+    }
+    for (r, detail) in ended(&launch_ranks, &vec![since; launch_ranks.len()]) {
         transport.peer_died(r, &detail);
     }
 }
@@ -159,31 +150,37 @@ fn read(fd: RawFd) {
 /// line per process that ended (the launcher writes one each), so it stays small.
 static ENDED: Mutex<Vec<(usize, String, Instant)>> = Mutex::new(Vec::new());
 
-/// The first member of a world being connected (launch rank `launch_ranks[i]`) that the
-/// launcher reported ended after `since[i]`: its index and how it ended. Each member has its own
-/// cutoff: a notice from before it concerned an earlier process of that launch rank (a
-/// replacement has its predecessor's), so it is not counted.
-pub(crate) fn ended_since(launch_ranks: &[usize], since: &[Instant]) -> Option<(usize, String)> {
+/// The members of a world being connected (launch rank `launch_ranks[i]`) that the launcher
+/// reported ended after `since[i]`, in the order the notices came: each one's index and how it
+/// ended. Each member has its own cutoff: a notice from before it concerned an earlier process
+/// of that launch rank (a replacement has its predecessor's), so it is not counted.
+fn ended(launch_ranks: &[usize], since: &[Instant]) -> Vec<(usize, String)> {
     let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
-    ended.iter().find_map(|(r, what, at)| {
-        let i = launch_ranks.iter().position(|l| l == r)?;
-        (*at > since[i]).then(|| (i, format!("tutti-run reports that rank {r} {what}")))
-    })
+    ended
+        .iter()
+        .filter_map(|(r, what, at)| {
+            let i = launch_ranks.iter().position(|l| l == r)?;
+            (*at > since[i]).then(|| (i, report(*r, what)))
+        })
+        .collect()
 }
 
-/// All the members that [`ended_since`] their cutoffs, by index.
+/// The first member that [`ended`] (see there), if any.
+pub(crate) fn ended_since(launch_ranks: &[usize], since: &[Instant]) -> Option<(usize, String)> {
+    ended(launch_ranks, since).into_iter().next()
+}
+
+/// Every member that [`ended`] (see there), by index, in order.
 pub(crate) fn all_ended_since(launch_ranks: &[usize], since: &[Instant]) -> Vec<usize> {
-    let ended = ENDED.lock().unwrap_or_else(|p| p.into_inner());
-    let mut v: Vec<usize> = ended
-        .iter()
-        .filter_map(|(r, _, at)| {
-            let i = launch_ranks.iter().position(|l| l == r)?;
-            (*at > since[i]).then_some(i)
-        })
-        .collect();
+    let mut v: Vec<usize> = ended(launch_ranks, since).into_iter().map(|(i, _)| i).collect();
     v.sort_unstable();
     v.dedup();
     v
+}
+
+/// What a survivor is told of launch rank `rank`, which ended as `what` says.
+fn report(rank: usize, what: &str) -> String {
+    format!("tutti-run reports that rank {rank} {what}")
 }
 
 fn apply(line: &[u8]) {
@@ -203,7 +200,7 @@ fn apply(line: &[u8]) {
                 .collect()
         })
     };
-    let detail = format!("tutti-run reports that rank {rank} {what}");
+    let detail = report(rank, &what);
     for (t, here) in live {
         // A rank that is not in this transport's world (already shrunk away) is no news.
         if let Some(r) = here {

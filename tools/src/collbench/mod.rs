@@ -452,14 +452,13 @@ impl Settings {
     /// else tcp; with a note when the flag wins over a different variable.
     ///
     /// # Errors
-    /// A message when `TUTTI_TRANSPORT` names no transport.
+    /// A message naming a malformed runtime variable (`TUTTI_TRANSPORT` naming no transport,
+    /// among others).
     pub fn local_transport(&self) -> Result<(String, Option<String>), String> {
+        // The runtime's settings, checked first, refuse a TUTTI_TRANSPORT that names no
+        // transport; here it only matters whether it is set, and to what.
+        tutti_runtime::rendezvous::Options::from_env().map_err(|e| e.to_string())?;
         let env = std::env::var("TUTTI_TRANSPORT").ok().filter(|v| !v.trim().is_empty());
-        if let Some(v) = &env {
-            if !matches!(v.trim(), "tcp" | "quic") {
-                return Err(format!("TUTTI_TRANSPORT={v:?}: expected tcp or quic (or unset it)"));
-            }
-        }
         Ok(match (&self.args.transport, env) {
             (Some(flag), Some(v)) if flag != v.trim() => (
                 flag.clone(),
@@ -626,10 +625,10 @@ fn under_launcher(settings: &Settings) -> i32 {
 
 /// Start `--np` local ranks: threads over memory, or processes over TCP or QUIC.
 fn start_local(settings: &Settings) -> Result<i32, String> {
-    let (transport, flag_note) = settings.local_transport()?;
     // Every variable the ranks will read is checked here, before anything starts, so a typo in
-    // one is an error naming it rather than a value silently ignored.
-    tutti_runtime::rendezvous::Options::from_env().map_err(|e| e.to_string())?;
+    // one is an error naming it rather than a value silently ignored (the runtime's settings
+    // in `local_transport`, the collectives' here).
+    let (transport, flag_note) = settings.local_transport()?;
     let cfg = Config::from_env().map_err(|e| e.to_string())?;
     let np = settings.args.np.unwrap_or(4);
     settings.check_world(np)?;
