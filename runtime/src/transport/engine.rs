@@ -552,12 +552,12 @@ impl<D: Driver> Drop for Running<D> {
 pub(crate) trait Wired: Send + Sync {
     /// How its bytes move.
     type Driver: Driver;
-    /// The transport's name (`tcp`, `quic`).
+    /// The transport's name (`tcp`, `quic`, `mem`).
     const NAME: &'static str;
     /// Its engine.
     fn engine(&self) -> &Engine<Self::Driver>;
-    /// The address it listens on and published.
-    fn listen_addr(&self) -> std::net::SocketAddr;
+    /// The address it listens on and published (`None`: it has none, in memory).
+    fn listen_addr(&self) -> Option<std::net::SocketAddr>;
 }
 
 impl<T: Wired> Transport for T {
@@ -566,7 +566,7 @@ impl<T: Wired> Transport for T {
     }
 
     fn local_addr(&self) -> Option<std::net::SocketAddr> {
-        Some(self.listen_addr())
+        self.listen_addr()
     }
 
     fn world_size(&self) -> usize {

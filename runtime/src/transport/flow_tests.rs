@@ -1,4 +1,4 @@
-//! Flow control over TCP and QUIC: a sender that runs ahead of a receiver that has posted
+//! Flow control over TCP, QUIC and in memory: a sender that runs ahead of a receiver that has posted
 //! nothing waits once the peer's window is full; the receiver holds at most the window, and
 //! everything arrives, in order and intact, once it posts.
 
@@ -81,6 +81,15 @@ where
         assert!(!last_done, "every send completed although the receiver posted nothing");
         drop(t0);
     });
+}
+
+/// In memory the sender waits on the same credits (nothing fails at a fixed budget).
+#[test]
+fn mem() {
+    sender_waits_and_receiver_stays_bounded(crate::transport::mem::MemTransport::world_with(
+        2,
+        &cfg(),
+    ));
 }
 
 #[test]

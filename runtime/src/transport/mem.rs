@@ -1,422 +1,495 @@
 //! In-memory transport: the ranks of a job are threads of one process.
 //!
-//! Sends are eager: the payload is copied into the receiver's posted buffer, or into its
-//! unexpected queue, when the send is posted, and the send completes at once. Matching, fingerprint
-//! checks and error reporting are the same code the TCP transport uses, so an algorithm that passes
-//! here fails the same way over the wire. An optional per-link delay hook delays deliveries, to
-//! exercise orderings in tests.
+//! It is the production transport with the sockets taken out. Every rank runs the same
+//! connection core and engine as TCP and QUIC — framing, matching, fingerprint checks, flow
+//! control, deadlines, the probe of a long wait, keep-alives, dead-peer rules, poisoning and
+//! abort frames — under a driver of its own, [`MemDriver`], which moves the core's frames
+//! through one bounded in-memory pipe per direction of each pair of ranks (the counterpart of a
+//! socket's buffers) and wakes the reading rank's engine through a descriptor it sleeps on. So
+//! an algorithm that passes here has run through the state machine that runs on the wire.
+//!
+//! An optional per-link delay hook holds back what a rank writes, to exercise orderings in
+//! tests; order per link is kept.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::transport::matcher::{self, Dest, Ops, PeerQueues, Posted, RawBuf, RecvPost};
-use crate::transport::{OpId, Transport};
-use crate::wire::MsgDesc;
+use crate::transport::core::{Core, CoreConfig, LinkFail};
+use crate::transport::engine::{Driver, Engine, Mode, Running, Wired};
+use crate::transport::tcp::driver::EAGER_MAX;
+use crate::transport::LinkConfig;
+use crate::util::WakePipe;
+use crate::wire::{FrameKind, Header, HEADER_LEN};
 
-/// A function giving the delay of a message from `src` to `dst` of `len` bytes.
+/// A function giving the delay of `len` bytes written from `src` to `dst`.
 pub type DelayFn = dyn Fn(usize, usize, usize) -> Duration + Send + Sync;
 
-/// How long a wait lasts before the waiter checks its peer for a conflicting collective.
-const PROBE_AFTER: Duration = Duration::from_secs(1);
+/// Bytes one direction of a link holds before its writer must wait for the reader, as a
+/// loopback socket's buffers do (the core's flow control works above it, in the same way).
+pub const PIPE_BYTES: usize = 4 << 20;
 
-/// Default budget for buffered unexpected messages per rank (1 GiB; tests move large buffers).
-const UNEXPECTED_LIMIT: u64 = 1 << 30;
-
-struct Delayed {
-    ready: Instant,
-    src: usize,
-    desc: MsgDesc,
+/// What the writer handed over in one go.
+struct Chunk {
+    /// Not readable before this instant (the delay hook); `None`: at once.
+    ready: Option<Instant>,
     data: Vec<u8>,
+    /// Bytes already read.
+    off: usize,
+}
+
+/// One direction of a link: what `src` wrote and `dst` has not read yet.
+#[derive(Default)]
+struct PipeState {
+    chunks: VecDeque<Chunk>,
+    /// Unread bytes.
+    held: usize,
+    /// The writer ended its side (after its last byte): the reader sees the end once it has
+    /// read everything.
+    shut: bool,
+    /// The reader went away: writes fail.
+    reset: bool,
+    /// The writer found the pipe full: the reader wakes it when it makes room.
+    writer_waits: bool,
+    /// The latest ready time handed out (delays never reorder a link).
+    last_ready: Option<Instant>,
 }
 
 #[derive(Default)]
-struct MailState {
-    queues: Vec<PeerQueues>,
-    ops: Ops,
-    poisoned: Option<Error>,
-    dead: Vec<Option<String>>,
-    delayed: Vec<Delayed>,
-    last_ready: Vec<Option<Instant>>,
-    unexpected_bytes: u64,
+struct Pipe {
+    state: Mutex<PipeState>,
+    /// Mirrors of `held > 0 || shut`, read without the lock by a spinning reader.
+    readable: AtomicBool,
 }
 
-struct Mailbox {
-    state: Mutex<MailState>,
-    cv: Condvar,
+impl Pipe {
+    fn lock(&self) -> MutexGuard<'_, PipeState> {
+        // Critical sections are short and panic-free: a poisoned lock holds consistent state.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
+impl PipeState {
+    fn set_readable(&self, pipe: &Pipe) {
+        pipe.readable.store(self.held > 0 || self.shut, Ordering::Release);
+    }
+}
+
+/// The pipes and wake-ups of one in-memory job.
 struct Fabric {
-    boxes: Vec<Mailbox>,
+    n: usize,
+    /// `pipes[src * n + dst]`.
+    pipes: Vec<Pipe>,
+    /// Raised for a rank when a peer wrote to it or ended its side. Only a rank that waits for
+    /// an operation sleeps on it and drains it (the background thread, which leaves data for
+    /// receives not yet posted in the pipe, must not swallow a wake-up a waiter needs).
+    rx_wakes: Vec<WakePipe>,
+    /// Raised for a rank when a peer made room in a full pipe or closed its end: whoever
+    /// drains it also writes.
+    tx_wakes: Vec<WakePipe>,
     delay: Option<Arc<DelayFn>>,
 }
 
-/// One rank of an in-memory job. Build a whole job with [`MemTransport::world`].
-pub struct MemTransport {
+impl Fabric {
+    fn pipe(&self, src: usize, dst: usize) -> &Pipe {
+        &self.pipes[src * self.n + dst]
+    }
+}
+
+/// Moves one rank's frames through the job's pipes.
+pub(crate) struct MemDriver {
     rank: usize,
     fabric: Arc<Fabric>,
+    /// Links still open on our side.
+    open: Vec<bool>,
+    /// Our writing side of a link is shut (our close frame went out).
+    shut: Vec<bool>,
+}
+
+impl MemDriver {
+    /// Tell `peer` there is something to read from us.
+    fn wake_reader(&self, peer: usize) {
+        self.fabric.rx_wakes[peer].wake();
+    }
+
+    /// Tell `peer` it may write to us again.
+    fn wake_writer(&self, peer: usize) {
+        self.fabric.tx_wakes[peer].wake();
+    }
+
+    /// Write what the core queued for `peer` until its pipe is full.
+    fn tx(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        if !self.open[peer] || !core.is_up(peer) {
+            return;
+        }
+        let pipe = self.fabric.pipe(self.rank, peer);
+        let mut st = pipe.lock();
+        if st.reset {
+            drop(st);
+            core.link_failed(peer, LinkFail::Lost("the peer's end of the link is closed".into()));
+            return;
+        }
+        if core.wants_tx(peer) {
+            let room = PIPE_BYTES.saturating_sub(st.held);
+            let mut data = Vec::new();
+            for s in core.sendq(peer).iter() {
+                if data.len() == room {
+                    break;
+                }
+                let take = |from: &[u8], data: &mut Vec<u8>| {
+                    let n = from.len().min(room - data.len());
+                    data.extend_from_slice(&from[..n]);
+                };
+                if s.off < HEADER_LEN {
+                    take(&s.hdr[s.off..], &mut data);
+                }
+                let done = s.off.saturating_sub(HEADER_LEN);
+                take(&s.payload()[done..], &mut data);
+            }
+            if data.is_empty() {
+                st.writer_waits = true;
+                return;
+            }
+            let n = data.len();
+            let ready = self.fabric.delay.as_ref().map(|f| {
+                let r = now + f(self.rank, peer, n);
+                let r = st.last_ready.map_or(r, |l| r.max(l));
+                st.last_ready = Some(r);
+                r
+            });
+            let was_empty = st.held == 0;
+            st.held += n;
+            st.chunks.push_back(Chunk { ready, data, off: 0 });
+            st.set_readable(pipe);
+            drop(st);
+            if was_empty {
+                self.wake_reader(peer);
+            }
+            core.tx_done(peer, n, now);
+            if core.wants_tx(peer) {
+                pipe.lock().writer_waits = true;
+                return;
+            }
+        } else {
+            drop(st);
+        }
+        if core.tx_finished(peer) && !self.shut[peer] {
+            self.shut_write(peer);
+        }
+    }
+
+    /// End our writing side of the link to `peer`.
+    fn shut_write(&mut self, peer: usize) {
+        self.shut[peer] = true;
+        let pipe = self.fabric.pipe(self.rank, peer);
+        let mut st = pipe.lock();
+        st.shut = true;
+        st.set_readable(pipe);
+        drop(st);
+        self.wake_reader(peer);
+    }
+
+    /// Hand what `peer` wrote to the core, until the core stops taking (a parked frame), the
+    /// pipe is empty, or a delayed chunk is not due yet.
+    fn rx(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        let pipe = self.fabric.pipe(peer, self.rank);
+        if !self.open[peer] || !pipe.readable.load(Ordering::Acquire) {
+            return;
+        }
+        let mut st = pipe.lock();
+        let mut freed = false;
+        loop {
+            if !core.is_up(peer) || core.rx_parked(peer) {
+                break;
+            }
+            let Some(front) = st.chunks.front_mut() else {
+                if st.shut {
+                    drop(st);
+                    core.link_failed(peer, LinkFail::Closed);
+                    return;
+                }
+                break;
+            };
+            if front.ready.is_some_and(|r| r > now) {
+                break;
+            }
+            let used = core.rx_bytes(peer, &front.data[front.off..], now);
+            front.off += used;
+            let whole = front.off == front.data.len();
+            if whole {
+                st.chunks.pop_front();
+            }
+            st.held -= used;
+            freed |= used > 0;
+            if !whole {
+                break;
+            }
+        }
+        st.set_readable(pipe);
+        let wake_writer = freed && std::mem::take(&mut st.writer_waits);
+        drop(st);
+        if wake_writer {
+            self.wake_writer(peer);
+        }
+    }
+
+    /// While nobody waits: take a control frame (keep-alive, close, abort, probe) or the end of
+    /// the link, but leave data for receives not yet posted in the pipe, as the TCP driver
+    /// leaves it in the kernel.
+    fn rx_control(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        let pipe = self.fabric.pipe(peer, self.rank);
+        if !self.open[peer]
+            || !core.is_up(peer)
+            || !core.rx_idle(peer)
+            || !pipe.readable.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let control = {
+            let st = pipe.lock();
+            let mut hb = [0u8; HEADER_LEN];
+            let mut have = 0;
+            for c in st.chunks.iter() {
+                if have == HEADER_LEN || c.ready.is_some_and(|r| r > now) {
+                    break;
+                }
+                let from = &c.data[c.off..];
+                let n = from.len().min(HEADER_LEN - have);
+                hb[have..have + n].copy_from_slice(&from[..n]);
+                have += n;
+            }
+            (have == 0 && st.shut)
+                || (have == HEADER_LEN
+                    && matches!(Header::decode(&hb), Ok(h) if h.kind != FrameKind::Data))
+        };
+        if control {
+            self.rx(core, peer, now);
+        }
+    }
+
+    fn serve(&mut self, core: &mut Core, mode: Mode, now: Instant) {
+        for peer in 0..self.fabric.n {
+            if peer == self.rank || !self.open[peer] {
+                continue;
+            }
+            if core.wants_tx(peer) {
+                self.tx(core, peer, now);
+            }
+            match mode {
+                Mode::Wait => self.rx(core, peer, now),
+                Mode::Idle => self.rx_control(core, peer, now),
+                Mode::Shutdown => {}
+            }
+        }
+    }
+
+    /// Close both directions of the link to `peer`: the peer reads what we wrote, then the end;
+    /// its writes fail.
+    fn close_link(&mut self, peer: usize) {
+        if !std::mem::replace(&mut self.open[peer], false) {
+            return;
+        }
+        if !self.shut[peer] {
+            self.shut_write(peer);
+        }
+        let pipe = self.fabric.pipe(peer, self.rank);
+        let mut st = pipe.lock();
+        st.reset = true;
+        st.chunks.clear();
+        st.held = 0;
+        st.set_readable(pipe);
+        drop(st);
+        self.wake_writer(peer);
+    }
+}
+
+impl Drop for MemDriver {
+    fn drop(&mut self) {
+        for peer in 0..self.fabric.n {
+            if peer != self.rank {
+                self.close_link(peer);
+            }
+        }
+    }
+}
+
+impl Driver for MemDriver {
+    const WAITING_NAP: Duration = Duration::from_millis(100);
+
+    fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        self.tx(core, peer, now);
+    }
+
+    fn read(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        self.rx(core, peer, now);
+    }
+
+    fn progress(&mut self, core: &mut Core, mode: Mode, now: Instant) {
+        self.serve(core, mode, now);
+    }
+
+    fn next_timer(&mut self) -> Option<Instant> {
+        self.fabric.delay.as_ref()?;
+        (0..self.fabric.n)
+            .filter(|p| *p != self.rank && self.open[*p])
+            .filter_map(|p| self.fabric.pipe(p, self.rank).lock().chunks.front()?.ready)
+            .min()
+    }
+
+    /// Room to write, always; what arrives, unless nobody waits (then control frames and ends
+    /// are looked for on the background's schedule, as over TCP).
+    fn poll_set(&mut self, _core: &Core, mode: Mode, fds: &mut Vec<libc::pollfd>) {
+        let fd = self.fabric.tx_wakes[self.rank].fd();
+        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+        if mode != Mode::Idle {
+            let fd = self.fabric.rx_wakes[self.rank].fd();
+            fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+        }
+    }
+
+    fn ready(&mut self, core: &mut Core, mode: Mode, _fds: &[libc::pollfd], now: Instant) {
+        // Drain first: whatever is written after this raises the wake-up again.
+        self.fabric.tx_wakes[self.rank].drain();
+        if mode != Mode::Idle {
+            self.fabric.rx_wakes[self.rank].drain();
+        }
+        self.serve(core, mode, now);
+    }
+
+    fn link_down(&mut self, _core: &mut Core, peer: usize) {
+        self.close_link(peer);
+    }
+
+    /// Let queued frames (the close last) out, shut our side, and discard what the peers still
+    /// write until they shut theirs.
+    fn shutdown_step(&mut self, core: &mut Core, now: Instant) -> bool {
+        self.fabric.tx_wakes[self.rank].drain();
+        self.fabric.rx_wakes[self.rank].drain();
+        for peer in 0..self.fabric.n {
+            if peer == self.rank || !self.open[peer] {
+                continue;
+            }
+            if core.is_up(peer) && core.wants_tx(peer) {
+                self.tx(core, peer, now);
+                if core.wants_tx(peer) && core.is_up(peer) {
+                    continue;
+                }
+            }
+            if !self.shut[peer] {
+                self.shut_write(peer);
+            }
+            let pipe = self.fabric.pipe(peer, self.rank);
+            let mut st = pipe.lock();
+            st.chunks.clear();
+            st.held = 0;
+            let ended = st.shut || st.reset;
+            let wake_writer = std::mem::take(&mut st.writer_waits);
+            st.set_readable(pipe);
+            drop(st);
+            if wake_writer {
+                self.wake_writer(peer);
+            }
+            if ended {
+                self.close_link(peer);
+            }
+        }
+        (0..self.fabric.n).all(|p| p == self.rank || !self.open[p])
+    }
+
+    fn close(&mut self, _core: &mut Core, _now: Instant) {
+        for peer in 0..self.fabric.n {
+            if peer != self.rank {
+                self.close_link(peer);
+            }
+        }
+    }
+}
+
+/// One rank of an in-memory job. Build a whole job with [`MemTransport::world`] and give each
+/// rank to its own thread. Each rank has a background thread (`tutti-mem-R`) that keeps its
+/// links alive while its thread computes, as over TCP.
+pub struct MemTransport {
+    wire: Running<MemDriver>,
 }
 
 impl std::fmt::Debug for MemTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemTransport").field("rank", &self.rank).finish_non_exhaustive()
+        f.debug_struct("MemTransport").field("rank", &self.wire.engine().rank()).finish()
     }
 }
 
 impl MemTransport {
-    /// Create the `n` ranks of one in-memory job; give each to its own thread.
+    /// Create the `n` ranks of one in-memory job with the default link settings.
+    ///
+    /// # Panics
+    /// If the process is out of descriptors or threads (a test machine's limits).
     pub fn world(n: usize) -> Vec<MemTransport> {
-        Self::build(n, None)
+        Self::world_with(n, &LinkConfig::default())
     }
 
-    /// As [`world`](MemTransport::world), with every message from `src` to `dst` delivered after
-    /// `delay(src, dst, len)`. Order per link is kept.
+    /// As [`world`](MemTransport::world), with every write from `src` to `dst` readable only
+    /// after `delay(src, dst, len)`. Order per link is kept.
+    ///
+    /// # Panics
+    /// As [`world`](MemTransport::world).
     pub fn world_with_delay(n: usize, delay: Arc<DelayFn>) -> Vec<MemTransport> {
-        Self::build(n, Some(delay))
+        Self::build(n, &LinkConfig::default(), Some(delay))
+            .unwrap_or_else(|e| panic!("in-memory world of {n}: {e}"))
     }
 
-    fn build(n: usize, delay: Option<Arc<DelayFn>>) -> Vec<MemTransport> {
-        let boxes = (0..n)
-            .map(|_| Mailbox {
-                state: Mutex::new(MailState {
-                    queues: (0..n).map(|_| PeerQueues::default()).collect(),
-                    dead: vec![None; n],
-                    last_ready: vec![None; n],
-                    ..MailState::default()
-                }),
-                cv: Condvar::new(),
-            })
-            .collect();
-        let fabric = Arc::new(Fabric { boxes, delay });
-        (0..n).map(|rank| MemTransport { rank, fabric: fabric.clone() }).collect()
+    /// As [`world`](MemTransport::world), with these link settings: flow control
+    /// (`window`), the unexpected budget, keep-alives, the dead-peer limit, the probe and the
+    /// spin apply as over TCP; the addresses and the connect settings do not.
+    ///
+    /// # Panics
+    /// As [`world`](MemTransport::world).
+    pub fn world_with(n: usize, cfg: &LinkConfig) -> Vec<MemTransport> {
+        Self::build(n, cfg, None).unwrap_or_else(|e| panic!("in-memory world of {n}: {e}"))
     }
 
-    fn lock(&self, rank: usize) -> MutexGuard<'_, MailState> {
-        // A poisoned mutex means a rank thread panicked while holding it; the state itself stays
-        // consistent (every critical section is short and panic-free), so keep going.
-        self.fabric.boxes[rank].state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Deliver one message into `dst`'s mailbox (caller holds its lock).
-    fn deliver(dst: usize, st: &mut MailState, src: usize, desc: MsgDesc, data: &[u8]) {
-        let mut stale = Vec::new();
-        let dest = st.queues[src].arrive(&desc, &mut stale);
-        for p in stale {
-            let err = matcher::stale_error(dst, src, &p, &desc);
-            st.ops.fail(p.id, err);
-        }
-        match dest {
-            Dest::Posted(post) => matcher::deliver(dst, src, &mut st.ops, post, &desc, data),
-            Dest::Unexpected => {
-                st.unexpected_bytes += data.len() as u64;
-                if st.unexpected_bytes > UNEXPECTED_LIMIT {
-                    let err = Error::UnexpectedOverflow {
-                        rank: dst,
-                        peer: src,
-                        bytes: st.unexpected_bytes,
-                        limit: UNEXPECTED_LIMIT,
-                    };
-                    st.ops.fail_all(|_, _| err.clone());
-                    st.poisoned = Some(err);
-                } else {
-                    st.queues[src].push_unexpected(desc, data.to_vec());
-                }
-            }
-        }
-    }
-
-    /// Move delayed messages whose time has come; returns the earliest pending ready time.
-    fn release_delayed(dst: usize, st: &mut MailState) -> Option<Instant> {
-        if st.delayed.is_empty() {
-            return None;
-        }
+    fn build(
+        n: usize,
+        cfg: &LinkConfig,
+        delay: Option<Arc<DelayFn>>,
+    ) -> std::io::Result<Vec<MemTransport>> {
+        let fabric = Arc::new(Fabric {
+            n,
+            pipes: (0..n * n).map(|_| Pipe::default()).collect(),
+            rx_wakes: (0..n).map(|_| WakePipe::new()).collect::<std::io::Result<_>>()?,
+            tx_wakes: (0..n).map(|_| WakePipe::new()).collect::<std::io::Result<_>>()?,
+            delay,
+        });
         let now = Instant::now();
-        let mut next: Option<Instant> = None;
-        let mut i = 0;
-        // Delivered in posting order per link: `delayed` is kept in arrival order and a link's
-        // ready times never decrease.
-        while i < st.delayed.len() {
-            if st.delayed[i].ready <= now {
-                let d = st.delayed.remove(i);
-                Self::deliver(dst, st, d.src, d.desc, &d.data);
-            } else {
-                next = Some(next.map_or(st.delayed[i].ready, |n| n.min(st.delayed[i].ready)));
-                i += 1;
-            }
-        }
-        if st.dead.iter().any(Option::is_some) {
-            Self::settle_dead(dst, st);
-        }
-        next
-    }
-
-    /// Fail the receives that wait on ranks that are gone, once everything those ranks sent
-    /// (including delayed messages still in flight) has been delivered.
-    fn settle_dead(dst: usize, st: &mut MailState) {
-        for peer in 0..st.dead.len() {
-            let Some(reason) = st.dead[peer].clone() else { continue };
-            if st.delayed.iter().any(|d| d.src == peer) {
-                continue;
-            }
-            let lost = |ctx| Error::PeerLost {
-                rank: dst,
-                peer,
-                ctx: Some(Box::new(ctx)),
-                detail: reason.clone(),
-            };
-            st.ops.fail_peer(peer, lost);
-            st.queues[peer].clear_posted();
-        }
-    }
-
-    /// Tell every other rank this one is gone. Operations with it fail naming it; with
-    /// `poison` (an abort, as opposed to a clean exit) every other pending and future operation
-    /// fails too, as over TCP where an abort frame reaches every peer.
-    fn mark_dead(&self, reason: &str, poison: bool) {
-        for (dst, mb) in self.fabric.boxes.iter().enumerate() {
-            if dst == self.rank {
-                continue;
-            }
-            let mut st = mb.state.lock().unwrap_or_else(|p| p.into_inner());
-            if st.dead[self.rank].is_none() {
-                st.dead[self.rank] = Some(reason.to_string());
-                let (rank, peer) = (dst, self.rank);
-                if poison {
-                    let err = Error::PeerAborted { rank, peer, reason: reason.to_string() };
-                    st.ops.fail_all(|_, _| err.clone());
-                    st.queues[peer].clear_posted();
-                    if st.poisoned.is_none() {
-                        st.poisoned = Some(err);
-                    }
-                } else {
-                    Self::settle_dead(rank, &mut st);
+        (0..n)
+            .map(|rank| {
+                let mut core = Core::new(rank, n, CoreConfig::from_link(cfg, EAGER_MAX, true), now);
+                for peer in (0..n).filter(|p| *p != rank) {
+                    core.link_up(peer, now);
                 }
-            }
-            mb.cv.notify_all();
-        }
-    }
-}
-
-impl Transport for MemTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.fabric.boxes.len()
-    }
-
-    fn name(&self) -> &'static str {
-        "mem"
-    }
-
-    unsafe fn post_send(
-        &self,
-        peer: usize,
-        desc: MsgDesc,
-        data: *const u8,
-        len: usize,
-    ) -> Result<OpId> {
-        matcher::check_peer(self.rank, self.world_size(), peer, "send")?;
-        let id = {
-            let mut me = self.lock(self.rank);
-            if let Some(e) = &me.poisoned {
-                return Err(e.poisoned());
-            }
-            if let Some(reason) = &me.dead[peer] {
-                let err = Error::PeerLost {
-                    rank: self.rank,
-                    peer,
-                    ctx: Some(Box::new(matcher::context(&desc, 0, len as u64, Instant::now()))),
-                    detail: reason.clone(),
+                let driver = MemDriver {
+                    rank,
+                    fabric: fabric.clone(),
+                    open: (0..n).map(|p| p != rank).collect(),
+                    shut: vec![false; n],
                 };
-                return Err(err);
-            }
-            let id = me.ops.insert(peer, desc, len, Instant::now());
-            me.ops.complete(id, len);
-            id
-        };
-        let data: &[u8] = if len == 0 {
-            &[]
-        } else {
-            // SAFETY: the caller guarantees `data..data+len` is readable until completion, and the
-            // copy below finishes before this function returns.
-            unsafe { std::slice::from_raw_parts(data, len) }
-        };
-        let delay = self.fabric.delay.as_ref().map(|f| f(self.rank, peer, len));
-        let mb = &self.fabric.boxes[peer];
-        let mut st = self.lock(peer);
-        if st.poisoned.is_none() {
-            match delay {
-                Some(d) if !d.is_zero() => {
-                    let mut ready = Instant::now() + d;
-                    if let Some(last) = st.last_ready[self.rank] {
-                        ready = ready.max(last);
-                    }
-                    st.last_ready[self.rank] = Some(ready);
-                    st.delayed.push(Delayed { ready, src: self.rank, desc, data: data.to_vec() });
-                }
-                _ if st.delayed.iter().any(|d| d.src == self.rank) => {
-                    // Keep order behind earlier delayed messages on this link.
-                    let ready = st.last_ready[self.rank].unwrap_or_else(Instant::now);
-                    st.delayed.push(Delayed { ready, src: self.rank, desc, data: data.to_vec() });
-                }
-                _ => Self::deliver(peer, &mut st, self.rank, desc, data),
-            }
-        }
-        drop(st);
-        mb.cv.notify_all();
-        Ok(id)
-    }
-
-    unsafe fn post_recv(
-        &self,
-        peer: usize,
-        desc: MsgDesc,
-        buf: *mut u8,
-        cap: usize,
-    ) -> Result<OpId> {
-        matcher::check_peer(self.rank, self.world_size(), peer, "recv")?;
-        let mut st = self.lock(self.rank);
-        if let Some(e) = &st.poisoned {
-            return Err(e.poisoned());
-        }
-        let id = st.ops.insert(peer, desc, cap, Instant::now());
-        let post = RecvPost { id, desc, buf: RawBuf(buf), cap };
-        match st.queues[peer].post(post) {
-            Posted::Queued => {
-                // Messages sent before the peer went away were still delivered above; only a
-                // receive that must wait for more fails.
-                let in_flight = st.delayed.iter().any(|d| d.src == peer);
-                if let Some(reason) = st.dead[peer].clone().filter(|_| !in_flight) {
-                    st.queues[peer].remove(id);
-                    let err = Error::PeerLost {
-                        rank: self.rank,
-                        peer,
-                        ctx: Some(Box::new(matcher::context(&desc, 0, cap as u64, Instant::now()))),
-                        detail: reason,
-                    };
-                    st.ops.fail(id, err);
-                }
-            }
-            Posted::Stale(post, got) => {
-                let err = matcher::stale_error(self.rank, peer, &post, &got);
-                st.ops.fail(id, err);
-            }
-            Posted::Matched(post, got, data) => {
-                st.unexpected_bytes -= data.len() as u64;
-                matcher::deliver(self.rank, peer, &mut st.ops, post, &got, &data);
-            }
-        }
-        Ok(id)
-    }
-
-    fn wait(&self, op: OpId, deadline: Instant) -> Result<usize> {
-        let mb = &self.fabric.boxes[self.rank];
-        let start = Instant::now();
-        let mut probed = false;
-        let mut st = self.lock(self.rank);
-        loop {
-            let next_ready = Self::release_delayed(self.rank, &mut st);
-            if let Some(r) = st.ops.take_finished(op) {
-                return r;
-            }
-            let Some((peer, desc, bytes, posted)) = st.ops.pending(op) else {
-                return Err(matcher::not_posted(self.rank, op));
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(matcher::timed_out(self.rank, peer, &desc, 0, bytes, posted, deadline));
-            }
-            if !probed && now.duration_since(start) >= PROBE_AFTER && peer != self.rank {
-                // Ask the peer, as the TCP transport's probe frame does, whether it is in the
-                // same collective with another fingerprint.
-                probed = true;
-                drop(st);
-                let theirs = self.lock(peer).ops.conflict(&desc);
-                st = self.lock(self.rank);
-                if let Some(theirs) = theirs {
-                    st.ops.forget(op);
-                    for q in st.queues.iter_mut() {
-                        q.remove(op);
-                    }
-                    return Err(Error::Mismatch {
-                        rank: self.rank,
-                        peer,
-                        expected: desc.to_string(),
-                        got: format!("{theirs} (rank {peer} is in the same collective)"),
-                    });
-                }
-                continue;
-            }
-            let mut until = next_ready.map_or(deadline, |r| r.min(deadline));
-            if !probed {
-                until = until.min(start + PROBE_AFTER);
-            }
-            let (g, _) = mb
-                .cv
-                .wait_timeout(st, until.saturating_duration_since(now))
-                .unwrap_or_else(|p| p.into_inner());
-            st = g;
-        }
-    }
-
-    fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
-        matcher::check_peer(self.rank, self.world_size(), peer, "probe")?;
-        let mut st = self.lock(self.rank);
-        if let Some(e) = &st.poisoned {
-            return Err(e.poisoned());
-        }
-        Self::release_delayed(self.rank, &mut st);
-        Ok(st.queues[peer].has_unexpected(desc.tag))
-    }
-
-    fn test(&self, op: OpId) -> Result<Option<usize>> {
-        let mut st = self.lock(self.rank);
-        Self::release_delayed(self.rank, &mut st);
-        st.ops.take_finished(op).transpose()
-    }
-
-    fn cancel(&self, op: OpId) {
-        let mut st = self.lock(self.rank);
-        for q in st.queues.iter_mut() {
-            if q.remove(op) {
-                break;
-            }
-        }
-        st.ops.forget(op);
-    }
-
-    fn abort(&self, reason: &str) {
-        {
-            let mut st = self.lock(self.rank);
-            if st.poisoned.is_none() {
-                let err = Error::Aborted { rank: self.rank, reason: reason.to_string() };
-                st.ops.fail_all(|_, _| err.clone());
-                st.poisoned = Some(err);
-            }
-        }
-        self.fabric.boxes[self.rank].cv.notify_all();
-        self.mark_dead(reason, true);
-    }
-
-    fn poisoned(&self) -> Option<Error> {
-        self.lock(self.rank).poisoned.clone()
+                let engine = Engine::new(core, driver, cfg.spin)?;
+                let wire = Running::start(engine, format!("tutti-mem-{rank}"))?;
+                Ok(MemTransport { wire })
+            })
+            .collect()
     }
 }
 
-impl Drop for MemTransport {
-    fn drop(&mut self) {
-        // A rank that an abort reached passes it on as it goes, as a TCP or QUIC rank does
-        // (its poisoning queues abort frames on every link): a peer that the original abort has
-        // not reached yet then learns why, not just that this rank left.
-        let poisoned = self.lock(self.rank).poisoned.clone();
-        match poisoned {
-            Some(Error::PeerAborted { reason, .. }) | Some(Error::Aborted { reason, .. }) => {
-                self.mark_dead(&reason, true)
-            }
-            _ => self
-                .mark_dead("peer rank's transport was dropped (thread exited or panicked)", false),
-        }
+impl Wired for MemTransport {
+    type Driver = MemDriver;
+    const NAME: &'static str = "mem";
+
+    fn engine(&self) -> &Engine<MemDriver> {
+        self.wire.engine()
+    }
+
+    fn listen_addr(&self) -> Option<std::net::SocketAddr> {
+        None
     }
 }

@@ -1,5 +1,6 @@
-//! An authenticated peer that breaks the wire protocol, on TCP and QUIC: rank 2 of 3 passes the
-//! handshake (or TLS pinning) and then writes frames no tutti rank writes. Each must end as a
+//! An authenticated peer that breaks the wire protocol, on TCP, QUIC and in memory: rank 2 of 3
+//! passes the handshake (or TLS pinning; in memory it is simply connected) and then writes frames
+//! no tutti rank writes. Each must end as a
 //! named error on every rank — rank 0, which read the frames, names rank 2 and what was wrong;
 //! rank 1 hears an abort naming rank 2 — within seconds: never a panic, a hang or
 //! memory held for the peer. The unexpected-data budget is held the same way.
@@ -8,6 +9,7 @@ use crate::transport::engine::Wired;
 use std::time::{Duration, Instant};
 
 use crate::testing;
+use crate::transport::mem::MemTransport;
 use crate::transport::LinkConfig;
 use crate::transport::{Transport, TransportExt};
 use crate::wire::{DType, Fingerprint, FrameKind, Header, MsgDesc, OpKind, Tag, HEADER_LEN};
@@ -172,6 +174,23 @@ fn malformed_frames_tcp() {
 }
 
 #[test]
+fn malformed_frames_mem() {
+    for (case, frames, needle) in cases() {
+        let ts = MemTransport::world_with(3, &cfg());
+        let errs =
+            rogue(&ts, |t, p, h, b| t.engine().send_raw(p, h, b), &frames, case == AFTER_CLOSE);
+        check_all(&errs, case, needle);
+    }
+}
+
+#[test]
+fn unexpected_data_budget_mem() {
+    let ts = MemTransport::world_with(3, &cfg());
+    let errs = rogue(&ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
+    check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
+}
+
+#[test]
 fn unexpected_data_budget_tcp() {
     let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
     let errs = rogue(&ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
@@ -268,6 +287,13 @@ fn no_write_after_failure<T: Transport + Sync>(
         drop(t1);
         let written = buf.iter().filter(|b| **b != 0x5a).count();
         assert_eq!(written, 0, "{written} bytes written into a failed receive's buffer");
+    });
+}
+
+#[test]
+fn no_write_after_failure_mem() {
+    no_write_after_failure(MemTransport::world_with(3, &cfg()), |t, p, h, b| {
+        t.engine().send_raw(p, h, b)
     });
 }
 

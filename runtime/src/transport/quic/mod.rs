@@ -299,8 +299,8 @@ impl Wired for QuicTransport {
         self.wire.engine()
     }
 
-    fn listen_addr(&self) -> SocketAddr {
-        self.local_addr()
+    fn listen_addr(&self) -> Option<SocketAddr> {
+        Some(self.local_addr())
     }
 }
 

@@ -20,7 +20,7 @@ use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
 use crate::store::Store;
 
-mod driver;
+pub(crate) mod driver;
 pub(crate) mod handshake;
 
 use crate::transport::core::{Core, CoreConfig};
@@ -362,8 +362,8 @@ impl Wired for TcpTransport {
         self.wire.engine()
     }
 
-    fn listen_addr(&self) -> SocketAddr {
-        self.local_addr()
+    fn listen_addr(&self) -> Option<SocketAddr> {
+        Some(self.local_addr())
     }
 }
 
