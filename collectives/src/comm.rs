@@ -371,8 +371,7 @@ impl Comm {
                 )
             }
         };
-        self.group.fail(&re);
-        self.group.abort(&reason);
+        self.group.fail(&re, &reason);
     }
 
     /// Choose the algorithm, then [`Comm::execute`]. Called by the collectives' methods inside

@@ -7,7 +7,7 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
@@ -22,7 +22,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A set of ranks that run collectives together.
 ///
-/// Cloning is cheap and shares the sequence counter and poison state: clones are the same group.
+/// Cloning is cheap and shares the sequence counter: clones are the same group. A group has no
+/// failure state of its own: its transport's is the one every group over it asks
+/// ([`Transport::fail`]).
 #[derive(Clone)]
 pub struct Group {
     inner: Arc<GroupInner>,
@@ -36,7 +38,6 @@ struct GroupInner {
     seq: AtomicU64,
     children: AtomicU32,
     timeout_ms: AtomicU64,
-    poison: Mutex<Option<Error>>,
     /// Things that must live as long as the group (the store server on rank 0).
     keep: Vec<Arc<dyn Any + Send + Sync>>,
     /// How to rebuild the world over the survivors of a failure (groups made by rendezvous).
@@ -76,7 +77,6 @@ impl Group {
                 seq: AtomicU64::new(0),
                 children: AtomicU32::new(0),
                 timeout_ms: AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64),
-                poison: Mutex::new(None),
                 keep,
                 rejoin,
             }),
@@ -151,39 +151,32 @@ impl Group {
         self.inner.seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Fail when the group or its transport is poisoned.
+    /// Fail when the transport under this group is poisoned (by this group, another group
+    /// over it, a peer's abort or a lost link).
     ///
     /// # Errors
     /// [`Error::Poisoned`] with the original cause.
     pub fn check(&self) -> Result<()> {
-        if let Some(e) = self.inner.poison.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            return Err(e.poisoned());
+        match self.inner.transport.poisoned() {
+            Some(e) => Err(e.poisoned()),
+            None => Ok(()),
         }
-        if let Some(e) = self.inner.transport.poisoned() {
-            return Err(e.poisoned());
-        }
-        Ok(())
     }
 
-    /// A point-to-point call failed: record it, and on a fatal error tell every peer at once
-    /// (as a failed collective does), so ranks waiting on this one fail now, naming it, instead
-    /// of at their timeout.
+    /// A point-to-point call failed: on a fatal error, fail the group, so ranks waiting on this
+    /// one fail now, naming it, instead of at their timeout (as a failed collective does).
     fn p2p_failed(&self, op: &str, e: &Error) {
-        self.fail(e);
-        if e.is_fatal() {
-            self.abort(&format!("rank {} failed in {op}: {e}", self.global_rank(self.rank())));
-        }
+        let reason = format!("rank {} failed in {op}: {e}", self.global_rank(self.rank()));
+        self.fail(e, &reason);
     }
 
-    /// Record a failure: fatal errors poison the group so later calls fail fast.
-    pub fn fail(&self, e: &Error) {
-        if e.is_fatal() {
-            let mut p = self.inner.poison.lock().unwrap_or_else(|p| p.into_inner());
-            if p.is_none() {
-                warn!(group = self.inner.id, rank = self.inner.rank, "group poisoned: {e}");
-                crate::rendezvous::launcher::record_failure(&e.to_string());
-                *p = Some(e.clone());
-            }
+    /// Record a fatal failure `e` and tell every peer `reason` — the one way a call's failure
+    /// is recorded. It goes to the transport ([`Transport::fail`]), which every group over it
+    /// asks and whose first failure stays the cause. A bad argument or setting (not fatal)
+    /// changes nothing.
+    pub fn fail(&self, e: &Error, reason: &str) {
+        if e.is_fatal() && self.inner.transport.fail(e.clone(), reason) {
+            warn!(group = self.inner.id, rank = self.inner.rank, "group failed: {e}");
         }
     }
 
@@ -209,10 +202,10 @@ impl Group {
         (self.inner.rejoin.as_ref(), &self.inner.keep)
     }
 
-    /// The error that poisoned this group or its transport, if any.
+    /// The error that poisoned this group's transport, if any: the first failure of any group
+    /// over it, a peer's abort or a lost link.
     pub fn failure(&self) -> Option<Error> {
-        let own = self.inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        own.or_else(|| self.inner.transport.poisoned())
+        self.inner.transport.poisoned()
     }
 
     /// Stop everything: pending and future operations of every group over this transport fail
@@ -278,7 +271,6 @@ impl Group {
                 seq: AtomicU64::new(0),
                 children: AtomicU32::new(0),
                 timeout_ms: AtomicU64::new(self.inner.timeout_ms.load(Ordering::Relaxed)),
-                poison: Mutex::new(None),
                 keep: Vec::new(),
                 rejoin: None,
             }),

@@ -212,19 +212,16 @@ fn apply(line: &[u8]) {
 /// torchrun's error file variable: where a failing worker leaves its error for the agent.
 pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 
-static RECORDED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Leave `message` (this rank's first fatal error) where torchrun looks for it, so that its
-/// "Root Cause" summary shows tutti's message — rank, peer, operation — instead of `<N/A>`.
-/// Only under torchrun (`TORCHELASTIC_ERROR_FILE` set), once per process; the group calls this
-/// when it is first poisoned and rendezvous when it fails. The file is torch's own format:
+/// Leave `message` (a fatal error) where torchrun looks for it, so that its "Root Cause"
+/// summary shows tutti's message — rank, peer, operation — instead of `<N/A>`. Only under
+/// torchrun (`TORCHELASTIC_ERROR_FILE` set). A transport calls this once, when its first failure
+/// poisons it (whatever the source: this rank, a peer's abort, a lost link), and rendezvous
+/// when it fails; a later failure (of the transport an elastic job rebuilt) replaces an earlier
+/// one, so the file names what ended the process. The file is torch's own format:
 /// `{"message": {"message": …, "extraInfo": {"py_callstack": …, "timestamp": …}}}`; torchrun
 /// reads it only if the process then exits with a failure.
 pub fn record_failure(message: &str) {
     let Some(path) = std::env::var_os(ERROR_FILE).filter(|p| !p.is_empty()) else { return };
-    if RECORDED.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return;
-    }
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

@@ -14,7 +14,7 @@
 //!
 //! | family | methods | who calls, when |
 //! |---|---|---|
-//! | life | `new`, `link_up`, `close_all`, `abort`, `peer_closing`, `link_failed` | the driver as links come up, close or break; the engine on a local abort or a clean shutdown |
+//! | life | `new`, `link_up`, `close_all`, `fail`, `peer_closing`, `link_failed` | the driver as links come up, close or break; the engine on a local abort or a clean shutdown |
 //! | operations | `post_send`, `post_recv`, `take_finished`, `cancel`, `probe`, `unpark` | the engine for the transport's callers (post, then wait on the op) |
 //! | transmit | `sendq`, `wants_tx`, `tx_done`, `tx_finished`, `send_raw` | the driver: write what `sendq` holds, report how far with `tx_done` |
 //! | receive | `wants_rx`, `rx_parked`, `rx_idle`, `heard`, `rx_direct`, `rx_direct_done`, `rx_bytes` | the driver: offer arrived bytes (`rx_bytes`, or straight into a posted buffer with `rx_direct`) |
@@ -363,10 +363,13 @@ impl Core {
         self.ops.forget(op);
     }
 
-    /// The local abort: fail everything and tell every peer `reason`.
-    pub(crate) fn abort(&mut self, reason: &str) {
-        let err = Error::Aborted { rank: self.rank, reason: reason.to_string() };
-        self.poison(err, Some(reason));
+    /// A failure found above the transport, or a local abort (`cause`, told to the peers as
+    /// `reason`): fail everything and send an abort frame on every link. Returns whether it was
+    /// the first failure (an earlier one stays the cause).
+    pub(crate) fn fail(&mut self, cause: Error, reason: &str) -> bool {
+        let first = self.poisoned.is_none();
+        self.poison(cause, Some(reason));
+        first
     }
 
     // ---- the send side -------------------------------------------------------------------

@@ -87,7 +87,8 @@ pub(crate) struct State<D> {
 
 impl<D: Driver> State<D> {
     /// Let the driver close the links the core gave up on, and write out the abort frames a
-    /// fresh poisoning queued on every other link.
+    /// fresh poisoning queued on every other link. A fresh poisoning is this transport's first
+    /// failure: under torchrun it is left in the agent's error file.
     fn settle(&mut self) {
         loop {
             while let Some(peer) = self.core.take_down() {
@@ -95,6 +96,9 @@ impl<D: Driver> State<D> {
             }
             if !self.core.take_fresh_poison() {
                 return;
+            }
+            if let Some(cause) = self.core.poisoned() {
+                crate::rendezvous::launcher::record_failure(&cause.to_string());
             }
             self.flush_links(Instant::now());
         }
@@ -125,7 +129,6 @@ pub(crate) struct Engine<D> {
     ended: Condvar,
     /// Wakes threads blocked in `ppoll` (abort, stop, an operation ended by another thread).
     pipe: WakePipe,
-    aborted: AtomicBool,
     /// Threads inside `wait` (they drive; the background thread stays out of the way).
     waiters: AtomicUsize,
     stop: AtomicBool,
@@ -141,7 +144,6 @@ impl<D: Driver> Engine<D> {
             state: Mutex::new(State { core, driver, driving: false, followers: 0 }),
             ended: Condvar::new(),
             pipe: WakePipe::new()?,
-            aborted: AtomicBool::new(false),
             waiters: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             spin,
@@ -366,15 +368,22 @@ impl<D: Driver> Engine<D> {
     }
 
     pub(crate) fn abort(&self, reason: &str) {
-        if self.aborted.swap(true, Ordering::SeqCst) {
-            return;
-        }
+        let cause = Error::Aborted { rank: self.rank, reason: reason.to_string() };
+        self.fail(cause, reason);
+    }
+
+    /// The core records the failure (the first one wins); a first one's abort frames go out
+    /// at once and every waiter looks again.
+    pub(crate) fn fail(&self, cause: Error, reason: &str) -> bool {
         let mut g = self.lock();
-        g.core.abort(reason);
+        if !g.core.fail(cause, reason) {
+            return false;
+        }
         g.flush_all(Instant::now());
         drop(g);
         self.ended.notify_all();
         self.pipe.wake();
+        true
     }
 
     pub(crate) fn peer_died(&self, peer: usize, detail: &str) {
@@ -420,7 +429,9 @@ impl<D: Driver> Engine<D> {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         while !self.stop.load(Ordering::SeqCst) {
             if self.waiters.load(Ordering::SeqCst) > 0 {
-                std::thread::sleep(D::WAITING_NAP);
+                // Parked, not asleep: `Running`'s drop unparks it, so a transport dropped
+                // while a thread waited is not held up a whole nap.
+                std::thread::park_timeout(D::WAITING_NAP);
                 continue;
             }
             let until = {
@@ -542,6 +553,7 @@ impl<D: Driver> Drop for Running<D> {
     fn drop(&mut self) {
         self.engine.stop();
         if let Some(t) = self.background.take() {
+            t.thread().unpark();
             let _ = t.join();
         }
         self.engine.shutdown(Duration::from_secs(2));
@@ -613,6 +625,10 @@ impl<T: Wired> Transport for T {
 
     fn abort(&self, reason: &str) {
         self.engine().abort(reason)
+    }
+
+    fn fail(&self, cause: Error, reason: &str) -> bool {
+        self.engine().fail(cause, reason)
     }
 
     fn peer_died(&self, peer: usize, detail: &str) {

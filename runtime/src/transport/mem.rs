@@ -85,6 +85,10 @@ struct Fabric {
     /// an operation sleeps on it and drains it (the background thread, which leaves data for
     /// receives not yet posted in the pipe, must not swallow a wake-up a waiter needs).
     rx_wakes: Vec<WakePipe>,
+    /// Raised for a rank when a peer wrote a control frame (keep-alive, probe, close, abort)
+    /// or ended its side: what the background thread sleeps on while nobody waits, so a peer's
+    /// abort or close reaches a computing rank at once.
+    ctl_wakes: Vec<WakePipe>,
     /// Raised for a rank when a peer made room in a full pipe or closed its end: whoever
     /// drains it also writes.
     tx_wakes: Vec<WakePipe>,
@@ -113,6 +117,11 @@ impl MemDriver {
         self.fabric.rx_wakes[peer].wake();
     }
 
+    /// Tell `peer` a control frame or our end is on its way, even if nobody waits there.
+    fn wake_idle(&self, peer: usize) {
+        self.fabric.ctl_wakes[peer].wake();
+    }
+
     /// Tell `peer` it may write to us again.
     fn wake_writer(&self, peer: usize) {
         self.fabric.tx_wakes[peer].wake();
@@ -133,10 +142,12 @@ impl MemDriver {
         if core.wants_tx(peer) {
             let room = PIPE_BYTES.saturating_sub(st.held);
             let mut data = Vec::new();
+            let mut control = false;
             for s in core.sendq(peer).iter() {
                 if data.len() == room {
                     break;
                 }
+                control |= s.id.is_none();
                 let take = |from: &[u8], data: &mut Vec<u8>| {
                     let n = from.len().min(room - data.len());
                     data.extend_from_slice(&from[..n]);
@@ -166,6 +177,9 @@ impl MemDriver {
             if was_empty {
                 self.wake_reader(peer);
             }
+            if control {
+                self.wake_idle(peer);
+            }
             core.tx_done(peer, n, now);
             if core.wants_tx(peer) {
                 pipe.lock().writer_waits = true;
@@ -188,6 +202,7 @@ impl MemDriver {
         st.set_readable(pipe);
         drop(st);
         self.wake_reader(peer);
+        self.wake_idle(peer);
     }
 
     /// Hand what `peer` wrote to the core, until the core stops taking (a parked frame), the
@@ -337,13 +352,16 @@ impl Driver for MemDriver {
             .min()
     }
 
-    /// Room to write, always; what arrives, unless nobody waits (then control frames and ends
-    /// are looked for on the background's schedule, as over TCP).
+    /// Room to write and control frames, always; data, unless nobody waits (the background
+    /// thread leaves data for receives not yet posted in the pipe, and must not swallow the
+    /// wake-up of a waiter that comes later).
     fn poll_set(&mut self, _core: &Core, mode: Mode, fds: &mut Vec<libc::pollfd>) {
-        let fd = self.fabric.tx_wakes[self.rank].fd();
-        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+        let f = &self.fabric;
+        for w in [&f.tx_wakes[self.rank], &f.ctl_wakes[self.rank]] {
+            fds.push(libc::pollfd { fd: w.fd(), events: libc::POLLIN, revents: 0 });
+        }
         if mode != Mode::Idle {
-            let fd = self.fabric.rx_wakes[self.rank].fd();
+            let fd = f.rx_wakes[self.rank].fd();
             fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
         }
     }
@@ -351,6 +369,7 @@ impl Driver for MemDriver {
     fn ready(&mut self, core: &mut Core, mode: Mode, _fds: &[libc::pollfd], now: Instant) {
         // Drain first: whatever is written after this raises the wake-up again.
         self.fabric.tx_wakes[self.rank].drain();
+        self.fabric.ctl_wakes[self.rank].drain();
         if mode != Mode::Idle {
             self.fabric.rx_wakes[self.rank].drain();
         }
@@ -365,6 +384,7 @@ impl Driver for MemDriver {
     /// write until they shut theirs.
     fn shutdown_step(&mut self, core: &mut Core, now: Instant) -> bool {
         self.fabric.tx_wakes[self.rank].drain();
+        self.fabric.ctl_wakes[self.rank].drain();
         self.fabric.rx_wakes[self.rank].drain();
         for peer in 0..self.fabric.n {
             if peer == self.rank || !self.open[peer] {
@@ -457,6 +477,7 @@ impl MemTransport {
             n,
             pipes: (0..n * n).map(|_| Pipe::default()).collect(),
             rx_wakes: (0..n).map(|_| WakePipe::new()).collect::<std::io::Result<_>>()?,
+            ctl_wakes: (0..n).map(|_| WakePipe::new()).collect::<std::io::Result<_>>()?,
             tx_wakes: (0..n).map(|_| WakePipe::new()).collect::<std::io::Result<_>>()?,
             delay,
         });

@@ -269,9 +269,19 @@ pub trait Transport: Send + Sync {
     /// drained). Unknown or finished ids are ignored.
     fn cancel(&self, op: OpId);
 
-    /// Fail every pending and future operation with [`Error::Aborted`]. Idempotent, callable from
-    /// any thread, never blocks for long.
+    /// Fail every pending and future operation with [`Error::Aborted`] and tell every peer
+    /// `reason`: [`fail`](Transport::fail) with that cause. Idempotent, callable from any
+    /// thread, never blocks for long.
     fn abort(&self, reason: &str);
+
+    /// Record `cause` as this transport's failure and tell every peer `reason` (an abort frame
+    /// on every link): every pending and future operation fails, the later ones with
+    /// [`Error::Poisoned`] of the cause. The transport is the one owner of a rank's failure
+    /// state: the first failure wins — this call, a peer's abort, a lost link, a local
+    /// [`abort`](Transport::abort) — and [`poisoned`](Transport::poisoned) reports it to every
+    /// group over the transport from then on. Returns whether this call was that first failure.
+    /// Callable from any thread, never blocks for long.
+    fn fail(&self, cause: Error, reason: &str) -> bool;
 
     /// Someone who watches the processes (the launcher) reports that `peer`'s process has
     /// ended: fail as a lost connection to it would, with `detail` as the cause — operations
