@@ -253,7 +253,7 @@ impl Comm {
         Ok(c)
     }
 
-    /// The same communicator choosing from `model` (as if the link probe had measured it):
+    /// The same communicator choosing from `model` (as if the link measurement had measured it):
     /// what a job whose links are known can set instead of probing, and how tests check the
     /// choice on slow links.
     pub fn with_model(&self, model: Model) -> Comm {
@@ -263,7 +263,7 @@ impl Comm {
     }
 
     /// Which host each rank is on: over memory and on a loopback address, one host; otherwise
-    /// found at the group's first collective (with [`Comm::link_scale`]'s probe): ranks that
+    /// found at the group's first collective (with [`Comm::link_scale`]'s measurement): ranks that
     /// advertise the same address to their peers share a host.
     ///
     /// # Collective contract
@@ -276,14 +276,14 @@ impl Comm {
         Ok(self.topo_now())
     }
 
-    /// The cost model the automatic choice follows, when the link probe found links at least
+    /// The cost model the automatic choice follows, when the link measurement found links at least
     /// 4 times slower than loopback (or [`Comm::with_model`] set one); `None` before the first
     /// collective and on loopback-class links.
     pub fn link_model(&self) -> Option<Model> {
         self.sel.link_model()
     }
 
-    /// The topology known so far (one host before the probe).
+    /// The topology known so far (one host before the link measurement).
     fn topo_now(&self) -> Arc<Topology> {
         self.sel.topo_now(self.size())
     }
@@ -291,7 +291,7 @@ impl Comm {
     /// How many times slower per byte this group's links are than the loopback the built-in
     /// table was measured on: 1 on one host (a loopback address, or every rank advertising the
     /// same address) and over memory; otherwise measured once, at the group's first collective
-    /// (every rank makes the same one). The probe: an all-gather of each rank's address (which
+    /// (every rank makes the same one). The measurement: an all-gather of each rank's address (which
     /// ranks share a host, [`Comm::topology`]), then 5 allreduces of 8 bytes (the per-message
     /// cost α: the best time over the tree's steps), a ring all-gather of 1 MiB per rank twice
     /// (the link's per-byte cost β: the faster), and 3 local reductions of 8 MiB (the per-byte
@@ -306,19 +306,19 @@ impl Comm {
     /// measured value at once.
     ///
     /// # Errors
-    /// The probe's collectives' errors (a peer lost during it, named).
+    /// The measurement's collectives' errors (a peer lost during it, named).
     pub fn link_scale(&self) -> Result<f64> {
         // The scale is the model's β against the reference; without a model, 1.
-        let scale = |m: Option<Model>| m.map_or(1.0, |m| m.beta * crate::probe::REFERENCE_BW);
+        let scale = |m: Option<Model>| m.map_or(1.0, |m| m.beta * crate::measure::REFERENCE_BW);
         if self.sel.link.get().is_none() {
-            self.call("link_scale", || self.ensure_probed())?;
+            self.call("link_scale", || self.ensure_measured())?;
         }
         Ok(scale(self.link_model()))
     }
 
-    /// Run the link probe if this group has not yet (inside a call: every collective's first
+    /// Run the link measurement if this group has not yet (inside a call: every collective's first
     /// step, on every rank alike). One host (a loopback address, or a single rank) needs none.
-    pub(crate) fn ensure_probed(&self) -> Result<()> {
+    pub(crate) fn ensure_measured(&self) -> Result<()> {
         if self.sel.link.get().is_some() {
             return Ok(());
         }
@@ -328,7 +328,7 @@ impl Comm {
             let _ = self.sel.link.set(None);
             return Ok(());
         };
-        let (topo, model) = crate::probe::measure(self, addr.ip())?;
+        let (topo, model) = crate::measure::measure(self, addr.ip())?;
         let _ = self.sel.topo.set(Arc::new(topo));
         let _ = self.sel.link.set(model);
         Ok(())
@@ -381,8 +381,8 @@ impl Comm {
         req: Req<'_>,
         plan: impl FnOnce(&PlanCtx, Algo, &Topology) -> Result<Plan>,
     ) -> Result<Stats> {
-        // The link probe, once per group, at its first collective (the same call on every rank).
-        self.ensure_probed()?;
+        // The link measurement, once per group, at its first collective (the same call on every rank).
+        self.ensure_measured()?;
         // The collective's `plan` refuses an algorithm that cannot run here (`Coll::supports`).
         let (coll, bytes, uniform) = (req.coll, req.bytes, req.uniform);
         let algo = self.sel.algo(coll, bytes, self.size(), uniform);
@@ -399,8 +399,8 @@ impl Comm {
         Ok(stats)
     }
 
-    /// Plan `req` with `algo`, take the sequence number and execute: no choice, no probe, no
-    /// tuning (what the link probe and the tuner's agreement run on).
+    /// Plan `req` with `algo`, take the sequence number and execute: no choice, no link measurement, no
+    /// tuning (what the link measurement and the tuner's agreement run on).
     pub(crate) fn execute(
         &self,
         req: Req<'_>,

@@ -9,7 +9,7 @@
 //! doubling with several ranks per host, whose partners at large distances all sit on other
 //! hosts, pays for every rank of a host crossing the same link, while the ring (ordered host by
 //! host) puts one edge on each host link. `α`, `β` and `γ` are measured by the communicator's
-//! link probe (see `Comm::link_scale`); `β_local` is [`LOCAL_BETA`].
+//! link measurement (see `Comm::link_scale`); `β_local` is [`LOCAL_BETA`].
 //!
 //! The model prices calls made back to back, as collbench times them (and as training loops
 //! make them): a pipeline's fill overlaps the next call, so the chain costs one receive and one
@@ -39,7 +39,7 @@ pub const EXCHANGE_FREE: f64 = 65536.0;
 /// 1.15 (3 hosts), 1.20 (4 hosts).
 pub const SHARED_RINGS: f64 = 1.15;
 
-/// Per-byte cost between two ranks of one host, for the probe's model: one loopback TCP stream
+/// Per-byte cost between two ranks of one host, for the measurement's model: one loopback TCP stream
 /// between two ranks moves 2.3–3.9 GB/s on the 2-core VM.
 pub const LOCAL_BETA: f64 = 0.4e-9;
 

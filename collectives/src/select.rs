@@ -203,7 +203,7 @@ pub(crate) const MODEL_FROM: usize = 16 << 10;
 
 /// The one owner of a communicator's algorithm choice, in the order it is asked: a forced
 /// algorithm (`Comm::with_algo`), the tuner (`TUTTI_TUNE=1`), the per-collective overrides
-/// (`TUTTI_ALGO`), the cost model on links the probe found slow (`probe.rs`), the built-in
+/// (`TUTTI_ALGO`), the cost model on links the measurement found slow (`measure.rs`), the built-in
 /// table ([`choose`]); and the allreduce chunking policy (`TUTTI_CHUNK_BYTES`). Clones share
 /// what was measured (the topology, the links) and what was tuned.
 #[derive(Clone)]
@@ -235,12 +235,12 @@ impl Selector {
         self.force.is_some() || self.cfg.overrides.0.contains_key(&coll)
     }
 
-    /// The cost model, once the probe found slow links (or `Comm::with_model` set one).
+    /// The cost model, once the measurement found slow links (or `Comm::with_model` set one).
     pub(crate) fn link_model(&self) -> Option<crate::model::Model> {
         self.link.get().copied().flatten()
     }
 
-    /// The topology known so far (one host of `n` ranks before the probe).
+    /// The topology known so far (one host of `n` ranks before the link measurement).
     pub(crate) fn topo_now(&self, n: usize) -> std::sync::Arc<crate::topo::Topology> {
         self.topo
             .get()
@@ -358,7 +358,7 @@ mod link_tests {
     fn slow_links_choose_from_the_model() {
         let comms = Comm::mem_world(8);
         let c = &comms[0];
-        // Over memory (and on one host) nothing is probed: the table's choices.
+        // Over memory (and on one host) nothing is measured: the table's choices.
         assert_eq!(c.link_scale().unwrap(), 1.0);
         assert_eq!(c.topology().unwrap().hosts(), 1);
         assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Tree);

@@ -1,6 +1,6 @@
 //! Which ranks share a host, and the ring order that follows hosts.
 //!
-//! A communicator learns its topology at its first collective (with the link probe, see
+//! A communicator learns its topology at its first collective (with the link measurement, see
 //! `Comm::link_scale`): every rank contributes the address it advertises to its peers, and ranks
 //! with the same address share a host. Hosts are numbered in the order their lowest rank
 //! appears. The ring algorithms then walk the ranks host by host — every rank of host 0 in rank

@@ -609,14 +609,21 @@ impl Group {
                 }
                 Err(e) => {
                     // Someone agreed and then did not come (a second failure): agree again
-                    // on this membership. Suspect whom the launcher reports gone; only when it
-                    // reports nobody (the connect waited out its deadline), whoever never
-                    // published an address over the transport in use. A connect that failed
-                    // at once on a known loss must not suspect members merely slower to
-                    // publish: they are alive, and would be cut off.
+                    // on this membership. Suspect whom the launcher reports gone and the
+                    // member the connect found gone (its address refused connections: a
+                    // closed listener, which needs no launcher); only when neither names
+                    // anyone (the connect waited out its deadline), whoever never published
+                    // an address over the transport in use. A connect that failed at once on
+                    // a known loss must not suspect members merely slower to publish: they
+                    // are alive, and would be cut off.
                     warn!(rank, epoch, "connecting the survivors failed, agreeing again: {e}");
                     let store = cur.epoch_store(epoch);
-                    let gone = crate::connect::gone_members(&cur, &kept);
+                    let mut gone = crate::connect::gone_members(&cur, &kept);
+                    if let Error::PeerLost { peer, .. } = &e {
+                        if *peer < kept.len() && !gone.contains(peer) {
+                            gone.push(*peer);
+                        }
+                    }
                     suspects = if gone.is_empty() {
                         (0..kept.len())
                             .filter(|r| {

@@ -48,9 +48,9 @@ impl Comm {
     /// tuning), links as fast as loopback (no cost model), at least two pieces of at least
     /// the chunk and two segments per rank each.
     fn allreduce_piece(&self, count: usize, esize: usize) -> Result<Option<usize>> {
-        // The link probe first (every rank makes this call at the same point): on slow links
+        // The link measurement first (every rank makes this call at the same point): on slow links
         // the whole allreduce is chosen by the cost model, never pieces.
-        self.ensure_probed()?;
+        self.ensure_measured()?;
         Ok(self.sel.allreduce_pieces(count, esize, self.size()))
     }
 

@@ -52,7 +52,7 @@ pub(crate) trait Driver: Send + 'static {
     /// every descriptor) instead of reading blindly: true where a read that finds nothing
     /// costs more than a look (TCP: `recv` takes the socket's lock, which the sender's
     /// delivery into that socket then contends for; `poll` does not).
-    const PROBE_SPIN: bool = false;
+    const LOOK_WHILE_SPINNING: bool = false;
     /// Write what the core queued for `peer` (eagerly, right after a post).
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant);
     /// `peer`'s frame in progress got a destination (a receive was posted for a parked
@@ -274,7 +274,7 @@ impl<D: Driver> Engine<D> {
         loop {
             let s = &mut *guard;
             let now = first.take().unwrap_or_else(Instant::now);
-            if spun && D::PROBE_SPIN {
+            if spun && D::LOOK_WHILE_SPINNING {
                 self.look(s, now, &mut fds);
             } else {
                 self.pass(s, Mode::Wait, now);
@@ -333,7 +333,7 @@ impl<D: Driver> Engine<D> {
         self.wake_others(s, before);
     }
 
-    /// A spinning waiter's pass (drivers with [`Driver::PROBE_SPIN`]): the core's timers, then
+    /// A spinning waiter's pass (drivers with [`Driver::LOOK_WHILE_SPINNING`]): the core's timers, then
     /// one `poll` without a timeout over the descriptors a sleep would watch, and the driver
     /// serves only what it flagged.
     fn look(&self, s: &mut State<D>, now: Instant, fds: &mut Vec<libc::pollfd>) {

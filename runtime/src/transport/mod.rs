@@ -148,12 +148,15 @@ impl<'a> Watch<'a> {
         Watch { gone: Some(gone) }
     }
 
-    /// [`Error::Rendezvous`] naming the rank that ended, if one did.
+    /// [`Error::PeerLost`] naming the rank that ended, if one did (no operation: it was lost
+    /// while connecting).
     pub(crate) fn check(&self, rank: usize) -> Result<()> {
         match self.gone.and_then(|f| f()) {
             None => Ok(()),
-            Some((peer, what)) => Err(Error::Rendezvous {
+            Some((peer, what)) => Err(Error::PeerLost {
                 rank,
+                peer,
+                ctx: None,
                 detail: format!(
                     "rank {peer} of the world being connected is gone ({what}); connecting \
                      without it is for the survivors to agree on"

@@ -470,6 +470,7 @@ mod refused {
         });
         for (e, at) in &errs {
             assert!(e.contains("rank 2 of the world being connected is gone"), "{e}");
+            assert!(e.contains("connection to peer rank 2 lost"), "typed as a lost peer: {e}");
             assert!(*at < Duration::from_secs(5), "took {at:?}: {e}");
         }
         // Rank 0 published an address whose listener is closed now (its process ended): the

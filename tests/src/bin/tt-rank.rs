@@ -256,7 +256,13 @@ fn main() {
         "loop" => loop_until_error(&comm),
         "loop-pid" => {
             // As `loop`, after printing `PID <rank> <pid>` (for a test that kills one rank of a
-            // job whose launcher it does not control, e.g. srun's or mpirun's).
+            // job whose launcher it does not control, e.g. srun's or mpirun's). SIGTERM is
+            // ignored: mpirun tears the whole job down (SIGTERM first, SIGKILL a while later)
+            // as soon as one task dies, which on a loaded machine can end a survivor before it
+            // has printed the error the test reads; SIGKILL still ends it.
+            // SAFETY: setting a signal's disposition to "ignore" before any other thread of
+            // ours handles signals.
+            unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
             println!("PID {} {}", comm.rank(), std::process::id());
             loop_until_error(&comm)
         }

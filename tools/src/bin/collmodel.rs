@@ -45,7 +45,7 @@ enum Cmd {
         /// Per-byte cost between ranks of one host, ns per byte.
         #[arg(long, default_value_t = 0.4)]
         local_ns: f64,
-        /// Take α as given (µs per message, e.g. the link probe's) and fit β alone.
+        /// Take α as given (µs per message, e.g. the link measurement's) and fit β alone.
         #[arg(long)]
         alpha_us: Option<f64>,
         /// Fit on sizes from this many bytes (smaller ones are still listed).

@@ -188,7 +188,7 @@ impl Bench {
         }
         let me = self.comm.rank();
         let n = self.comm.size();
-        // Hosts and links (the probe runs here, before any timing, on multi-host groups).
+        // Hosts and links (the measurement runs here, before any timing, on multi-host groups).
         let topo = self.comm.topology()?;
         let model = self.comm.link_model();
         let a = &self.s.args;

@@ -187,7 +187,7 @@ impl TcpDriver {
 
 impl Driver for TcpDriver {
     const WAITING_NAP: Duration = Duration::from_millis(100);
-    const PROBE_SPIN: bool = true;
+    const LOOK_WHILE_SPINNING: bool = true;
 
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
         self.progress_tx(core, peer, now);

@@ -231,8 +231,10 @@ fn connect_one(
                 refused =
                     if e.kind() == std::io::ErrorKind::ConnectionRefused { refused + 1 } else { 0 };
                 if refused >= REFUSED_GONE && watch.is_watching() {
-                    return Err(Error::Rendezvous {
+                    return Err(Error::PeerLost {
                         rank,
+                        peer: j,
+                        ctx: None,
                         detail: format!(
                             "rank {j} refuses connections at the address it published ({addr}): \
                              its process has ended"

@@ -1,9 +1,9 @@
-//! The link probe: which ranks share a host, and, across hosts, the links' per-message (α),
+//! The link measurement: which ranks share a host, and, across hosts, the links' per-message (α),
 //! per-byte (β) and reduction (γ) costs, measured once per group at its first collective.
 //!
 //! It runs its collectives straight through the executor with fixed algorithms
 //! (`Comm::execute`), never through the public collectives: nothing it calls can choose an
-//! algorithm or start the probe again, so it needs no guard.
+//! algorithm or start the measurement again, so it needs no guard.
 
 use std::time::Instant;
 
@@ -16,11 +16,11 @@ use crate::model::Model;
 use crate::select::Algo;
 use crate::topo::Topology;
 
-/// Messages of the probe's latency measurement.
+/// Messages of the measurement's latency measurement.
 const SMALL: usize = 5;
-/// Bytes of the probe's local reduction (larger than a core's cache, as real buffers are).
+/// Bytes of the measurement's local reduction (larger than a core's cache, as real buffers are).
 const REDUCE: usize = 8 << 20;
-/// Bytes per rank of the probe's all-gather.
+/// Bytes per rank of the measurement's all-gather.
 const BYTES: usize = 1 << 20;
 /// Per-link bandwidth of that all-gather on loopback on the machine the built-in table was
 /// measured on (2-core VM, 4 ranks over TCP), in bytes per second.
@@ -28,7 +28,7 @@ pub(crate) const REFERENCE_BW: f64 = 1.0e9;
 /// Links at least this many times slower than the reference count as slower (`link_scale`).
 const SLOW: f64 = 4.0;
 
-/// Probe `comm`'s group, whose rank advertises `ip`: its topology, and the cost model when its
+/// Measure `comm`'s group, whose rank advertises `ip`: its topology, and the cost model when its
 /// links are at least [`SLOW`] times slower than the reference (`None` otherwise, and on one
 /// host). Every rank calls it at the same point; the slowest rank's times are everyone's.
 pub(crate) fn measure(comm: &Comm, ip: std::net::IpAddr) -> Result<(Topology, Option<Model>)> {
@@ -82,6 +82,6 @@ pub(crate) fn measure(comm: &Comm, ip: std::net::IpAddr) -> Result<(Topology, Op
         gamma: reduce / REDUCE as f64,
     };
     let scale = REFERENCE_BW / bw;
-    debug!(bw, scale, ?model, hosts, "link probe");
+    debug!(bw, scale, ?model, hosts, "link measurement");
     Ok((topo, (scale >= SLOW).then_some(model)))
 }
