@@ -365,10 +365,7 @@ impl Comm {
                     _ => "failed in",
                 };
                 let reason = format!("rank {me} {how} {op}: {other}");
-                (
-                    tutti_runtime::Error::Aborted { rank: self.rank(), reason: reason.clone() },
-                    reason,
-                )
+                (tutti_runtime::Error::Aborted { rank: me, reason: reason.clone() }, reason)
             }
         };
         self.group.fail(&re, &reason);

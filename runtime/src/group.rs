@@ -1,7 +1,7 @@
 //! Groups: the handle users hold.
 //!
-//! A [`Group`] is a set of ranks over one transport, with its own id, collective sequence numbers,
-//! timeout and poison state. [`Group::new_group`] makes sub-groups that share the parent's
+//! A [`Group`] is a set of ranks over one transport, with its own id, collective sequence numbers
+//! and timeout; its failure state is the transport's, shared by every group over it. [`Group::new_group`] makes sub-groups that share the parent's
 //! connections (for 2-D data × tensor parallel layouts). Group ranks are dense `0..size`; the
 //! group maps them to transport (global) ranks.
 
@@ -172,12 +172,17 @@ impl Group {
 
     /// Record a fatal failure `e` and tell every peer `reason` — the one way a call's failure
     /// is recorded. It goes to the transport ([`Transport::fail`]), which every group over it
-    /// asks and whose first failure stays the cause. A bad argument or setting (not fatal)
-    /// changes nothing.
+    /// asks and whose first failure stays the cause. Under torchrun `e`, which names the
+    /// operation, is left in the agent's error file (the process's latest failed call). A bad
+    /// argument or setting (not fatal) changes nothing.
     pub fn fail(&self, e: &Error, reason: &str) {
-        if e.is_fatal() && self.inner.transport.fail(e.clone(), reason) {
+        if !e.is_fatal() {
+            return;
+        }
+        if self.inner.transport.fail(e.clone(), reason) {
             warn!(group = self.inner.id, rank = self.inner.rank, "group failed: {e}");
         }
+        crate::rendezvous::launcher::record_failure(&e.to_string());
     }
 
     /// Refuse a rank argument outside the group, before anything is sent.

@@ -80,11 +80,14 @@ impl WakePipe {
         unsafe { libc::write(self.tx, (&b as *const u8).cast(), 1) };
     }
 
-    /// Consume pending wake-ups (after `poll` reported the read end readable).
+    /// Consume every pending wake-up (after `poll` reported the read end readable), so a
+    /// backlog of them does not wake the next sleeper for nothing.
     pub(crate) fn drain(&self) {
-        let mut sink = [0u8; 64];
+        let mut sink = [0u8; 256];
         // SAFETY: reading into a local buffer from our own non-blocking pipe.
-        unsafe { libc::read(self.rx, sink.as_mut_ptr().cast(), sink.len()) };
+        while unsafe { libc::read(self.rx, sink.as_mut_ptr().cast(), sink.len()) }
+            == sink.len() as isize
+        {}
     }
 }
 

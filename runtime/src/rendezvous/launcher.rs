@@ -214,10 +214,10 @@ pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
 
 /// Leave `message` (a fatal error) where torchrun looks for it, so that its "Root Cause"
 /// summary shows tutti's message — rank, peer, operation — instead of `<N/A>`. Only under
-/// torchrun (`TORCHELASTIC_ERROR_FILE` set). A transport calls this once, when its first failure
-/// poisons it (whatever the source: this rank, a peer's abort, a lost link), and rendezvous
-/// when it fails; a later failure (of the transport an elastic job rebuilt) replaces an earlier
-/// one, so the file names what ended the process. The file is torch's own format:
+/// torchrun (`TORCHELASTIC_ERROR_FILE` set). Written when a call fails (`Group::fail`, with the
+/// call's error), when a transport finds its first failure itself (a lost peer, a peer's abort),
+/// and when rendezvous fails; a later write replaces an earlier one, so after an elastic job
+/// went on past a failure the file names what ended the process. The file is torch's own format:
 /// `{"message": {"message": …, "extraInfo": {"py_callstack": …, "timestamp": …}}}`; torchrun
 /// reads it only if the process then exits with a failure.
 pub fn record_failure(message: &str) {

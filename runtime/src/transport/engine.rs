@@ -10,8 +10,8 @@
 //! aborts, dead peers, what a large send left queued), so 2-core machines running 4+ ranks never
 //! spin without bound.
 //!
-//! The one [`Transport`] implementation for every driver is here: TCP and QUIC differ only in
-//! their driver (`tcp/driver.rs`, `quic/driver.rs`).
+//! The one [`Transport`] implementation for every driver is here: TCP, QUIC and the in-memory
+//! transport differ only in their driver (`tcp/driver.rs`, `quic/driver.rs`, `mem.rs`).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -88,7 +88,10 @@ pub(crate) struct State<D> {
 impl<D: Driver> State<D> {
     /// Let the driver close the links the core gave up on, and write out the abort frames a
     /// fresh poisoning queued on every other link. A fresh poisoning is this transport's first
-    /// failure: under torchrun it is left in the agent's error file.
+    /// failure: under torchrun one the transport found itself (a lost or silent peer, a peer's
+    /// abort, a protocol violation) is left in the agent's error file at once, even if no call
+    /// is there to see it; a failed call records its own error, with the operation, through
+    /// `Group::fail`, and a plain local abort (a shrink, the user's `abort`) records nothing.
     fn settle(&mut self) {
         loop {
             while let Some(peer) = self.core.take_down() {
@@ -97,7 +100,9 @@ impl<D: Driver> State<D> {
             if !self.core.take_fresh_poison() {
                 return;
             }
-            if let Some(cause) = self.core.poisoned() {
+            if let Some(cause) =
+                self.core.poisoned().filter(|e| !matches!(e, Error::Aborted { .. }))
+            {
                 crate::rendezvous::launcher::record_failure(&cause.to_string());
             }
             self.flush_links(Instant::now());

@@ -3,7 +3,7 @@
 //! It is the production transport with the sockets taken out. Every rank runs the same
 //! connection core and engine as TCP and QUIC — framing, matching, fingerprint checks, flow
 //! control, deadlines, the probe of a long wait, keep-alives, dead-peer rules, poisoning and
-//! abort frames — under a driver of its own, [`MemDriver`], which moves the core's frames
+//! abort frames — under a driver of its own, `MemDriver`, which moves the core's frames
 //! through one bounded in-memory pipe per direction of each pair of ranks (the counterpart of a
 //! socket's buffers) and wakes the reading rank's engine through a descriptor it sleeps on. So
 //! an algorithm that passes here has run through the state machine that runs on the wire.
@@ -173,6 +173,10 @@ impl MemDriver {
             st.held += n;
             st.chunks.push_back(Chunk { ready, data, off: 0 });
             st.set_readable(pipe);
+            // Full now: say so before the lock goes, or a reader emptying the pipe in between
+            // would not know to wake us.
+            let full = st.held >= PIPE_BYTES;
+            st.writer_waits |= full;
             drop(st);
             if was_empty {
                 self.wake_reader(peer);
@@ -181,8 +185,7 @@ impl MemDriver {
                 self.wake_idle(peer);
             }
             core.tx_done(peer, n, now);
-            if core.wants_tx(peer) {
-                pipe.lock().writer_waits = true;
+            if full {
                 return;
             }
         } else {
@@ -346,9 +349,13 @@ impl Driver for MemDriver {
 
     fn next_timer(&mut self) -> Option<Instant> {
         self.fabric.delay.as_ref()?;
+        // Only times still to come: a chunk already due that stays in the pipe (behind a parked
+        // frame, or data an idle rank leaves) must not make every sleep a zero one.
+        let now = Instant::now();
         (0..self.fabric.n)
             .filter(|p| *p != self.rank && self.open[*p])
             .filter_map(|p| self.fabric.pipe(p, self.rank).lock().chunks.front()?.ready)
+            .filter(|r| *r > now)
             .min()
     }
 

@@ -134,7 +134,7 @@ fn loop_until_error(c: &Comm) -> Result<(), String> {
     }
 }
 
-/// `topology`: which host each rank is on and the link probe's verdict, then a 4 MiB allreduce
+/// `topology`: which host each rank is on and the link measurement's verdict, then a 4 MiB allreduce
 /// by the automatic choice and one forced two-level, both checked element by element.
 fn topology(comm: &Comm) -> Result<(), String> {
     let e = |e: tutti_collectives::Error| e.to_string();
