@@ -119,6 +119,10 @@ struct Link {
     gone: bool,
     /// When bytes last arrived from the peer (data, control, or the driver's own traffic).
     last_rx: Instant,
+    /// Anything at all arrived from the peer on this link. Until then the peer may still be
+    /// connecting to others (its engine, which sends its keep-alives, starts only once its
+    /// whole world is connected): the dead-peer rule does not apply to it yet.
+    heard_from: bool,
     /// When the driver last handed bytes of ours to its wire.
     last_tx: Instant,
 }
@@ -141,6 +145,7 @@ impl Link {
             gone: false,
             last_rx: now,
             last_tx: now,
+            heard_from: false,
         }
     }
 
@@ -259,6 +264,7 @@ impl Core {
         let silent = |l: &Link| {
             self.cfg.keepalive.is_some()
                 && l.up
+                && l.heard_from
                 && now.saturating_duration_since(l.last_rx) >= self.cfg.dead_after
         };
         (0..self.links.len())
@@ -463,6 +469,7 @@ impl Core {
     pub(crate) fn heard(&mut self, peer: usize, now: Instant) {
         if let Some(l) = self.links.get_mut(peer) {
             l.last_rx = l.last_rx.max(now);
+            l.heard_from = true;
         }
     }
 
@@ -484,6 +491,7 @@ impl Core {
     pub(crate) fn rx_direct_done(&mut self, peer: usize, n: usize, now: Instant) {
         let l = &mut self.links[peer];
         l.last_rx = now;
+        l.heard_from = true;
         let Some(f) = l.cur.as_mut() else { return };
         f.done += n;
         if f.done == f.len {
@@ -502,6 +510,7 @@ impl Core {
         let total = data.len();
         if total > 0 {
             self.links[peer].last_rx = now;
+            self.links[peer].heard_from = true;
         }
         while !data.is_empty() {
             if !self.links[peer].up {
@@ -728,7 +737,9 @@ impl Core {
 
     /// One step of a wait for `w.op`: its result, or what to do before looking again. Decides
     /// the deadline, the dead-peer rule (the peer silent for `dead_after` since the later of
-    /// its last traffic and the start of this wait), unparking, and the probe.
+    /// its last traffic and the start of this wait; only once anything at all came from it, so
+    /// a peer still connecting the rest of its world is waited for until the deadline),
+    /// unparking, and the probe.
     pub(crate) fn poll_wait(&mut self, w: &mut Waiter, now: Instant) -> Step {
         if let Some(r) = self.ops.take_finished(w.op) {
             return Step::Done(r);
@@ -746,7 +757,7 @@ impl Core {
         if let Some(l) = self.links.get(peer).filter(|l| l.up) {
             let since = l.last_rx.max(w.start);
             let quiet = now.saturating_duration_since(since);
-            if quiet >= self.cfg.dead_after {
+            if l.heard_from && quiet >= self.cfg.dead_after {
                 let detail = format!(
                     "nothing (not even a keep-alive) arrived from rank {peer} for {quiet:.1?}: \
                      the process is stopped (SIGSTOP), hung in the kernel, or its host is \
@@ -755,7 +766,9 @@ impl Core {
                 self.link_failed(peer, LinkFail::Silent(detail));
                 return Step::Again;
             }
-            until = until.min(since + self.cfg.dead_after);
+            if l.heard_from {
+                until = until.min(since + self.cfg.dead_after);
+            }
             if l.parked() && self.queues[peer].is_posted(w.op) {
                 self.unpark(peer);
                 return Step::Again;

@@ -55,7 +55,9 @@ pub struct LinkConfig {
     pub keepalive_interval: Duration,
     /// A peer that an operation waits on and that sent nothing at all (not even a keep-alive)
     /// for this long is declared dead, and every rank is told. Default 5 s (5 missed
-    /// keep-alives). Hazard: shorter values can misjudge a peer whose host is badly overloaded.
+    /// keep-alives). The clock starts at the peer's first frame: a peer that has sent nothing
+    /// yet may still be connecting the rest of its world, and is waited for until the
+    /// operation's deadline. Hazard: shorter values can misjudge a peer whose host is badly overloaded.
     pub dead_after: Duration,
     /// How long an operation waits before asking its peer (one small probe frame) whether they
     /// are in the same collective; a disagreement fails both at once. Default 1 s. Hazard: very

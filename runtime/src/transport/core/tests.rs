@@ -68,6 +68,8 @@ fn post_recv(c: &mut Core, d: MsgDesc, buf: &mut [u8]) -> OpId {
 fn a_silent_peer_is_dead_exactly_at_dead_after_and_named() {
     let t0 = Instant::now();
     let mut c = core(t0);
+    // The peer's engine is running: its first keep-alive came at once.
+    assert_eq!(c.rx_bytes(1, &control(FrameKind::KeepAlive, 1), t0), HEADER_LEN);
     let mut buf = [0u8; 4];
     let id = post_recv(&mut c, desc(1, 4), &mut buf);
     let mut w = Waiter::new(id, t0, t0 + 60 * SEC);
@@ -90,6 +92,40 @@ fn a_silent_peer_is_dead_exactly_at_dead_after_and_named() {
     assert!(c.poisoned().is_some());
 }
 
+/// A peer that has sent nothing on the link yet may still be connecting the rest of its world
+/// (at 256 ranks that took longer than the dead-peer limit, and healthy jobs failed): it is
+/// waited for until the operation's deadline, which then names it. Its first frame starts the
+/// dead-peer clock.
+#[test]
+fn a_peer_never_heard_from_is_waited_for_until_the_deadline_not_called_dead() {
+    let t0 = Instant::now();
+    let mut c = core(t0);
+    let mut buf = [0u8; 4];
+    let id = post_recv(&mut c, desc(1, 4), &mut buf);
+    let mut w = Waiter::new(id, t0, t0 + 60 * SEC);
+    w.probed = true;
+    match c.poll_wait(&mut w, t0 + 59 * SEC) {
+        Step::Sleep(_) => {}
+        other => panic!("a peer still starting is not dead: {other:?}"),
+    }
+    assert!(c.is_up(1));
+    assert!(c.lost_peers(t0 + 59 * SEC).is_empty(), "nor counted lost by the survivors' agreement");
+    match c.poll_wait(&mut w, t0 + 60 * SEC) {
+        Step::Done(Err(Error::Timeout { peer: 1, .. })) => {}
+        other => panic!("expected the deadline, naming the peer: {other:?}"),
+    }
+    // Heard from at 20 s (its engine started): silence counts from there.
+    let mut c = core(t0);
+    let id = post_recv(&mut c, desc(1, 4), &mut buf);
+    let mut w = Waiter::new(id, t0, t0 + 60 * SEC);
+    w.probed = true;
+    assert_eq!(c.rx_bytes(1, &control(FrameKind::KeepAlive, 1), t0 + 20 * SEC), HEADER_LEN);
+    assert!(matches!(c.poll_wait(&mut w, t0 + 24 * SEC), Step::Sleep(_)));
+    assert!(c.is_up(1));
+    assert!(matches!(c.poll_wait(&mut w, t0 + 25 * SEC), Step::Again));
+    assert!(!c.is_up(1), "silent for the dead-peer limit after it was heard: dead");
+}
+
 #[test]
 fn traffic_and_a_late_wait_push_the_dead_line() {
     let t0 = Instant::now();
@@ -108,6 +144,7 @@ fn traffic_and_a_late_wait_push_the_dead_line() {
     assert!(!c.is_up(1));
     // A wait that starts late does not blame the peer for the time nobody waited.
     let mut c = core(t0);
+    assert_eq!(c.rx_bytes(1, &control(FrameKind::KeepAlive, 1), t0), HEADER_LEN);
     let id = post_recv(&mut c, desc(1, 4), &mut buf);
     let mut w = Waiter::new(id, t0 + 100 * SEC, t0 + 200 * SEC);
     w.probed = true;
