@@ -178,10 +178,10 @@ fn flood() -> Vec<Frame> {
         .collect()
 }
 
-#[test]
-fn malformed_frames_tcp() {
+/// Every malformed case on fresh worlds from `world`.
+fn malformed_frames<T: Wired>(world: impl Fn() -> Vec<T>) {
     for (case, frames, needle) in cases() {
-        let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
+        let ts = world();
         let errs = rogue(
             case,
             &ts,
@@ -191,59 +191,48 @@ fn malformed_frames_tcp() {
         );
         check_all(&errs, case, needle);
     }
+}
+
+/// The flood on `ts`: rank 0 stops at its budget, naming rank 2.
+fn unexpected_data_budget<T: Wired>(ts: Vec<T>) {
+    let errs = rogue("flood", &ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
+    check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
+}
+
+fn tcp_world() -> Vec<crate::transport::tcp::TcpTransport> {
+    testing::tcp_world(3, &cfg()).unwrap().0
+}
+
+#[test]
+fn malformed_frames_tcp() {
+    malformed_frames(tcp_world);
 }
 
 #[test]
 fn malformed_frames_mem() {
-    for (case, frames, needle) in cases() {
-        let ts = MemTransport::world_with(3, &cfg());
-        let errs = rogue(
-            case,
-            &ts,
-            |t, p, h, b| t.engine().send_raw(p, h, b),
-            &frames,
-            case == AFTER_CLOSE,
-        );
-        check_all(&errs, case, needle);
-    }
+    malformed_frames(|| MemTransport::world_with(3, &cfg()));
 }
 
 #[test]
 fn unexpected_data_budget_mem() {
-    let ts = MemTransport::world_with(3, &cfg());
-    let errs = rogue("flood", &ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
-    check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
+    unexpected_data_budget(MemTransport::world_with(3, &cfg()));
 }
 
 #[test]
 fn unexpected_data_budget_tcp() {
-    let (ts, _store) = testing::tcp_world(3, &cfg()).unwrap();
-    let errs = rogue("flood", &ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
-    check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
+    unexpected_data_budget(tcp_world());
 }
 
 #[cfg(feature = "quic")]
 #[test]
 fn malformed_frames_quic() {
-    for (case, frames, needle) in cases() {
-        let ts = testing::quic_world(3, &cfg()).unwrap();
-        let errs = rogue(
-            case,
-            &ts,
-            |t, p, h, b| t.engine().send_raw(p, h, b),
-            &frames,
-            case == AFTER_CLOSE,
-        );
-        check_all(&errs, case, needle);
-    }
+    malformed_frames(|| testing::quic_world(3, &cfg()).unwrap());
 }
 
 #[cfg(feature = "quic")]
 #[test]
 fn unexpected_data_budget_quic() {
-    let ts = testing::quic_world(3, &cfg()).unwrap();
-    let errs = rogue("flood", &ts, |t, p, h, b| t.engine().send_raw(p, h, b), &flood(), false);
-    check_all(&errs, "flood", "over the unexpected-message budget of 1048576 bytes");
+    unexpected_data_budget(testing::quic_world(3, &cfg()).unwrap());
 }
 
 /// A receive that failed mid-frame is never written again: rank 1 posts a 32 MiB receive from
