@@ -38,7 +38,7 @@ pub struct Options {
     pub transport: TransportKind,
     /// Settings of both transports (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
     /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`,
-    /// `TUTTI_TCP_CONGESTION`).
+    /// `TUTTI_TCP_CONGESTION`, `TUTTI_SHM`).
     pub link: LinkConfig,
     /// QUIC-only settings (`TUTTI_QUIC_MTU`, `TUTTI_QUIC_GSO`).
     pub quic: QuicConfig,
@@ -93,7 +93,7 @@ impl std::fmt::Debug for Options {
 impl Options {
     /// Read `TUTTI_TOKEN` or `TUTTI_TOKEN_FILE`, `TUTTI_INSECURE`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
     /// `TUTTI_TRANSPORT`, `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER`, `TUTTI_QUIC_MTU`,
-    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES` and `TUTTI_TCP_CONGESTION`; an
+    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`, `TUTTI_TCP_CONGESTION` and `TUTTI_SHM`; an
     /// empty variable counts as unset.
     ///
     /// # Errors
@@ -192,6 +192,13 @@ impl Options {
                 )));
             }
             o.link.tcp_congestion = (v != "system").then(|| v.to_string());
+        }
+        if let Some(v) = get("TUTTI_SHM") {
+            o.link.shm = match v.as_str() {
+                "1" => true,
+                "0" => false,
+                _ => return Err(Error::Config(format!("TUTTI_SHM={v:?}: expected 1 or 0"))),
+            };
         }
         if let Some(v) = get("TUTTI_SPIN_US") {
             let us: u64 = v.trim().parse().map_err(|_| {

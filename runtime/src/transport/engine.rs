@@ -51,8 +51,21 @@ pub(crate) trait Driver: Send + 'static {
     /// Whether a spinning wait should look at readiness (one `poll` without a timeout over
     /// every descriptor) instead of reading blindly: true where a read that finds nothing
     /// costs more than a look (TCP: `recv` takes the socket's lock, which the sender's
-    /// delivery into that socket then contends for; `poll` does not).
-    const LOOK_WHILE_SPINNING: bool = false;
+    /// delivery into that socket then contends for; `poll` does not). Shared memory reads
+    /// blindly: a look at a ring is one atomic load.
+    fn look_while_spinning(&self) -> bool {
+        false
+    }
+    /// About to sleep in `mode` on [`Driver::poll_set`]'s descriptors: ask the peers whose input
+    /// raises no descriptor by itself (shared-memory rings) for a wake-up. True when input or
+    /// room is there already, so the engine passes again instead of sleeping.
+    fn arm(&mut self, _core: &Core, _mode: Mode) -> bool {
+        false
+    }
+    /// How the frames to `peer` travel, when this driver has more than one way (`"shm"`).
+    fn link_kind(&self, _peer: usize) -> Option<&'static str> {
+        None
+    }
     /// Write what the core queued for `peer` (eagerly, right after a post).
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant);
     /// `peer`'s frame in progress got a destination (a receive was posted for a parked
@@ -279,7 +292,7 @@ impl<D: Driver> Engine<D> {
         loop {
             let s = &mut *guard;
             let now = first.take().unwrap_or_else(Instant::now);
-            if spun && D::LOOK_WHILE_SPINNING {
+            if spun && s.driver.look_while_spinning() {
                 self.look(s, now, &mut fds);
             } else {
                 self.pass(s, Mode::Wait, now);
@@ -303,6 +316,9 @@ impl<D: Driver> Engine<D> {
                 s.followers += 1;
                 guard = self.ended.wait_timeout(guard, d).unwrap_or_else(|e| e.into_inner()).0;
                 guard.followers -= 1;
+                continue;
+            }
+            if s.driver.arm(&s.core, Mode::Wait) {
                 continue;
             }
             self.poll_set(s, Mode::Wait, &mut fds);
@@ -338,16 +354,16 @@ impl<D: Driver> Engine<D> {
         self.wake_others(s, before);
     }
 
-    /// A spinning waiter's pass (drivers with [`Driver::LOOK_WHILE_SPINNING`]): the core's timers, then
-    /// one `poll` without a timeout over the descriptors a sleep would watch, and the driver
-    /// serves only what it flagged.
+    /// A spinning waiter's pass (drivers that [`Driver::look_while_spinning`]): the core's
+    /// timers, then one `poll` without a timeout over the descriptors a sleep would watch, and
+    /// the driver serves what it flagged (and what no descriptor flags: shared memory).
     fn look(&self, s: &mut State<D>, now: Instant, fds: &mut Vec<libc::pollfd>) {
         let before = s.core.ops_ended();
         s.core.handle_timeout(now);
         self.poll_set(s, Mode::Wait, fds);
         // SAFETY: `fds` is a valid pollfd array of its length; a zero timeout never blocks.
         let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
-        if r > 0 && fds[1..].iter().any(|f| f.revents != 0) {
+        if r >= 0 {
             s.driver.ready(&mut s.core, Mode::Wait, &fds[1..], now);
         }
         s.settle();
@@ -453,6 +469,9 @@ impl<D: Driver> Engine<D> {
                 if let Some(t) = s.driver.next_timer() {
                     until = until.min(t);
                 }
+                if s.driver.arm(&s.core, Mode::Idle) {
+                    continue;
+                }
                 until
             };
             if self.stop.load(Ordering::SeqCst) {
@@ -505,6 +524,9 @@ impl<D: Driver> Engine<D> {
                 if now >= deadline {
                     tracing::debug!(rank = self.rank, "shutdown: peers still open at the deadline");
                     break;
+                }
+                if s.driver.arm(&s.core, Mode::Shutdown) {
+                    continue;
                 }
                 self.poll_set(s, Mode::Shutdown, &mut fds);
                 s.driver.next_timer().map_or(deadline, |t| t.min(deadline))
@@ -588,6 +610,10 @@ impl<T: Wired> Transport for T {
 
     fn world_size(&self) -> usize {
         self.engine().world()
+    }
+
+    fn link_kind(&self, peer: usize) -> &'static str {
+        self.engine().lock().driver.link_kind(peer).unwrap_or(T::NAME)
     }
 
     fn name(&self) -> &'static str {

@@ -70,6 +70,10 @@ pub struct LinkConfig {
     /// low). An algorithm the kernel lacks is skipped (the system's default stays), with a
     /// debug log. Hazard: on long-haul links with loss, BBR may be the better choice.
     pub tcp_congestion: Option<String>,
+    /// Whether TCP connections between ranks of one host carry their frames through shared
+    /// memory (`TUTTI_SHM`, default on; `0` keeps every byte on the sockets). Both ranks of a
+    /// pair must offer it; a pair that cannot set it up stays on TCP. QUIC ignores it.
+    pub shm: bool,
 }
 
 impl Default for LinkConfig {
@@ -86,6 +90,7 @@ impl Default for LinkConfig {
             dead_after: Duration::from_secs(5),
             probe_after: Duration::from_secs(1),
             tcp_congestion: Some("cubic".to_string()),
+            shm: true,
         }
     }
 }
@@ -221,6 +226,13 @@ pub trait Transport: Send + Sync {
 
     /// Name of the transport (`mem`, `tcp`, …), for logs and benchmarks.
     fn name(&self) -> &'static str;
+
+    /// How the frames to `peer` travel: `shm` for a TCP connection to a rank of this host that
+    /// moves its frames through shared memory, otherwise the transport's [`name`](Transport::name).
+    fn link_kind(&self, peer: usize) -> &'static str {
+        let _ = peer;
+        self.name()
+    }
 
     /// Post a send of `len` bytes at `data` to `peer` under `desc`.
     ///

@@ -6,11 +6,16 @@
 //! large to buffer is parked by the core: its payload stays in the kernel, which flow-controls
 //! the sender, until the receive is posted. While nobody waits, only control frames are taken
 //! off the sockets (peeking at each header), so data for receives not yet posted stays there.
+//!
+//! A connection to a rank on the same host may carry its frames through shared memory instead
+//! (`shm.rs`): the same writes and reads, with a copy into and out of a ring in place of
+//! `sendmsg` and `recv`; its socket then carries only wake-ups and the end of the link.
 
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
+use super::shm::{self, ShmLink};
 use crate::transport::core::{Core, LinkFail};
 use crate::transport::engine::{Driver, Mode};
 use crate::wire::{FrameKind, Header, HEADER_LEN};
@@ -32,6 +37,8 @@ struct Conn {
     end: usize,
     /// Our write side is shut (our close frame went out).
     shut: bool,
+    /// The frames go through shared memory (a peer on this host).
+    shm: Option<ShmLink>,
 }
 
 /// Every peer's TCP connection of one rank.
@@ -39,6 +46,10 @@ pub(crate) struct TcpDriver {
     conns: Vec<Option<Conn>>,
     /// Where shutdown drops what peers still send.
     sink: Vec<u8>,
+    /// Some connection is a socket's (not shared memory's): a spinning wait looks at readiness.
+    any_socket: bool,
+    /// Some connection goes through shared memory.
+    any_shm: bool,
 }
 
 /// Choose the socket's congestion control (`LinkConfig::tcp_congestion`); the system's default
@@ -69,15 +80,18 @@ fn io_fail(e: &std::io::Error) -> LinkFail {
 }
 
 impl TcpDriver {
-    /// A driver over connected streams (`None` at our own index); brings their links up.
+    /// A driver over connected streams (`None` at our own index), each with its shared-memory
+    /// link where [`shm::pair_up`] made one; brings their links up.
     pub(crate) fn new(
         streams: Vec<Option<TcpStream>>,
+        mut links: Vec<Option<ShmLink>>,
         core: &mut Core,
         now: Instant,
         congestion: Option<&str>,
     ) -> std::io::Result<TcpDriver> {
         let mut conns = Vec::with_capacity(streams.len());
-        for (peer, s) in streams.into_iter().enumerate() {
+        links.resize_with(streams.len(), || None);
+        for ((peer, s), link) in streams.into_iter().enumerate().zip(links) {
             conns.push(match s {
                 None => None,
                 Some(stream) => {
@@ -94,11 +108,39 @@ impl TcpDriver {
                         start: 0,
                         end: 0,
                         shut: false,
+                        shm: link,
                     })
                 }
             });
         }
-        Ok(TcpDriver { conns, sink: Vec::new() })
+        let any_socket = conns.iter().flatten().any(|c| c.shm.is_none());
+        let any_shm = conns.iter().flatten().any(|c| c.shm.is_some());
+        Ok(TcpDriver { conns, sink: Vec::new(), any_socket, any_shm })
+    }
+
+    /// How the frames to `peer` travel.
+    pub(crate) fn kind(&self, peer: usize) -> Option<&'static str> {
+        let c = self.conns.get(peer)?.as_ref()?;
+        Some(if c.shm.is_some() { "shm" } else { "tcp" })
+    }
+
+    /// Serve the shared-memory links outside a sleep's flags: the rings have no readiness to
+    /// poll for, so every pass looks at them (an atomic load each).
+    fn serve_shm(&mut self, core: &mut Core, mode: Mode, now: Instant) {
+        if !self.any_shm {
+            return;
+        }
+        for peer in 0..self.conns.len() {
+            if !self.conns[peer].as_ref().is_some_and(|c| c.shm.is_some()) {
+                continue;
+            }
+            if core.wants_tx(peer) {
+                self.progress_tx(core, peer, now);
+            }
+            if mode == Mode::Wait {
+                self.progress_rx(core, peer, now);
+            }
+        }
     }
 
     fn progress_tx(&mut self, core: &mut Core, peer: usize, now: Instant) {
@@ -156,6 +198,24 @@ impl TcpDriver {
                 continue;
             }
             let mut hb = [0u8; HEADER_LEN];
+            if let Some(l) = c.shm.as_ref() {
+                // The end of the link was seen on its socket (`ready`); the ring says the rest.
+                let control = match l.avail() {
+                    Err(e) => {
+                        core.link_failed(peer, LinkFail::Protocol(e));
+                        continue;
+                    }
+                    Ok(0) => l.peer_eof,
+                    Ok(_) => {
+                        l.peek(&mut hb) == HEADER_LEN
+                            && matches!(Header::decode(&hb), Ok(h) if h.kind != FrameKind::Data)
+                    }
+                };
+                if control {
+                    self.progress_rx(core, peer, now);
+                }
+                continue;
+            }
             // SAFETY: peeking into a local buffer.
             let r = unsafe {
                 libc::recv(
@@ -187,7 +247,14 @@ impl TcpDriver {
 
 impl Driver for TcpDriver {
     const WAITING_NAP: Duration = Duration::from_millis(100);
-    const LOOK_WHILE_SPINNING: bool = true;
+
+    fn look_while_spinning(&self) -> bool {
+        self.any_socket
+    }
+
+    fn link_kind(&self, peer: usize) -> Option<&'static str> {
+        self.kind(peer)
+    }
 
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
         self.progress_tx(core, peer, now);
@@ -208,10 +275,35 @@ impl Driver for TcpDriver {
             if core.wants_tx(peer) {
                 self.progress_tx(core, peer, now);
             }
-            if mode == Mode::Wait && core.wants_rx(peer) {
+            let shm = self.conns[peer].as_ref().is_some_and(|c| c.shm.is_some());
+            if mode == Mode::Wait && (core.wants_rx(peer) || shm) {
                 self.progress_rx(core, peer, now);
             }
         }
+    }
+
+    /// Before a sleep: ask the peers on shared memory to wake us when they write to a ring we
+    /// read (not while idle: data for receives not yet posted stays in the ring, and control
+    /// frames are looked for on the background's schedule, as on a socket) or make room in one
+    /// we wait to write to.
+    fn arm(&mut self, core: &Core, mode: Mode) -> bool {
+        if !self.any_shm {
+            return false;
+        }
+        let mut ready = false;
+        for (peer, c) in self.conns.iter().enumerate() {
+            let Some(l) = c.as_ref().and_then(|c| c.shm.as_ref()) else { continue };
+            if !core.is_up(peer) {
+                continue;
+            }
+            if core.wants_tx(peer) {
+                ready |= l.arm_tx();
+            }
+            if mode != Mode::Idle && !core.rx_parked(peer) {
+                ready |= l.arm_rx();
+            }
+        }
+        ready
     }
 
     fn next_timer(&mut self) -> Option<Instant> {
@@ -221,6 +313,19 @@ impl Driver for TcpDriver {
     fn poll_set(&mut self, core: &Core, mode: Mode, fds: &mut Vec<libc::pollfd>) {
         for (peer, c) in self.conns.iter().enumerate() {
             let Some(c) = c else { continue };
+            if let Some(l) = c.shm.as_ref() {
+                // Wake-ups and the peer's end arrive on the socket; the frames never do.
+                let events = match mode {
+                    Mode::Idle if core.wants_tx(peer) => libc::POLLIN,
+                    Mode::Idle if l.peer_eof => 0,
+                    Mode::Idle => libc::POLLRDHUP,
+                    _ => libc::POLLIN,
+                };
+                if events != 0 {
+                    fds.push(libc::pollfd { fd: c.fd, events, revents: 0 });
+                }
+                continue;
+            }
             let tx = if core.wants_tx(peer) { libc::POLLOUT } else { 0 };
             let events = match mode {
                 // A parked frame stays in the kernel: watch only for the peer's end.
@@ -246,6 +351,14 @@ impl Driver for TcpDriver {
             else {
                 continue;
             };
+            if let Some(c) = self.conns[peer].as_mut() {
+                if let Some(l) = c.shm.as_mut() {
+                    if shm::drain_wakes(c.fd) {
+                        l.peer_eof = true;
+                    }
+                    continue;
+                }
+            }
             if f.revents & libc::POLLOUT != 0 {
                 self.progress_tx(core, peer, now);
             }
@@ -262,6 +375,11 @@ impl Driver for TcpDriver {
                 self.progress_rx(core, peer, now);
             }
         }
+        match mode {
+            Mode::Idle if self.any_shm => self.poll_control(core, now),
+            _ => {}
+        }
+        self.serve_shm(core, mode, now);
     }
 
     fn link_down(&mut self, _core: &mut Core, peer: usize) {
@@ -292,6 +410,24 @@ impl Driver for TcpDriver {
                 let _ = c.stream.shutdown(std::net::Shutdown::Write);
                 c.shut = true;
             }
+            if let Some(l) = c.shm.as_mut() {
+                // Drop what the peer still writes (it may wait for room to write its close),
+                // until its end arrives on the socket.
+                match l.avail() {
+                    Ok(n) if n > 0 => {
+                        l.skip(n);
+                        if l.release() {
+                            shm::wake(c.fd);
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(_) => l.peer_eof = true,
+                }
+                if l.peer_eof || shm::drain_wakes(c.fd) {
+                    self.conns[peer] = None;
+                }
+                continue;
+            }
             // SAFETY: reading into our own scratch buffer.
             let r = unsafe {
                 libc::recv(c.fd, self.sink.as_mut_ptr().cast(), self.sink.len(), libc::MSG_DONTWAIT)
@@ -317,8 +453,51 @@ struct Read {
 }
 
 impl Conn {
+    /// Write queued frames into the shared ring until it is full or the queue empty; wake the
+    /// peer if it sleeps.
+    fn flush_shm(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<(), LinkFail> {
+        let Some(l) = self.shm.as_mut() else { return Ok(()) };
+        while core.wants_tx(peer) {
+            let mut room = l.room().map_err(LinkFail::Protocol)?;
+            let mut n = 0;
+            for s in core.sendq(peer).iter() {
+                if room == 0 {
+                    break;
+                }
+                if s.off < HEADER_LEN {
+                    let k = (HEADER_LEN - s.off).min(room);
+                    // SAFETY: `k` bytes of the header, at most the room left.
+                    unsafe { l.put(s.hdr[s.off..].as_ptr(), k) };
+                    (n, room) = (n + k, room - k);
+                    if room == 0 {
+                        break;
+                    }
+                }
+                let pdone = s.off.saturating_sub(HEADER_LEN);
+                if s.len > pdone {
+                    let k = (s.len - pdone).min(room);
+                    // SAFETY: `pdone + k <= len`, inside the posted (or owned) payload; at most
+                    // the room left.
+                    unsafe { l.put(s.data_ptr().add(pdone), k) };
+                    (n, room) = (n + k, room - k);
+                }
+            }
+            if n == 0 {
+                return Ok(());
+            }
+            if l.publish() {
+                shm::wake(self.fd);
+            }
+            core.tx_done(peer, n, now);
+        }
+        Ok(())
+    }
+
     /// Write queued frames until the socket is full or the queue empty.
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<(), LinkFail> {
+        if self.shm.is_some() {
+            return self.flush_shm(core, peer, now);
+        }
         while core.wants_tx(peer) {
             let mut iov: [libc::iovec; MAX_IOV] =
                 [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
@@ -390,6 +569,28 @@ impl Conn {
                 (unsafe { self.stage.as_mut_ptr().add(self.end) }, self.stage.len() - self.end)
             }
         };
+        if let Some(l) = self.shm.as_mut() {
+            let avail = l.avail().map_err(LinkFail::Protocol)?;
+            if avail == 0 {
+                return if l.peer_eof {
+                    Err(LinkFail::Closed)
+                } else {
+                    Ok(Read { bytes: 0, drained: true })
+                };
+            }
+            let r = avail.min(room);
+            // SAFETY: `r` bytes fit at `ptr` and are published.
+            unsafe { l.take(ptr, r) };
+            if l.release() {
+                shm::wake(self.fd);
+            }
+            if direct.is_some() {
+                core.rx_direct_done(peer, r, now);
+            } else {
+                self.end += r;
+            }
+            return Ok(Read { bytes: r, drained: r < room });
+        }
         loop {
             // SAFETY: `ptr..ptr+room` is writable (posted buffer remainder or staging space).
             let r = unsafe { libc::recv(self.fd, ptr.cast(), room, libc::MSG_DONTWAIT) };

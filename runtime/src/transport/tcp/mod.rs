@@ -22,6 +22,7 @@ use crate::store::Store;
 
 pub(crate) mod driver;
 pub(crate) mod handshake;
+pub(crate) mod shm;
 
 use crate::transport::core::{Core, CoreConfig};
 use crate::transport::engine::{Engine, Running, Wired};
@@ -180,15 +181,24 @@ impl TcpTransport {
             let _ = acceptor.join();
             return Err(e);
         }
+        let links = match shm::pair_up(rank, &mut streams, cfg.shm, deadline) {
+            Ok(l) => l,
+            Err(e) => {
+                stop.store(true, Ordering::SeqCst);
+                let _ = acceptor.join();
+                return Err(e);
+            }
+        };
+        let shared = links.iter().flatten().count();
         let now = Instant::now();
         let mut core =
             Core::new(rank, world, CoreConfig::from_link(cfg, driver::EAGER_MAX, true), now);
-        let engine = TcpDriver::new(streams, &mut core, now, cfg.tcp_congestion.as_deref())
+        let engine = TcpDriver::new(streams, links, &mut core, now, cfg.tcp_congestion.as_deref())
             .and_then(|d| Engine::new(core, d, cfg.spin))
             .map_err(|e| Error::io(rank, "configuring connections", &e))?;
         let wire = Running::start(engine, format!("tutti-tcp-{rank}"))
             .map_err(|e| Error::io(rank, "spawning the background driver", &e))?;
-        info!(rank, world, %local, elapsed = ?start.elapsed(), "tcp transport connected");
+        info!(rank, world, %local, shared, elapsed = ?start.elapsed(), "tcp transport connected");
         Ok(TcpTransport { rank, wire, local, stop, acceptor: Some(acceptor) })
     }
 

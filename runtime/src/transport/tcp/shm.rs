@@ -1,0 +1,620 @@
+//! Shared-memory links: how two ranks on one host move their frames without the network stack.
+//!
+//! Two ranks whose connection shows them on the same host (the same kernel boot, network and
+//! pid namespaces) keep their authenticated TCP connection, but their frames travel through a
+//! pair of rings in one shared segment; the socket carries only wake-ups and the end of the link.
+//! The connection core above is untouched: it sees the same byte stream of frames, so framing,
+//! matching, flow control, deadlines, keep-alives, aborts and the mismatch checks are the
+//! production code, whichever way the bytes went.
+//!
+//! ```text
+//! segment (memfd, sealed against resizing), SEGMENT_BYTES = 4 KiB + 2 × RING_BYTES
+//!   page 0      magic, nonce, ring size; each ring's control block:
+//!               head (writer's position), tail (reader's position), reader-sleeps, writer-waits,
+//!               each on its own cache line
+//!   ring 0      lower rank → higher rank, RING_BYTES
+//!   ring 1      higher rank → lower rank, RING_BYTES
+//! ```
+//!
+//! Positions count bytes ever written and read (`u64`), so `head - tail` is what the ring holds.
+//! The writer copies bytes in, then publishes its head (release); the reader sees only published
+//! bytes, so nothing is read half written. Each side keeps its own position privately and only
+//! checks the peer's: a peer that writes garbage into the control block is a named protocol
+//! error, never a read or write outside the ring; garbage in the ring's bytes is caught by the
+//! core's frame checks, as garbage on a socket is.
+//!
+//! **Waking.** A waiting rank spins on the rings first (the engine's spin). Before it sleeps it
+//! sets *reader-sleeps* on the rings it reads (and *writer-waits* on a full ring it writes), then
+//! looks again; a writer that publishes, or a reader that makes room, and finds the flag set clears
+//! it and writes one byte to the socket, which wakes the sleeper's `poll`. A busy pair never makes
+//! a system call.
+//!
+//! **Set-up** ([`pair_up`]), on every connection once the handshake has authenticated it:
+//! the lower rank says where it runs and whether it offers shared memory; the higher rank, on
+//! the same host, creates the segment and answers with its process id, the segment's descriptor
+//! number and a random nonce; the lower rank opens `/proc/<pid>/fd/<n>` (the kernel allows that
+//! only to the same user or root), checks the owner, the size, the seals and the nonce, and
+//! acknowledges. The segment has no name: nothing outside the two processes can find it, and
+//! it is freed by the kernel when both have exited, however they ended. Any failure on the way
+//! leaves the pair on TCP.
+//!
+//! **Memory.** One segment per pair of same-host ranks that are connected, of which only the
+//! pages touched are allocated: at most `2 × RING_BYTES` (512 KiB) per pair, so 64 ranks on one
+//! host hold at most 64 × 63 / 2 × 512 KiB = 1008 MiB, and a ring or tree job far less.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+
+/// Bytes of one direction's ring.
+pub(crate) const RING_BYTES: usize = 256 << 10;
+/// Bytes of the first page: header and control blocks.
+const HEAD_PAGE: usize = 4096;
+/// Bytes of one pair's segment.
+pub(crate) const SEGMENT_BYTES: usize = HEAD_PAGE + 2 * RING_BYTES;
+/// Magic at the start of a segment.
+const SEG_MAGIC: &[u8; 8] = b"TUTTISEG";
+/// Where each ring's control block starts in the first page.
+const CTL_AT: [usize; 2] = [1024, 2048];
+
+/// One cache line (two on some machines' prefetchers) for one field.
+#[repr(C, align(128))]
+struct Line<T>(T);
+
+/// One ring's shared positions and flags.
+#[repr(C)]
+struct RingCtl {
+    /// Bytes the writer has published.
+    head: Line<AtomicU64>,
+    /// Bytes the reader has consumed.
+    tail: Line<AtomicU64>,
+    /// The reader is about to sleep: the writer wakes it after publishing.
+    reader_sleeps: Line<AtomicU32>,
+    /// The writer found the ring full and is about to sleep: the reader wakes it after reading.
+    writer_waits: Line<AtomicU32>,
+}
+
+const _: () = assert!(size_of::<RingCtl>() <= CTL_AT[1] - CTL_AT[0]);
+const _: () = assert!(CTL_AT[1] + size_of::<RingCtl>() <= HEAD_PAGE);
+
+/// A mapped segment; unmapped on drop.
+struct Segment {
+    base: *mut u8,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; the shared fields are atomics and the
+// ring bytes are only copied with raw pointers.
+unsafe impl Send for Segment {}
+
+fn os_err(what: &str) -> String {
+    format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+impl Segment {
+    /// Map `fd` (a segment of [`SEGMENT_BYTES`]) shared, read and write.
+    fn map(fd: RawFd) -> std::result::Result<Segment, String> {
+        // SAFETY: a fresh shared mapping of a file we hold open; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                SEGMENT_BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("mapping the segment"));
+        }
+        Ok(Segment { base: p.cast() })
+    }
+
+    /// A new segment stamped with `nonce`, and its descriptor (sealed against resizing, so the
+    /// peer cannot shrink it under our mapping).
+    fn create(nonce: &[u8; 16]) -> std::result::Result<(Segment, OwnedFd), String> {
+        let name = c"tutti-shm";
+        // SAFETY: a valid C string; flags as documented.
+        let fd = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        if fd < 0 {
+            return Err(os_err("memfd_create"));
+        }
+        // SAFETY: `fd` is ours and open.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain calls on our descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), SEGMENT_BYTES as libc::off_t) } != 0 {
+            return Err(os_err("sizing the segment"));
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(os_err("sealing the segment"));
+        }
+        let seg = Segment::map(fd.as_raw_fd())?;
+        let mut head = [0u8; 32];
+        head[..8].copy_from_slice(SEG_MAGIC);
+        head[8..12].copy_from_slice(&(RING_BYTES as u32).to_le_bytes());
+        head[16..32].copy_from_slice(nonce);
+        // SAFETY: the first page is ours to write; nobody else maps it yet.
+        unsafe { std::ptr::copy_nonoverlapping(head.as_ptr(), seg.base, head.len()) };
+        Ok((seg, fd))
+    }
+
+    /// Open the segment the peer `pid` holds as descriptor `fd`, and check it is the one it
+    /// stamped with `nonce`: ours to use, of the right size, sealed.
+    fn attach(pid: u32, fd: u32, nonce: &[u8; 16]) -> std::result::Result<Segment, String> {
+        let path = format!("/proc/{pid}/fd/{fd}\0");
+        // SAFETY: a NUL-terminated path.
+        let raw = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Err(os_err(&format!("opening {}", path.trim_end_matches('\0'))));
+        }
+        // SAFETY: `raw` is ours and open.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: zeroed stat is a valid out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on our descriptor into a local.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(os_err("fstat of the segment"));
+        }
+        // SAFETY: plain call.
+        let me = unsafe { libc::geteuid() };
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG
+            || st.st_uid != me
+            || st.st_size != SEGMENT_BYTES as libc::off_t
+        {
+            return Err(format!(
+                "the peer's segment is not ours to use (owner {}, we are {me}; {} bytes, expected \
+                 {SEGMENT_BYTES})",
+                st.st_uid, st.st_size
+            ));
+        }
+        // SAFETY: plain call on our descriptor.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        if seals < 0 || seals & need != need {
+            return Err("the peer's segment is not sealed against resizing".into());
+        }
+        let seg = Segment::map(fd.as_raw_fd())?;
+        let mut head = [0u8; 32];
+        // SAFETY: reading the first page of our mapping into a local.
+        unsafe { std::ptr::copy_nonoverlapping(seg.base, head.as_mut_ptr(), head.len()) };
+        if &head[..8] != SEG_MAGIC
+            || head[8..12] != (RING_BYTES as u32).to_le_bytes()
+            || head[16..32] != nonce[..]
+        {
+            return Err("the segment at the peer's descriptor is not the one it announced".into());
+        }
+        Ok(seg)
+    }
+
+    fn ctl(&self, ring: usize) -> &RingCtl {
+        // SAFETY: inside the first page, aligned (page-aligned base + multiple of 128), valid for
+        // the mapping's life; every field is an atomic, so sharing it is sound.
+        unsafe { &*self.base.add(CTL_AT[ring]).cast::<RingCtl>() }
+    }
+
+    fn data(&self, ring: usize) -> *mut u8 {
+        // SAFETY: ring `ring`'s bytes lie inside the mapping.
+        unsafe { self.base.add(HEAD_PAGE + ring * RING_BYTES) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping once.
+        unsafe { libc::munmap(self.base.cast(), SEGMENT_BYTES) };
+    }
+}
+
+/// This rank's side of one shared-memory link.
+pub(crate) struct ShmLink {
+    seg: Segment,
+    /// The ring we write and the one we read.
+    tx: usize,
+    rx: usize,
+    /// What we published (the shared head of our ring is checked against it, never trusted).
+    tx_head: u64,
+    /// What we consumed.
+    rx_tail: u64,
+    /// The peer ended the link (its socket reached its end): what the ring holds is all.
+    pub(crate) peer_eof: bool,
+}
+
+impl std::fmt::Debug for ShmLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmLink").field("tx", &self.tx).field("tx_head", &self.tx_head).finish()
+    }
+}
+
+/// Copy `n` bytes into `ring` at position `pos`, wrapping.
+///
+/// # Safety
+/// `src` is readable for `n <= RING_BYTES` bytes; `ring` is a ring of `RING_BYTES`.
+unsafe fn copy_in(ring: *mut u8, pos: u64, src: *const u8, n: usize) {
+    let at = (pos % RING_BYTES as u64) as usize;
+    let first = n.min(RING_BYTES - at);
+    // SAFETY: `at + first <= RING_BYTES` and `n - first <= at`; the caller vouches for `src`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, ring.add(at), first);
+        std::ptr::copy_nonoverlapping(src.add(first), ring, n - first);
+    }
+}
+
+/// Copy `n` bytes out of `ring` from position `pos`, wrapping.
+///
+/// # Safety
+/// `dst` is writable for `n <= RING_BYTES` bytes; `ring` is a ring of `RING_BYTES`.
+unsafe fn copy_out(ring: *const u8, pos: u64, dst: *mut u8, n: usize) {
+    let at = (pos % RING_BYTES as u64) as usize;
+    let first = n.min(RING_BYTES - at);
+    // SAFETY: as in `copy_in`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(ring.add(at), dst, first);
+        std::ptr::copy_nonoverlapping(ring, dst.add(first), n - first);
+    }
+}
+
+impl ShmLink {
+    fn new(seg: Segment, lower: bool) -> ShmLink {
+        let tx = usize::from(!lower);
+        ShmLink { seg, tx, rx: 1 - tx, tx_head: 0, rx_tail: 0, peer_eof: false }
+    }
+
+    /// Free bytes in the ring we write. Errors when the peer's read position is impossible.
+    pub(crate) fn room(&self) -> std::result::Result<usize, String> {
+        let tail = self.seg.ctl(self.tx).tail.0.load(Ordering::Acquire);
+        let used = self.tx_head.wrapping_sub(tail);
+        if used > RING_BYTES as u64 {
+            return Err(format!(
+                "the peer's read position in the shared ring ({tail}) is not within \
+                 {RING_BYTES} bytes behind what we wrote ({}): the peer corrupted the segment",
+                self.tx_head
+            ));
+        }
+        Ok(RING_BYTES - used as usize)
+    }
+
+    /// Published bytes not yet read. Errors when the peer's write position is impossible.
+    pub(crate) fn avail(&self) -> std::result::Result<usize, String> {
+        let head = self.seg.ctl(self.rx).head.0.load(Ordering::Acquire);
+        let n = head.wrapping_sub(self.rx_tail);
+        if n > RING_BYTES as u64 {
+            return Err(format!(
+                "the peer's write position in the shared ring ({head}) is not within \
+                 {RING_BYTES} bytes ahead of what we read ({}): the peer corrupted the segment",
+                self.rx_tail
+            ));
+        }
+        Ok(n as usize)
+    }
+
+    /// Copy `n` bytes into our ring, after what is there; invisible until [`ShmLink::publish`].
+    ///
+    /// # Safety
+    /// `src` is readable for `n` bytes, and `n` is at most the [`ShmLink::room`] left.
+    pub(crate) unsafe fn put(&mut self, src: *const u8, n: usize) {
+        // SAFETY: the caller vouches for `src` and `n <= RING_BYTES`.
+        unsafe { copy_in(self.seg.data(self.tx), self.tx_head, src, n) };
+        self.tx_head += n as u64;
+    }
+
+    /// Make what was put readable. True when the reader sleeps and must be woken.
+    pub(crate) fn publish(&mut self) -> bool {
+        let c = self.seg.ctl(self.tx);
+        c.head.0.store(self.tx_head, Ordering::Release);
+        fence(Ordering::SeqCst);
+        c.reader_sleeps.0.load(Ordering::Relaxed) != 0
+            && c.reader_sleeps.0.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// Copy `n` published bytes out; they stay held until [`ShmLink::release`].
+    ///
+    /// # Safety
+    /// `dst` is writable for `n` bytes, and `n` is at most [`ShmLink::avail`].
+    pub(crate) unsafe fn take(&mut self, dst: *mut u8, n: usize) {
+        // SAFETY: the caller vouches for `dst` and `n <= RING_BYTES`.
+        unsafe { copy_out(self.seg.data(self.rx), self.rx_tail, dst, n) };
+        self.rx_tail += n as u64;
+    }
+
+    /// Copy the first published bytes into `dst` without consuming them; returns how many.
+    pub(crate) fn peek(&self, dst: &mut [u8]) -> usize {
+        let n = self.avail().unwrap_or(0).min(dst.len());
+        // SAFETY: `n` bytes fit `dst` and are published.
+        unsafe { copy_out(self.seg.data(self.rx), self.rx_tail, dst.as_mut_ptr(), n) };
+        n
+    }
+
+    /// Drop `n` published bytes unread (shutdown); `n` is at most [`ShmLink::avail`].
+    pub(crate) fn skip(&mut self, n: usize) {
+        self.rx_tail += n as u64;
+    }
+
+    /// Give the bytes taken back to the writer. True when it waits for room and must be woken.
+    pub(crate) fn release(&mut self) -> bool {
+        let c = self.seg.ctl(self.rx);
+        c.tail.0.store(self.rx_tail, Ordering::Release);
+        fence(Ordering::SeqCst);
+        c.writer_waits.0.load(Ordering::Relaxed) != 0
+            && c.writer_waits.0.swap(0, Ordering::AcqRel) != 0
+    }
+
+    /// About to sleep for input: ask the writer for a wake-up. True when there is input already
+    /// (or the ring is corrupt, which the next read reports): do not sleep.
+    pub(crate) fn arm_rx(&self) -> bool {
+        self.seg.ctl(self.rx).reader_sleeps.0.store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.avail().map_or(true, |n| n > 0)
+    }
+
+    /// About to sleep for room: ask the reader for a wake-up. True when there is room already
+    /// (or the ring is corrupt): do not sleep.
+    pub(crate) fn arm_tx(&self) -> bool {
+        self.seg.ctl(self.tx).writer_waits.0.store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.room().map_or(true, |n| n > 0)
+    }
+}
+
+/// Wake the peer's `poll` through the link's socket. A full socket already holds a wake-up.
+pub(crate) fn wake(fd: RawFd) {
+    let b = 1u8;
+    // SAFETY: sending one byte from a local on our socket, never blocking.
+    unsafe { libc::send(fd, (&b as *const u8).cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+}
+
+/// Consume the wake-ups waiting on a shared-memory link's socket. Returns true when the peer
+/// ended its side (or the socket broke): what its ring holds is then all there will be.
+pub(crate) fn drain_wakes(fd: RawFd) -> bool {
+    let mut sink = [0u8; 64];
+    loop {
+        // SAFETY: reading into a local buffer, never blocking.
+        let r = unsafe { libc::recv(fd, sink.as_mut_ptr().cast(), sink.len(), libc::MSG_DONTWAIT) };
+        if r == 0 {
+            return true;
+        }
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.kind() {
+                std::io::ErrorKind::WouldBlock => false,
+                std::io::ErrorKind::Interrupted => continue,
+                _ => true,
+            };
+        }
+        if (r as usize) < sink.len() {
+            return false;
+        }
+    }
+}
+
+/// Where this process runs, as far as sharing memory goes: the kernel's boot id and the network
+/// and pid namespaces. Ranks with equal ids share memory; in different network namespaces (the
+/// namespace cluster's hosts, containers) they are different hosts.
+pub(crate) fn host_id() -> [u8; 32] {
+    use std::os::unix::fs::MetadataExt;
+    let mut id = [0u8; 32];
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let hex: Vec<u8> =
+        boot.bytes().filter_map(|c| (c as char).to_digit(16).map(|d| d as u8)).collect();
+    for (i, pair) in hex.chunks(2).take(16).enumerate() {
+        id[i] = pair.iter().fold(0, |a, d| a * 16 + d);
+    }
+    let ino = |p: &str| std::fs::metadata(p).map(|m| m.ino()).unwrap_or(0);
+    id[16..24].copy_from_slice(&ino("/proc/self/ns/net").to_le_bytes());
+    id[24..32].copy_from_slice(&ino("/proc/self/ns/pid").to_le_bytes());
+    id
+}
+
+/// Magic of a set-up message.
+const MSG_MAGIC: &[u8; 8] = b"TUTTISM1";
+/// Length of a set-up message.
+pub(crate) const MSG_LEN: usize = 80;
+
+/// Which step of the set-up a message is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Lower rank → higher: where it runs, whether it offers shared memory.
+    Offer = 1,
+    /// Higher rank → lower: the segment (or a refusal).
+    Segment = 2,
+    /// Lower rank → higher: attached (or not).
+    Ack = 3,
+}
+
+/// One set-up message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SetupMsg {
+    pub(crate) step: Step,
+    /// Offer: shared memory wanted; Segment: one was made; Ack: attached.
+    pub(crate) yes: bool,
+    pub(crate) pid: u32,
+    pub(crate) fd: u32,
+    pub(crate) ring: u32,
+    pub(crate) host: [u8; 32],
+    pub(crate) nonce: [u8; 16],
+}
+
+impl SetupMsg {
+    fn new(step: Step, yes: bool) -> SetupMsg {
+        SetupMsg {
+            step,
+            yes,
+            pid: std::process::id(),
+            fd: 0,
+            ring: RING_BYTES as u32,
+            host: [0; 32],
+            nonce: [0; 16],
+        }
+    }
+
+    pub(crate) fn encode(&self) -> [u8; MSG_LEN] {
+        let mut b = [0u8; MSG_LEN];
+        b[..8].copy_from_slice(MSG_MAGIC);
+        b[8] = self.step as u8;
+        b[9] = u8::from(self.yes);
+        b[12..16].copy_from_slice(&self.pid.to_le_bytes());
+        b[16..20].copy_from_slice(&self.fd.to_le_bytes());
+        b[20..24].copy_from_slice(&self.ring.to_le_bytes());
+        b[24..56].copy_from_slice(&self.host);
+        b[56..72].copy_from_slice(&self.nonce);
+        b
+    }
+
+    /// Parse a message; never panics.
+    pub(crate) fn decode(b: &[u8]) -> std::result::Result<SetupMsg, &'static str> {
+        if b.len() < MSG_LEN {
+            return Err("short message");
+        }
+        if &b[..8] != MSG_MAGIC {
+            return Err("bad magic");
+        }
+        let step = match b[8] {
+            1 => Step::Offer,
+            2 => Step::Segment,
+            3 => Step::Ack,
+            _ => return Err("unknown step"),
+        };
+        if b[9] > 1 || b[10..12] != [0, 0] || b[72..80] != [0; 8] {
+            return Err("reserved bytes set");
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let mut host = [0u8; 32];
+        host.copy_from_slice(&b[24..56]);
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&b[56..72]);
+        Ok(SetupMsg {
+            step,
+            yes: b[9] == 1,
+            pid: u32_at(12),
+            fd: u32_at(16),
+            ring: u32_at(20),
+            host,
+            nonce,
+        })
+    }
+}
+
+/// Decide, with every connected peer, which links move their frames through shared memory, and
+/// set those up (see the module's notes). `streams` are the authenticated connections (blocking);
+/// `enabled` is this rank's `TUTTI_SHM`. Peers on another host, or that do not offer, stay on TCP.
+///
+/// # Errors
+/// [`Error::Rendezvous`] naming the peer whose connection broke or sent something other than the
+/// set-up's messages by `deadline`.
+pub(crate) fn pair_up(
+    rank: usize,
+    streams: &mut [Option<TcpStream>],
+    enabled: bool,
+    deadline: Instant,
+) -> Result<Vec<Option<ShmLink>>> {
+    let n = streams.len();
+    let host = host_id();
+    let mut links: Vec<Option<ShmLink>> = (0..n).map(|_| None).collect();
+    let fail = |peer: usize, what: String| Error::Rendezvous {
+        rank,
+        detail: format!(
+            "rank {peer} broke off the shared-memory set-up of our connection: {what} (it \
+             crashed, or runs a different tutti version)"
+        ),
+    };
+    let send = |s: &mut TcpStream, peer: usize, m: SetupMsg| {
+        s.write_all(&m.encode()).map_err(|e| fail(peer, format!("sending: {e}")))
+    };
+    let recv = |s: &mut TcpStream, peer: usize, step: Step| -> Result<SetupMsg> {
+        let mut b = [0u8; MSG_LEN];
+        crate::util::read_exact_by(s, &mut b, deadline)
+            .map_err(|e| fail(peer, format!("receiving: {e}")))?;
+        let m = SetupMsg::decode(&b).map_err(|e| fail(peer, e.into()))?;
+        if m.step != step {
+            return Err(fail(peer, format!("expected step {step:?}, got {:?}", m.step)));
+        }
+        Ok(m)
+    };
+    // Each step's messages are small: all of a step's writes go out before its reads, so no
+    // rank waits for one that waits for it.
+    for (peer, s) in streams.iter_mut().enumerate().skip(rank + 1) {
+        if let Some(s) = s {
+            let mut m = SetupMsg::new(Step::Offer, enabled);
+            m.host = host;
+            send(s, peer, m)?;
+        }
+    }
+    // Segments we made, held open until the lower rank has attached.
+    let mut made: Vec<Option<(Segment, OwnedFd)>> = (0..n).map(|_| None).collect();
+    for (peer, s) in streams.iter_mut().enumerate().take(rank) {
+        let Some(s) = s else { continue };
+        let offer = recv(s, peer, Step::Offer)?;
+        let mut answer = SetupMsg::new(Step::Segment, false);
+        if enabled && offer.yes && offer.host == host && offer.ring == RING_BYTES as u32 {
+            let made_one = crate::auth::random::<16>()
+                .and_then(|nonce| Segment::create(&nonce).map(|(seg, fd)| (seg, fd, nonce)));
+            match made_one {
+                Ok((seg, fd, nonce)) => {
+                    answer.yes = true;
+                    answer.fd = fd.as_raw_fd() as u32;
+                    answer.nonce = nonce;
+                    made[peer] = Some((seg, fd));
+                }
+                Err(e) => tracing::debug!(rank, peer, "no shared segment, TCP stays: {e}"),
+            }
+        }
+        send(s, peer, answer)?;
+    }
+    for (peer, s) in streams.iter_mut().enumerate().skip(rank + 1) {
+        let Some(s) = s else { continue };
+        let seg = recv(s, peer, Step::Segment)?;
+        let mut ack = SetupMsg::new(Step::Ack, false);
+        if seg.yes && enabled {
+            match Segment::attach(seg.pid, seg.fd, &seg.nonce) {
+                Ok(mapped) => {
+                    ack.yes = true;
+                    links[peer] = Some(ShmLink::new(mapped, true));
+                }
+                Err(e) => {
+                    tracing::debug!(rank, peer, "shared segment not attached, TCP stays: {e}")
+                }
+            }
+        }
+        send(s, peer, ack)?;
+    }
+    for (peer, s) in streams.iter_mut().enumerate().take(rank) {
+        let Some(s) = s else { continue };
+        let ack = recv(s, peer, Step::Ack)?;
+        if let Some((seg, _fd)) = made[peer].take() {
+            if ack.yes {
+                links[peer] = Some(ShmLink::new(seg, false));
+            }
+        }
+    }
+    for s in streams.iter_mut().flatten() {
+        let _ = s.set_read_timeout(None);
+    }
+    Ok(links)
+}
+
+/// A pair of linked ends over one segment in this process (tests and fuzzing).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn local_pair() -> std::result::Result<(ShmLink, ShmLink), String> {
+    let nonce = [7u8; 16];
+    let (seg, fd) = Segment::create(&nonce)?;
+    let other = Segment::map(fd.as_raw_fd())?;
+    Ok((ShmLink::new(seg, true), ShmLink::new(other, false)))
+}
+
+/// Write `garbage` over the control block of the ring `link` reads, as a broken peer could
+/// (tests and fuzzing).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn scribble(link: &ShmLink, garbage: &[u8]) {
+    let n = garbage.len().min(size_of::<RingCtl>());
+    // SAFETY: inside the first page of our mapping; the fields are plain integers.
+    unsafe {
+        std::ptr::copy_nonoverlapping(garbage.as_ptr(), link.seg.base.add(CTL_AT[link.rx]), n)
+    };
+}
