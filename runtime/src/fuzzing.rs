@@ -38,3 +38,43 @@ pub fn store_request(data: &[u8]) {
 pub fn connection(data: &[u8]) {
     crate::transport::core::fuzz_stream(data);
 }
+
+/// Drive the two ends of a shared-memory ring with operations read from the bytes, as a broken
+/// peer could: writes and reads of any size, and garbage written over the ring's positions. A
+/// read never goes outside the ring, and never returns more than it holds.
+pub fn shm_ring(data: &[u8]) {
+    use crate::transport::tcp::shm::{local_pair, scribble, RING_BYTES};
+    let Ok((mut a, mut b)) = local_pair() else { return };
+    let mut buf = vec![0u8; RING_BYTES];
+    let mut it = data.chunks(9);
+    while let Some(op) = it.next() {
+        let mut v = [0u8; 8];
+        v[..op.len() - 1].copy_from_slice(&op[1..]);
+        let v = u64::from_le_bytes(v);
+        match op[0] % 4 {
+            0 => {
+                if let Ok(room) = a.room() {
+                    let n = (v as usize % (RING_BYTES + 1)).min(room);
+                    // SAFETY: `n <= RING_BYTES` readable bytes of `buf`, within the room.
+                    unsafe { a.put(buf.as_ptr(), n) };
+                    a.publish();
+                }
+            }
+            1 => {
+                if let Ok(n) = b.avail() {
+                    assert!(n <= RING_BYTES, "avail {n} beyond the ring");
+                    let n = n.min(v as usize % (RING_BYTES + 1));
+                    // SAFETY: `n <= RING_BYTES` writable bytes, published.
+                    unsafe { b.take(buf.as_mut_ptr(), n) };
+                    b.release();
+                }
+            }
+            2 => scribble(&b, v & 1 == 0, v >> 1),
+            _ => {
+                let _ = b.arm_rx();
+                let _ = a.arm_tx();
+                let _ = b.peek(&mut buf[..64]);
+            }
+        }
+    }
+}

@@ -1,4 +1,6 @@
-//! Every collective over TCP across real processes at N = 2, 3, 4, 8, started through tutti-run.
+//! Every collective across real processes on one host, started through tutti-run: over shared
+//! memory (the default between ranks of one host) at N = 1 to 8, over TCP alone
+//! (`TUTTI_SHM=0`) and over QUIC; each rank says how its links went, and the test checks it.
 
 use std::process::Command;
 use std::time::Duration;
@@ -6,7 +8,13 @@ use std::time::Duration;
 use tutti_tests::run_with_deadline;
 
 fn job(n: usize) {
+    job_with(n, &[], "shm");
+}
+
+/// Run the collectives on `n` ranks with `env`; every link must be of `kind`.
+fn job_with(n: usize, env: &[(&str, &str)], kind: &str) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
+    cmd.envs(env.iter().copied());
     cmd.args(["--nproc", &n.to_string(), "--", env!("CARGO_BIN_EXE_tt-rank"), "collectives"]);
     let (out, killed) = run_with_deadline(cmd, Duration::from_secs(300));
     let text = String::from_utf8_lossy(&out.stdout);
@@ -17,7 +25,20 @@ fn job(n: usize) {
             text.contains(&format!("[{r}] OK {r}")),
             "n={n}: rank {r} did not report OK:\n{text}"
         );
+        let links = text
+            .lines()
+            .find_map(|l| l.split_once(&format!("LINKS {r} ")).map(|x| x.1))
+            .unwrap_or_else(|| panic!("n={n}: rank {r} did not report its links:\n{text}"));
+        for (p, k) in links.trim().split(',').enumerate() {
+            let want = if p == r { "-" } else { kind };
+            assert_eq!(k, want, "n={n}: rank {r}'s link to rank {p}");
+        }
     }
+}
+
+#[test]
+fn collectives_one_rank() {
+    job(1);
 }
 
 #[test]
@@ -36,19 +57,25 @@ fn collectives_four_ranks() {
 }
 
 #[test]
+fn collectives_five_to_seven_ranks() {
+    for n in 5..8 {
+        job(n);
+    }
+}
+
+#[test]
 fn collectives_eight_ranks() {
     job(8);
 }
 
 #[test]
-fn collectives_three_ranks_over_quic() {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
-    cmd.env("TUTTI_TRANSPORT", "quic");
-    cmd.args(["--nproc", "3", "--", env!("CARGO_BIN_EXE_tt-rank"), "collectives"]);
-    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(300));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(!killed && out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    for r in 0..3 {
-        assert!(text.contains(&format!("[{r}] OK {r}")), "{text}");
+fn collectives_over_tcp_alone() {
+    for n in [2, 4] {
+        job_with(n, &[("TUTTI_SHM", "0")], "tcp");
     }
+}
+
+#[test]
+fn collectives_three_ranks_over_quic() {
+    job_with(3, &[("TUTTI_TRANSPORT", "quic")], "quic");
 }

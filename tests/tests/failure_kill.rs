@@ -2,7 +2,9 @@
 //! named by every survivor, fast; a SIGSTOPped rank is named within 10 s; a rank that merely
 //! computes for longer than the dead-peer limit is never declared dead; killing during
 //! rendezvous and killing rank 0 are reported too; over QUIC every rank, rank 0 included, is
-//! killed once with a time bound.
+//! killed once with a time bound. The ranks share one host, so their links are shared memory
+//! by default; the same kills and stops run over TCP alone (`TUTTI_SHM=0`), over QUIC, and
+//! over shared memory with 2 ranks.
 //!
 //! `TUTTI_KILL_RUNS` sets the number of kill runs (default 20).
 
@@ -26,7 +28,17 @@ fn kill_run(seed: u64, victim: usize, env: &[(&str, &str)]) -> Vec<u128> {
 
 /// One kill run of a job that rendezvouses as `rdv` says.
 fn kill_run_with(seed: u64, victim: usize, env: &[(&str, &str)], rdv: &Rendezvous) -> Vec<u128> {
-    let n = 4;
+    kill_run_of(4, seed, victim, env, rdv)
+}
+
+/// One kill run of `n` ranks.
+fn kill_run_of(
+    n: usize,
+    seed: u64,
+    victim: usize,
+    env: &[(&str, &str)],
+    rdv: &Rendezvous,
+) -> Vec<u128> {
     let mut env = env.to_vec();
     env.push(("TUTTI_CONNECT_TIMEOUT", "30"));
     let mut job = LiveJob::start_with(Path::new(EXE), &["loop"], n, &env, rdv);
@@ -139,14 +151,27 @@ fn a_stopped_rank_is_named_within_ten_seconds_over_quic() {
     stopped_rank(&[("TUTTI_TRANSPORT", "quic")]);
 }
 
+#[test]
+fn a_stopped_rank_is_named_within_ten_seconds_over_tcp_alone() {
+    stopped_rank(&[("TUTTI_SHM", "0")]);
+}
+
+#[test]
+fn a_stopped_rank_of_two_is_named_within_ten_seconds() {
+    stopped_rank_of(2, &[]);
+}
+
 fn stopped_rank(env: &[(&str, &str)]) {
-    let n = 4;
+    stopped_rank_of(4, env);
+}
+
+fn stopped_rank_of(n: usize, env: &[(&str, &str)]) {
     let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, env);
     assert!(job.wait_all("READY", Duration::from_secs(60)));
     std::thread::sleep(Duration::from_millis(200));
     let t = now_us();
     job.signal(1, libc::SIGSTOP);
-    let survivors = [0, 2, 3];
+    let survivors: Vec<usize> = (0..n).filter(|r| *r != 1).collect();
     let exited = job.wait_exit(&survivors, Duration::from_secs(20));
     job.signal(1, libc::SIGKILL);
     assert!(exited, "survivors hung on a stopped rank");
@@ -193,4 +218,33 @@ fn sigkill_over_quic_is_named_by_every_survivor() {
     let worst = *all.last().unwrap();
     eprintln!("quic kill runs: 4, median detection {} us, worst {worst} us", all[all.len() / 2]);
     assert!(worst < 1_000_000, "worst detection over quic {worst} us");
+}
+
+#[test]
+fn sigkill_over_tcp_alone_is_named_by_every_survivor() {
+    // The same job with shared memory turned off: every rank is the victim once.
+    let mut all = Vec::new();
+    for victim in 0..4 {
+        all.extend(kill_run(3000 + victim as u64, victim, &[("TUTTI_SHM", "0")]));
+    }
+    all.sort_unstable();
+    let worst = *all.last().unwrap();
+    eprintln!(
+        "tcp-alone kill runs: 4, median detection {} us, worst {worst} us",
+        all[all.len() / 2]
+    );
+    assert!(worst < 1_000_000, "worst detection over tcp alone {worst} us");
+}
+
+#[test]
+fn sigkill_of_one_of_two_ranks_is_named() {
+    // Over shared memory with 2 ranks: each is the victim in turn.
+    let mut all = Vec::new();
+    for run in 0..6u64 {
+        all.extend(kill_run_of(2, 4000 + run, (run % 2) as usize, &[], &Rendezvous::Store));
+    }
+    all.sort_unstable();
+    let worst = *all.last().unwrap();
+    eprintln!("2-rank kill runs: 6, median detection {} us, worst {worst} us", all[all.len() / 2]);
+    assert!(worst < 1_000_000, "worst detection with 2 ranks {worst} us");
 }

@@ -243,6 +243,12 @@ fn main() {
         "collectives" => {
             // `collectives [N]`: N rounds (default 1).
             let n: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
+            // How this rank's links move their bytes, for the tests that check the choice.
+            let t = comm.group().transport();
+            let kinds: Vec<&str> = (0..comm.size())
+                .map(|p| if p == comm.rank() { "-" } else { t.link_kind(p) })
+                .collect();
+            println!("LINKS {} {}", comm.rank(), kinds.join(","));
             (0..n).try_for_each(|_| collectives(&comm))
         }
         "connect" => Ok(()),

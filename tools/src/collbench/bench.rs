@@ -215,14 +215,18 @@ impl Bench {
             }
         }
         // Every rank's device index, for the header (ranks may share a GPU).
-        let mut ords = vec![0i64; n];
-        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64)];
+        // and how each rank's links move their bytes (shared memory to the ranks of its host).
+        let t = self.comm.group().transport();
+        let shm = (0..n).filter(|p| *p != me && t.link_kind(*p) == "shm").count() as i64;
+        let mut ords = vec![0i64; 2 * n];
+        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64), shm];
         self.comm.allgather(&mine, &mut ords)?;
         if me == 0 {
             crate::outln!("#");
             crate::outln!("# Using devices");
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            for (r, ord) in ords.iter().enumerate() {
+            for (r, rec) in ords.chunks(2).enumerate() {
+                let (ord, shm) = (&rec[0], rec[1]);
                 let kind = match a.device.as_str() {
                     "host" => "cpu".to_string(),
                     "nccl" => "nccl".to_string(),
@@ -234,7 +238,15 @@ impl Bench {
                     host.trim().to_string()
                 };
                 let dev = if *ord < 0 { "-".to_string() } else { ord.to_string() };
-                crate::outln!("#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}]");
+                let net = n as i64 - 1 - shm;
+                let links = match (shm, net) {
+                    (0, _) => format!("{net} {}", t.name()),
+                    (_, 0) => format!("{shm} shm"),
+                    _ => format!("{shm} shm, {net} {}", t.name()),
+                };
+                crate::outln!(
+                    "#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}] links: {links}"
+                );
             }
             match model {
                 Some(m) => crate::outln!(

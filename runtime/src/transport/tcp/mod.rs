@@ -29,6 +29,7 @@ use crate::transport::engine::{Engine, Running, Wired};
 use crate::transport::{LinkConfig, Watch};
 use crate::util::Slot;
 use driver::TcpDriver;
+use shm::ShmLink;
 
 /// Who this rank is within its job, for connection set-up.
 #[derive(Debug, Clone)]
@@ -105,17 +106,19 @@ impl TcpTransport {
 
         let stop = Arc::new(AtomicBool::new(false));
         let connected: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; world]));
-        let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
+        let (tx, rx) = mpsc::channel::<(usize, TcpStream, Option<ShmLink>)>();
         let acceptor = {
             let (stop, connected, id, hs) =
                 (stop.clone(), connected.clone(), id.clone(), cfg.handshake_timeout);
+            let shm = cfg.shm;
             std::thread::Builder::new()
                 .name(format!("tutti-accept-{rank}"))
-                .spawn(move || accept_loop(listener, id, hs, connected, tx, stop))
+                .spawn(move || accept_loop(listener, id, hs, shm, connected, tx, stop))
                 .map_err(|e| Error::io(rank, "spawning the acceptor", &e))?
         };
 
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
         let result = (|| {
             // Learn every lower rank's address first, so the store is not needed once connected.
             let mut addrs = Vec::with_capacity(rank);
@@ -138,7 +141,9 @@ impl TcpTransport {
                 addrs.push(addr);
             }
             for (j, addr) in addrs.into_iter().enumerate() {
-                streams[j] = Some(connect_one(id, j, addr, deadline, cfg, watch)?);
+                let (s, link) = connect_one(id, j, addr, deadline, cfg, watch)?;
+                streams[j] = Some(s);
+                links[j] = link;
             }
             let higher = world - rank - 1;
             let mut got = 0;
@@ -146,8 +151,9 @@ impl TcpTransport {
                 watch.check(rank)?;
                 let left = deadline.saturating_duration_since(Instant::now());
                 match rx.recv_timeout(watch.slice(left)) {
-                    Ok((j, s)) => {
+                    Ok((j, s, link)) => {
                         streams[j] = Some(s);
+                        links[j] = link;
                         got += 1;
                     }
                     Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
@@ -181,14 +187,6 @@ impl TcpTransport {
             let _ = acceptor.join();
             return Err(e);
         }
-        let links = match shm::pair_up(rank, &mut streams, cfg.shm, deadline) {
-            Ok(l) => l,
-            Err(e) => {
-                stop.store(true, Ordering::SeqCst);
-                let _ = acceptor.join();
-                return Err(e);
-            }
-        };
         let shared = links.iter().flatten().count();
         let now = Instant::now();
         let mut core =
@@ -219,7 +217,7 @@ fn connect_one(
     deadline: Instant,
     cfg: &LinkConfig,
     watch: Watch<'_>,
-) -> Result<TcpStream> {
+) -> Result<(TcpStream, Option<ShmLink>)> {
     let rank = id.rank;
     let mut backoff = Duration::from_millis(2);
     // Refusals in a row at an address the peer published after it was listening: its listener
@@ -268,12 +266,15 @@ fn connect_one(
             nonce,
         };
         let hs_deadline = (Instant::now() + cfg.handshake_timeout).min(deadline);
-        match handshake::client(&mut s, &id.key, hello, hs_deadline) {
-            Ok(()) => {
+        let done = handshake::client(&mut s, &id.key, hello, hs_deadline).and_then(|()| {
+            shm::client_side(&mut s, cfg.shm, hs_deadline).map_err(handshake::HsError::Io)
+        });
+        match done {
+            Ok(link) => {
                 let _ = s.set_read_timeout(None);
                 let _ = s.set_write_timeout(None);
-                debug!(rank, peer = j, %addr, "connected");
-                return Ok(s);
+                debug!(rank, peer = j, %addr, shm = link.is_some(), "connected");
+                return Ok((s, link));
             }
             // The connection broke or timed out (a listener busy with other handshakes closes
             // new ones at once): try again until the deadline.
@@ -300,8 +301,9 @@ fn accept_loop(
     listener: TcpListener,
     id: JobIdentity,
     hs_timeout: Duration,
+    shm: bool,
     connected: Arc<Mutex<Vec<bool>>>,
-    tx: mpsc::Sender<(usize, TcpStream)>,
+    tx: mpsc::Sender<(usize, TcpStream, Option<ShmLink>)>,
     stop: Arc<AtomicBool>,
 ) {
     let rank = id.rank;
@@ -347,13 +349,26 @@ fn accept_loop(
                     !std::mem::replace(slot, true)
                 };
                 match handshake::server(&mut s, &expect, nonce, accept, deadline) {
-                    Ok(h) => {
-                        let _ = s.set_read_timeout(None);
-                        let _ = s.set_write_timeout(None);
-                        if tx.send((h.from as usize, s)).is_err() {
-                            warn!(rank, peer = h.from, "late connection after start-up; dropped");
+                    Ok(h) => match shm::server_side(&mut s, shm, deadline) {
+                        Ok(link) => {
+                            let _ = s.set_read_timeout(None);
+                            let _ = s.set_write_timeout(None);
+                            if tx.send((h.from as usize, s, link)).is_err() {
+                                warn!(
+                                    rank,
+                                    peer = h.from,
+                                    "late connection after start-up; dropped"
+                                );
+                            }
                         }
-                    }
+                        Err(e) => {
+                            // The peer dials again (or is gone): its rank is free once more.
+                            debug!(rank, peer = h.from, "connection from {from} broke: {e}");
+                            let mut c = connected.lock().unwrap_or_else(|p| p.into_inner());
+                            c[h.from as usize] = false;
+                            let _ = s.shutdown(std::net::Shutdown::Both);
+                        }
+                    },
                     Err(e) => {
                         warn!(rank, "refused connection from {from}: {e}");
                         let _ = s.shutdown(std::net::Shutdown::Both);

@@ -29,7 +29,8 @@
 //! it and writes one byte to the socket, which wakes the sleeper's `poll`. A busy pair never makes
 //! a system call.
 //!
-//! **Set-up** ([`pair_up`]), on every connection once the handshake has authenticated it:
+//! **Set-up** ([`server_side`], [`client_side`]), on every connection right after the handshake
+//! authenticated it, within the handshake's deadline:
 //! the lower rank says where it runs and whether it offers shared memory; the higher rank, on
 //! the same host, creates the segment and answers with its process id, the segment's descriptor
 //! number and a random nonce; the lower rank opens `/proc/<pid>/fd/<n>` (the kernel allows that
@@ -47,8 +48,6 @@ use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
-
-use crate::error::{Error, Result};
 
 /// Bytes of one direction's ring.
 pub(crate) const RING_BYTES: usize = 256 << 10;
@@ -96,7 +95,7 @@ fn os_err(what: &str) -> String {
 
 impl Segment {
     /// Map `fd` (a segment of [`SEGMENT_BYTES`]) shared, read and write.
-    fn map(fd: RawFd) -> std::result::Result<Segment, String> {
+    fn map(fd: RawFd) -> Result<Segment, String> {
         // SAFETY: a fresh shared mapping of a file we hold open; checked below.
         let p = unsafe {
             libc::mmap(
@@ -116,7 +115,7 @@ impl Segment {
 
     /// A new segment stamped with `nonce`, and its descriptor (sealed against resizing, so the
     /// peer cannot shrink it under our mapping).
-    fn create(nonce: &[u8; 16]) -> std::result::Result<(Segment, OwnedFd), String> {
+    fn create(nonce: &[u8; 16]) -> Result<(Segment, OwnedFd), String> {
         let name = c"tutti-shm";
         // SAFETY: a valid C string; flags as documented.
         let fd = unsafe {
@@ -148,7 +147,7 @@ impl Segment {
 
     /// Open the segment the peer `pid` holds as descriptor `fd`, and check it is the one it
     /// stamped with `nonce`: ours to use, of the right size, sealed.
-    fn attach(pid: u32, fd: u32, nonce: &[u8; 16]) -> std::result::Result<Segment, String> {
+    fn attach(pid: u32, fd: u32, nonce: &[u8; 16]) -> Result<Segment, String> {
         let path = format!("/proc/{pid}/fd/{fd}\0");
         // SAFETY: a NUL-terminated path.
         let raw = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDWR | libc::O_CLOEXEC) };
@@ -268,7 +267,7 @@ impl ShmLink {
     }
 
     /// Free bytes in the ring we write. Errors when the peer's read position is impossible.
-    pub(crate) fn room(&self) -> std::result::Result<usize, String> {
+    pub(crate) fn room(&self) -> Result<usize, String> {
         let tail = self.seg.ctl(self.tx).tail.0.load(Ordering::Acquire);
         let used = self.tx_head.wrapping_sub(tail);
         if used > RING_BYTES as u64 {
@@ -282,7 +281,7 @@ impl ShmLink {
     }
 
     /// Published bytes not yet read. Errors when the peer's write position is impossible.
-    pub(crate) fn avail(&self) -> std::result::Result<usize, String> {
+    pub(crate) fn avail(&self) -> Result<usize, String> {
         let head = self.seg.ctl(self.rx).head.0.load(Ordering::Acquire);
         let n = head.wrapping_sub(self.rx_tail);
         if n > RING_BYTES as u64 {
@@ -468,7 +467,7 @@ impl SetupMsg {
     }
 
     /// Parse a message; never panics.
-    pub(crate) fn decode(b: &[u8]) -> std::result::Result<SetupMsg, &'static str> {
+    pub(crate) fn decode(b: &[u8]) -> Result<SetupMsg, &'static str> {
         if b.len() < MSG_LEN {
             return Err("short message");
         }
@@ -501,120 +500,101 @@ impl SetupMsg {
     }
 }
 
-/// Decide, with every connected peer, which links move their frames through shared memory, and
-/// set those up (see the module's notes). `streams` are the authenticated connections (blocking);
-/// `enabled` is this rank's `TUTTI_SHM`. Peers on another host, or that do not offer, stay on TCP.
-///
-/// # Errors
-/// [`Error::Rendezvous`] naming the peer whose connection broke or sent something other than the
-/// set-up's messages by `deadline`.
-pub(crate) fn pair_up(
-    rank: usize,
-    streams: &mut [Option<TcpStream>],
-    enabled: bool,
-    deadline: Instant,
-) -> Result<Vec<Option<ShmLink>>> {
-    let n = streams.len();
-    let host = host_id();
-    let mut links: Vec<Option<ShmLink>> = (0..n).map(|_| None).collect();
-    let fail = |peer: usize, what: String| Error::Rendezvous {
-        rank,
-        detail: format!(
-            "rank {peer} broke off the shared-memory set-up of our connection: {what} (it \
-             crashed, or runs a different tutti version)"
-        ),
-    };
-    let send = |s: &mut TcpStream, peer: usize, m: SetupMsg| {
-        s.write_all(&m.encode()).map_err(|e| fail(peer, format!("sending: {e}")))
-    };
-    let recv = |s: &mut TcpStream, peer: usize, step: Step| -> Result<SetupMsg> {
-        let mut b = [0u8; MSG_LEN];
-        crate::util::read_exact_by(s, &mut b, deadline)
-            .map_err(|e| fail(peer, format!("receiving: {e}")))?;
-        let m = SetupMsg::decode(&b).map_err(|e| fail(peer, e.into()))?;
-        if m.step != step {
-            return Err(fail(peer, format!("expected step {step:?}, got {:?}", m.step)));
-        }
-        Ok(m)
-    };
-    // Each step's messages are small: all of a step's writes go out before its reads, so no
-    // rank waits for one that waits for it.
-    for (peer, s) in streams.iter_mut().enumerate().skip(rank + 1) {
-        if let Some(s) = s {
-            let mut m = SetupMsg::new(Step::Offer, enabled);
-            m.host = host;
-            send(s, peer, m)?;
-        }
-    }
-    // Segments we made, held open until the lower rank has attached.
-    let mut made: Vec<Option<(Segment, OwnedFd)>> = (0..n).map(|_| None).collect();
-    for (peer, s) in streams.iter_mut().enumerate().take(rank) {
-        let Some(s) = s else { continue };
-        let offer = recv(s, peer, Step::Offer)?;
-        let mut answer = SetupMsg::new(Step::Segment, false);
-        if enabled && offer.yes && offer.host == host && offer.ring == RING_BYTES as u32 {
-            let made_one = crate::auth::random::<16>()
-                .and_then(|nonce| Segment::create(&nonce).map(|(seg, fd)| (seg, fd, nonce)));
-            match made_one {
-                Ok((seg, fd, nonce)) => {
-                    answer.yes = true;
-                    answer.fd = fd.as_raw_fd() as u32;
-                    answer.nonce = nonce;
-                    made[peer] = Some((seg, fd));
-                }
-                Err(e) => tracing::debug!(rank, peer, "no shared segment, TCP stays: {e}"),
-            }
-        }
-        send(s, peer, answer)?;
-    }
-    for (peer, s) in streams.iter_mut().enumerate().skip(rank + 1) {
-        let Some(s) = s else { continue };
-        let seg = recv(s, peer, Step::Segment)?;
-        let mut ack = SetupMsg::new(Step::Ack, false);
-        if seg.yes && enabled {
-            match Segment::attach(seg.pid, seg.fd, &seg.nonce) {
-                Ok(mapped) => {
-                    ack.yes = true;
-                    links[peer] = Some(ShmLink::new(mapped, true));
-                }
-                Err(e) => {
-                    tracing::debug!(rank, peer, "shared segment not attached, TCP stays: {e}")
-                }
-            }
-        }
-        send(s, peer, ack)?;
-    }
-    for (peer, s) in streams.iter_mut().enumerate().take(rank) {
-        let Some(s) = s else { continue };
-        let ack = recv(s, peer, Step::Ack)?;
-        if let Some((seg, _fd)) = made[peer].take() {
-            if ack.yes {
-                links[peer] = Some(ShmLink::new(seg, false));
-            }
-        }
-    }
-    for s in streams.iter_mut().flatten() {
-        let _ = s.set_read_timeout(None);
-    }
-    Ok(links)
+fn send_msg(s: &mut TcpStream, m: SetupMsg) -> Result<(), String> {
+    s.write_all(&m.encode()).map_err(|e| format!("sending the shared-memory set-up: {e}"))
 }
 
-/// A pair of linked ends over one segment in this process (tests and fuzzing).
-#[cfg(any(test, feature = "testing"))]
-pub(crate) fn local_pair() -> std::result::Result<(ShmLink, ShmLink), String> {
+fn recv_msg(s: &mut TcpStream, step: Step, deadline: Instant) -> Result<SetupMsg, String> {
+    let mut b = [0u8; MSG_LEN];
+    crate::util::read_exact_by(s, &mut b, deadline)
+        .map_err(|e| format!("receiving the shared-memory set-up: {e}"))?;
+    let m = SetupMsg::decode(&b).map_err(|e| format!("shared-memory set-up: {e}"))?;
+    if m.step != step {
+        return Err(format!("shared-memory set-up: expected step {step:?}, got {:?}", m.step));
+    }
+    Ok(m)
+}
+
+/// The lower rank's side of the set-up on a freshly authenticated connection (the handshake's
+/// server): offer, then attach the segment the peer made, if it made one. `enabled` is this
+/// rank's `TUTTI_SHM`. Returns the link, or `None` when the pair stays on TCP.
+///
+/// # Errors
+/// The connection broke, or the peer sent something else, by `deadline`.
+pub(crate) fn server_side(
+    s: &mut TcpStream,
+    enabled: bool,
+    deadline: Instant,
+) -> Result<Option<ShmLink>, String> {
+    let mut offer = SetupMsg::new(Step::Offer, enabled);
+    offer.host = host_id();
+    send_msg(s, offer)?;
+    let seg = recv_msg(s, Step::Segment, deadline)?;
+    let mut ack = SetupMsg::new(Step::Ack, false);
+    let mut link = None;
+    if seg.yes && enabled {
+        match Segment::attach(seg.pid, seg.fd, &seg.nonce) {
+            Ok(mapped) => {
+                ack.yes = true;
+                link = Some(ShmLink::new(mapped, true));
+            }
+            Err(e) => tracing::debug!("shared segment not attached, the link stays on TCP: {e}"),
+        }
+    }
+    send_msg(s, ack)?;
+    Ok(link)
+}
+
+/// The higher rank's side (the handshake's client): on the same host, with both offering,
+/// make the pair's segment and hand it over; the link is shared memory once the peer attached.
+///
+/// # Errors
+/// As [`server_side`].
+pub(crate) fn client_side(
+    s: &mut TcpStream,
+    enabled: bool,
+    deadline: Instant,
+) -> Result<Option<ShmLink>, String> {
+    let offer = recv_msg(s, Step::Offer, deadline)?;
+    let mut answer = SetupMsg::new(Step::Segment, false);
+    let mut made = None;
+    if enabled && offer.yes && offer.host == host_id() && offer.ring == RING_BYTES as u32 {
+        let made_one = crate::auth::random::<16>()
+            .and_then(|nonce| Segment::create(&nonce).map(|(seg, fd)| (seg, fd, nonce)));
+        match made_one {
+            Ok((seg, fd, nonce)) => {
+                answer.yes = true;
+                answer.fd = fd.as_raw_fd() as u32;
+                answer.nonce = nonce;
+                made = Some((seg, fd));
+            }
+            Err(e) => tracing::debug!("no shared segment, the link stays on TCP: {e}"),
+        }
+    }
+    send_msg(s, answer)?;
+    let ack = recv_msg(s, Step::Ack, deadline)?;
+    // The descriptor closes here: the peer holds its own, and the mappings keep the memory.
+    Ok(made.filter(|_| ack.yes).map(|(seg, _fd)| ShmLink::new(seg, false)))
+}
+
+/// A pair of linked ends over one segment in this process (tests and fuzzing): the first is
+/// the lower rank's.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn local_pair() -> Result<(ShmLink, ShmLink), String> {
     let nonce = [7u8; 16];
     let (seg, fd) = Segment::create(&nonce)?;
-    let other = Segment::map(fd.as_raw_fd())?;
+    let other = Segment::attach(std::process::id(), fd.as_raw_fd() as u32, &nonce)?;
     Ok((ShmLink::new(seg, true), ShmLink::new(other, false)))
 }
 
-/// Write `garbage` over the control block of the ring `link` reads, as a broken peer could
-/// (tests and fuzzing).
-#[cfg(any(test, feature = "testing"))]
-pub(crate) fn scribble(link: &ShmLink, garbage: &[u8]) {
-    let n = garbage.len().min(size_of::<RingCtl>());
-    // SAFETY: inside the first page of our mapping; the fields are plain integers.
-    unsafe {
-        std::ptr::copy_nonoverlapping(garbage.as_ptr(), link.seg.base.add(CTL_AT[link.rx]), n)
-    };
+/// Overwrite a position of the ring `link` reads (`head`: the writer's, else the reader's), as
+/// a broken peer could (tests and fuzzing).
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn scribble(link: &ShmLink, head: bool, value: u64) {
+    let c = link.seg.ctl(link.rx);
+    let field = if head { &c.head.0 } else { &c.tail.0 };
+    field.store(value, Ordering::SeqCst);
 }
+
+#[cfg(test)]
+mod tests;
