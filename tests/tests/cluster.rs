@@ -153,13 +153,35 @@ fn all_ok(outs: &[Output], ranks: usize, what: &str) {
     }
 }
 
+/// Every rank's links (tt-rank's `LINKS` lines): shared memory to the ranks of its own host,
+/// `net` to the others (ranks placed host by host, `per_host` each).
+fn check_links(outs: &[Output], ranks: usize, per_host: usize, net: &str) {
+    let t = text(outs);
+    for r in 0..ranks {
+        let links = t
+            .lines()
+            .find_map(|l| l.split_once(&format!("LINKS {r} ")).map(|x| x.1))
+            .unwrap_or_else(|| panic!("rank {r} did not report its links:\n{t}"));
+        for (p, k) in links.trim().split(',').enumerate() {
+            let want = match p {
+                _ if p == r => "-",
+                _ if p / per_host == r / per_host && net == "tcp" => "shm",
+                _ => net,
+            };
+            assert_eq!(k, want, "rank {r}'s link to rank {p}:\n{t}");
+        }
+    }
+}
+
 #[test]
 fn every_collective_across_hosts_over_tcp_and_quic() {
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
     let Some(c) = Cluster::up(3, None) else { return };
     for transport in ["tcp", "quic"] {
+        // Over TCP a mixed job: shared memory inside each host, TCP between hosts.
         let outs = c.job(2, "10.77.0.1", &["collectives"], &[("TUTTI_TRANSPORT", transport)]);
         all_ok(&outs, 6, transport);
+        check_links(&outs, 6, 2, transport);
     }
     // Full-size messages over QUIC off loopback (path MTU discovery, GSO, batched receives):
     // collbench's own check of every element of a 16 MiB allreduce and all-to-all.

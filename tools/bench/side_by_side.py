@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""tutti's collbench, Open MPI over TCP and torch's gloo, side by side, interleaved.
+"""tutti's collbench, Open MPI (over TCP, and with its defaults) and torch's gloo, side by
+side, interleaved.
 
     python3 tools/bench/side_by_side.py [--rounds 3] [--colls allreduce,broadcast]
                                         [--worlds 2,4] [--sizes 8,2M,64M] [--seconds 0.3]
-                                        [--gloo PYTHON|none]
+                                        [--gloo PYTHON|none] [--mpi tcp,shm]
+                                        [--tutti-env TUTTI_SHM=0]
 
 Installs Open MPI from the distribution's packages when `mpicc` is missing (Debian/Ubuntu:
 openmpi-bin, libopenmpi-dev; needs root), builds `tools/bench/mpi/mpibench.c` into
@@ -17,8 +19,11 @@ machine between rounds moves it less). Each peer is compared with tutti's call o
 kind: Open MPI's broadcast works in place and its other calls out of place; torch's
 all_reduce and broadcast work in place and its all_gather out of place. collbench times both
 modes in one run; the table shows tutti in Open MPI's mode (`tutti_us`) and in gloo's
-(`tutti_g_us`), which differ for allreduce only. Open MPI is forced onto TCP
-(`--mca btl tcp,self`), as tutti is. gloo (torch.distributed, CPU tensors, `gloo_bench.py`)
+(`tutti_g_us`), which differ for allreduce only. Open MPI runs twice (`--mpi`): forced onto
+TCP (`--mca btl tcp,self`, column `mpi`), and with its own defaults (column `mpi_shm`: on one
+host its shared-memory transport, `vader`), the peers of tutti's TCP and shared-memory links.
+`--tutti-env` adds variables to collbench's environment (`TUTTI_SHM=0`: tutti over TCP alone).
+gloo (torch.distributed, CPU tensors, `gloo_bench.py`)
 runs where a Python with torch is found (`--gloo`, else $TUTTI_TORCH_PYTHON, else
 ~/.cache/tutti/venv-torch, as CI makes it) and for the collectives gloo has on CPU (allreduce,
 allgather, broadcast). All run for about the same time per point.
@@ -73,9 +78,10 @@ def build():
     return mb, cb
 
 
-def run_mpi(mb, coll, n, size, secs):
+def run_mpi(mb, coll, n, size, secs, shm=False):
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    out = subprocess.run(["mpirun", *root, "-np", str(n), "--mca", "btl", "tcp,self",
+    btl = [] if shm else ["--mca", "btl", "tcp,self"]
+    out = subprocess.run(["mpirun", *root, "-np", str(n), *btl,
                           "--oversubscribe", mb, coll, str(size), str(size), str(secs)],
                          capture_output=True, text=True, timeout=600)
     for line in out.stdout.splitlines():
@@ -99,7 +105,8 @@ GLOO_COLLS = ("allreduce", "allgather", "broadcast")
 # others out of place. Each peer is compared with tutti's call of the same kind.
 IN_PLACE = {"mpi": ("broadcast",), "gloo": ("allreduce", "broadcast")}
 # Which of tutti's results each peer is compared with.
-TUTTI_AS = {"mpi": "tutti", "gloo": "tutti_g"}
+TUTTI_AS = {"mpi": "tutti", "mpi_shm": "tutti", "gloo": "tutti_g"}
+PEERS = ("mpi", "mpi_shm", "gloo")
 
 
 def find_gloo(arg):
@@ -126,14 +133,14 @@ def run_gloo(py, coll, n, size, secs):
     return int(v[-2]), float(v[-1]) * 1e-6
 
 
-def run_tutti(cb, coll, n, size, secs, probe):
+def run_tutti(cb, coll, n, size, secs, probe, env):
     # As many timed iterations as fit in `secs`, from the time of one probe run.
     iters = max(5, min(100000, int(secs / max(probe.get((coll, n, size), 1e-3), 1e-6))))
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         b = str(mpi_bytes(n, size))
         out = subprocess.run([cb, coll, "-b", b, "-e", b, "-n", str(iters),
                               "-w", "3", "-c", "0", "--np", str(n), "-J", f.name],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=600, env=env)
         if out.returncode != 0:
             sys.exit(f"side_by_side: collbench failed:\n{out.stdout}\n{out.stderr}")
         row = json.load(open(f.name))["runs"][0]["rows"][0]
@@ -152,7 +159,14 @@ def main():
     ap.add_argument("--sizes", default="8,2M,64M")
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--gloo", default="", help="Python with torch for gloo, or none")
+    ap.add_argument("--mpi", default="tcp,shm", help="Open MPI runs: tcp, shm (its defaults), both")
+    ap.add_argument("--tutti-env", default="", help="VAR=VALUE,... for collbench")
     a = ap.parse_args()
+    tenv = dict(os.environ)
+    for kv in filter(None, a.tutti_env.split(",")):
+        k, _, v = kv.partition("=")
+        tenv[k] = v
+    mpis = [("mpi" if m == "tcp" else "mpi_shm") for m in filter(None, a.mpi.split(","))]
     mb, cb = build()
     gloo = find_gloo(a.gloo)
     colls = a.colls.split(",")
@@ -164,16 +178,16 @@ def main():
         for coll in colls:
             for n in worlds:
                 for size in sizes:
-                    order = ["tutti", "mpi"] + (["gloo"] if gloo and coll in GLOO_COLLS else [])
+                    order = ["tutti", *mpis] + (["gloo"] if gloo and coll in GLOO_COLLS else [])
                     if r % 2 == 1:
                         order.reverse()
                     for who in order:
-                        if who == "mpi":
-                            b, t = run_mpi(mb, coll, n, size, a.seconds)
+                        if who in ("mpi", "mpi_shm"):
+                            b, t = run_mpi(mb, coll, n, size, a.seconds, who == "mpi_shm")
                         elif who == "gloo":
                             b, t = run_gloo(gloo, coll, n, size, a.seconds)
                         else:
-                            b, t, t_gloo = run_tutti(cb, coll, n, size, a.seconds, probe)
+                            b, t, t_gloo = run_tutti(cb, coll, n, size, a.seconds, probe, tenv)
                             res.setdefault((coll, n, size, "tutti_g"), []).append((b, t_gloo))
                         res.setdefault((coll, n, size, who), []).append((b, t))
         print(f"# round {r + 1} of {a.rounds} done", file=sys.stderr)
@@ -183,32 +197,33 @@ def main():
           " each peer's median time over tutti's in that peer's mode; per-round: the median over"
           " rounds of that ratio within each round")
     print(f"# {'collective':<15} {'n':>2} {'bytes':>10} {'tutti_us':>10} {'tutti_g_us':>10} "
-          f"{'mpi_us':>10} {'gloo_us':>10} {'tutti_bw':>9} {'mpi_bw':>9} {'gloo_bw':>9} "
-          f"{'ratio':>6} {'per-round':>9}")
+          f"{'mpi_us':>10} {'mpi_shm_us':>10} {'gloo_us':>10} {'tutti_bw':>9} {'mpi_bw':>9} "
+          f"{'mpishm_bw':>9} {'gloo_bw':>9} {'ratio':>6} {'per-round':>9}")
     for coll in colls:
         for n in worlds:
             for size in sizes:
                 t = {}
-                for who in ("tutti", "tutti_g", "mpi", "gloo"):
+                for who in ("tutti", "tutti_g", *PEERS):
                     v = res.get((coll, n, size, who))
                     if v:
                         t[who] = statistics.median(x[1] for x in v)
                 b = mpi_bytes(n, size)
                 bw = {w: b / x * FACTOR[coll](n) / 1e9 for w, x in t.items()}
                 # Each peer against tutti in that peer's mode.
-                ratio = min(t[w] / t[TUTTI_AS[w]] for w in ("mpi", "gloo") if w in t)
+                ratio = min(t[w] / t[TUTTI_AS[w]] for w in PEERS if w in t)
                 # Per round: the same, the three run back to back.
                 per_round = [
                     min(res[(coll, n, size, w)][r][1] / res[(coll, n, size, TUTTI_AS[w])][r][1]
-                        for w in ("mpi", "gloo") if (coll, n, size, w) in res)
+                        for w in PEERS if (coll, n, size, w) in res)
                     for r in range(a.rounds)
                 ]
                 cell = lambda w, f: f.format(t[w] * 1e6) if w in t else f"{'-':>10}"
                 bcell = lambda w: f"{bw[w]:>9.3f}" if w in bw else f"{'-':>9}"
                 print(f"  {coll:<15} {n:>2} {size:>10} {cell('tutti', '{:>10.1f}')} "
                       f"{cell('tutti_g', '{:>10.1f}')} "
-                      f"{cell('mpi', '{:>10.1f}')} {cell('gloo', '{:>10.1f}')} "
-                      f"{bcell('tutti')} {bcell('mpi')} {bcell('gloo')} "
+                      f"{cell('mpi', '{:>10.1f}')} {cell('mpi_shm', '{:>10.1f}')} "
+                      f"{cell('gloo', '{:>10.1f}')} "
+                      f"{bcell('tutti')} {bcell('mpi')} {bcell('mpi_shm')} {bcell('gloo')} "
                       f"{ratio:>6.2f} {statistics.median(per_round):>9.2f}")
 
 
