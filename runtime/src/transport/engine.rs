@@ -62,6 +62,12 @@ pub(crate) trait Driver: Send + 'static {
     fn arm(&mut self, _core: &Core, _mode: Mode) -> bool {
         false
     }
+    /// Whether a wait keeps spinning for as long as bytes keep moving (instead of for the spin
+    /// time from its start): where a sleep costs the peer a wake-up per ring of data (shared
+    /// memory), a transfer that flows should not fall asleep halfway.
+    fn spin_while_moving(&self) -> bool {
+        false
+    }
     /// How the frames to `peer` travel, when this driver has more than one way (`"shm"`).
     fn link_kind(&self, _peer: usize) -> Option<&'static str> {
         None
@@ -284,6 +290,7 @@ impl<D: Driver> Engine<D> {
         let mut w = Waiter::new(op, t0, deadline);
         let mut spin_until = None;
         let mut spun = false;
+        let mut moved = 0;
         // Filled (and allocated) only if the first pass does not end the wait.
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut guard = self.lock();
@@ -302,6 +309,10 @@ impl<D: Driver> Engine<D> {
                 Step::Again => continue,
                 Step::Sleep(t) => t,
             };
+            if s.driver.spin_while_moving() && s.core.bytes_moved() != moved {
+                moved = s.core.bytes_moved();
+                spin_until = None;
+            }
             let spin_end = *spin_until.get_or_insert(now + self.spin);
             if now < spin_end {
                 drop(guard);

@@ -256,6 +256,10 @@ impl Driver for TcpDriver {
         self.kind(peer)
     }
 
+    fn spin_while_moving(&self) -> bool {
+        self.any_shm
+    }
+
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
         self.progress_tx(core, peer, now);
     }
@@ -458,7 +462,7 @@ impl Conn {
     fn flush_shm(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<(), LinkFail> {
         let Some(l) = self.shm.as_mut() else { return Ok(()) };
         while core.wants_tx(peer) {
-            let mut room = l.room().map_err(LinkFail::Protocol)?;
+            let mut room = l.room().map_err(LinkFail::Protocol)?.min(shm::PIECE_BYTES);
             let mut n = 0;
             for s in core.sendq(peer).iter() {
                 if room == 0 {
@@ -578,7 +582,7 @@ impl Conn {
                     Ok(Read { bytes: 0, drained: true })
                 };
             }
-            let r = avail.min(room);
+            let r = avail.min(room).min(shm::PIECE_BYTES);
             // SAFETY: `r` bytes fit at `ptr` and are published.
             unsafe { l.take(ptr, r) };
             if l.release() {
@@ -589,7 +593,7 @@ impl Conn {
             } else {
                 self.end += r;
             }
-            return Ok(Read { bytes: r, drained: r < room });
+            return Ok(Read { bytes: r, drained: r < room.min(shm::PIECE_BYTES) });
         }
         loop {
             // SAFETY: `ptr..ptr+room` is writable (posted buffer remainder or staging space).

@@ -51,6 +51,10 @@ use std::time::Instant;
 
 /// Bytes of one direction's ring.
 pub(crate) const RING_BYTES: usize = 256 << 10;
+/// Most bytes copied into or out of a ring between two publications of a position: the
+/// writer and the reader work on different pieces of the ring at once instead of taking turns
+/// over the whole of it.
+pub(crate) const PIECE_BYTES: usize = 32 << 10;
 /// Bytes of the first page: header and control blocks.
 const HEAD_PAGE: usize = 4096;
 /// Bytes of one pair's segment.
