@@ -65,6 +65,10 @@ macro_rules! both {
                 ($body)(Kind::Tcp)
             }
             #[test]
+            fn shm() {
+                ($body)(Kind::Shm)
+            }
+            #[test]
             fn quic() {
                 ($body)(Kind::Quic)
             }

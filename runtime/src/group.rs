@@ -526,9 +526,9 @@ mod tests {
         // deadline, on every transport.
         use crate::testing::Kind;
         #[cfg(feature = "quic")]
-        let kinds = [Kind::Mem, Kind::Tcp, Kind::Quic];
+        let kinds = [Kind::Mem, Kind::Tcp, Kind::Shm, Kind::Quic];
         #[cfg(not(feature = "quic"))]
-        let kinds = [Kind::Mem, Kind::Tcp];
+        let kinds = [Kind::Mem, Kind::Tcp, Kind::Shm];
         for kind in kinds {
             let gs = crate::testing::groups(kind, 2).unwrap();
             for g in &gs {

@@ -19,8 +19,11 @@ use crate::transport::Transport;
 pub enum Kind {
     /// In-memory.
     Mem,
-    /// TCP over 127.0.0.1.
+    /// TCP over 127.0.0.1, every byte through the sockets (`LinkConfig::shm` off).
     Tcp,
+    /// TCP connections over 127.0.0.1 whose frames go through shared memory (all ranks share
+    /// this host).
+    Shm,
     /// QUIC over 127.0.0.1.
     #[cfg(feature = "quic")]
     Quic,
@@ -70,7 +73,16 @@ pub fn job<T: Send>(
 /// # Errors
 /// Any rendezvous failure.
 pub fn tcp_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
-    job(n, cfg, TcpTransport::connect)
+    job(n, &LinkConfig { shm: false, ..cfg.clone() }, TcpTransport::connect)
+}
+
+/// As [`tcp_world`], with the connections' frames going through shared memory (every rank is
+/// on this host).
+///
+/// # Errors
+/// Any rendezvous failure.
+pub fn shm_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
+    job(n, &LinkConfig { shm: true, ..cfg.clone() }, TcpTransport::connect)
 }
 
 /// A QUIC job of `n` ranks on 127.0.0.1, all in this process.
@@ -102,6 +114,12 @@ pub fn world(kind: Kind, n: usize) -> Result<Vec<Arc<dyn Transport>>> {
             let cfg =
                 LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
             let (ts, _server) = tcp_world(n, &cfg)?;
+            ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
+        }
+        Kind::Shm => {
+            let cfg =
+                LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
+            let (ts, _server) = shm_world(n, &cfg)?;
             ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
         #[cfg(feature = "quic")]
@@ -140,6 +158,7 @@ pub fn ranks_here<T: Send>(
     let over = match kind {
         Kind::Mem => "memory",
         Kind::Tcp => "TCP",
+        Kind::Shm => "shared memory",
         #[cfg(feature = "quic")]
         Kind::Quic => "QUIC",
     };

@@ -183,8 +183,6 @@ pub(crate) enum Step {
 /// The connection core of one rank: every peer's link, the operation table and the matching.
 pub(crate) struct Core {
     rank: usize,
-    /// Bytes moved by the driver, both ways, ever (a waiter that sees it grow keeps spinning).
-    moved: u64,
     links: Vec<Link>,
     queues: Vec<PeerQueues>,
     ops: Ops,
@@ -202,7 +200,6 @@ impl Core {
     pub(crate) fn new(rank: usize, world: usize, cfg: CoreConfig, now: Instant) -> Core {
         Core {
             rank,
-            moved: 0,
             links: (0..world).map(|_| Link::new(now)).collect(),
             queues: (0..world).map(|_| PeerQueues::default()).collect(),
             ops: Ops::default(),
@@ -229,11 +226,6 @@ impl Core {
     /// How many operations have ended (done or failed) so far.
     pub(crate) fn ops_ended(&self) -> u64 {
         self.ops.ended()
-    }
-
-    /// Bytes the driver has moved, both ways, since the start.
-    pub(crate) fn bytes_moved(&self) -> u64 {
-        self.moved
     }
 
     /// The driver connected `peer`: its link carries frames from now on.
@@ -402,7 +394,6 @@ impl Core {
     /// The driver handed `n` more bytes of `peer`'s queue to its wire: completes the sends
     /// whose last byte went.
     pub(crate) fn tx_done(&mut self, peer: usize, mut n: usize, now: Instant) {
-        self.moved += n as u64;
         let l = &mut self.links[peer];
         if n > 0 {
             l.last_tx = now;
@@ -498,7 +489,6 @@ impl Core {
 
     /// `n` bytes were read directly into the place [`Core::rx_direct`] gave.
     pub(crate) fn rx_direct_done(&mut self, peer: usize, n: usize, now: Instant) {
-        self.moved += n as u64;
         let l = &mut self.links[peer];
         l.last_rx = now;
         l.heard_from = true;
@@ -516,13 +506,7 @@ impl Core {
     /// Bytes of `peer`'s stream arrived. Returns how many the core took: all of them, except
     /// when a frame is (or becomes) parked, where the driver keeps the rest and offers it again
     /// once [`Core::rx_parked`] is false. A protocol violation fails the link (and poisons).
-    pub(crate) fn rx_bytes(&mut self, peer: usize, data: &[u8], now: Instant) -> usize {
-        let took = self.rx_bytes_inner(peer, data, now);
-        self.moved += took as u64;
-        took
-    }
-
-    fn rx_bytes_inner(&mut self, peer: usize, mut data: &[u8], now: Instant) -> usize {
+    pub(crate) fn rx_bytes(&mut self, peer: usize, mut data: &[u8], now: Instant) -> usize {
         let total = data.len();
         if total > 0 {
             self.links[peer].last_rx = now;

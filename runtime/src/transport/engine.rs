@@ -62,11 +62,12 @@ pub(crate) trait Driver: Send + 'static {
     fn arm(&mut self, _core: &Core, _mode: Mode) -> bool {
         false
     }
-    /// Whether a wait keeps spinning for as long as bytes keep moving (instead of for the spin
-    /// time from its start): where a sleep costs the peer a wake-up per ring of data (shared
-    /// memory), a transfer that flows should not fall asleep halfway.
-    fn spin_while_moving(&self) -> bool {
-        false
+    /// A count that grows while bytes move on links where a sleep is expensive (shared memory:
+    /// each sleep costs the peer a wake-up per ring of data). A wait that sees it grow spins on
+    /// instead of sleeping halfway through a transfer that flows; when it stops growing, the
+    /// wait sleeps after its usual spin.
+    fn spin_progress(&self) -> u64 {
+        0
     }
     /// How the frames to `peer` travel, when this driver has more than one way (`"shm"`).
     fn link_kind(&self, _peer: usize) -> Option<&'static str> {
@@ -299,7 +300,9 @@ impl<D: Driver> Engine<D> {
         loop {
             let s = &mut *guard;
             let now = first.take().unwrap_or_else(Instant::now);
-            if spun && s.driver.look_while_spinning() {
+            // A look while another thread sleeps on the descriptors could drain a wake-up meant
+            // for it: then a plain pass.
+            if spun && s.driver.look_while_spinning() && !s.driving {
                 self.look(s, now, &mut fds);
             } else {
                 self.pass(s, Mode::Wait, now);
@@ -309,8 +312,9 @@ impl<D: Driver> Engine<D> {
                 Step::Again => continue,
                 Step::Sleep(t) => t,
             };
-            if s.driver.spin_while_moving() && s.core.bytes_moved() != moved {
-                moved = s.core.bytes_moved();
+            let progress = s.driver.spin_progress();
+            if progress != moved {
+                moved = progress;
                 spin_until = None;
             }
             let spin_end = *spin_until.get_or_insert(now + self.spin);
@@ -488,7 +492,9 @@ impl<D: Driver> Engine<D> {
             if self.stop.load(Ordering::SeqCst) {
                 break;
             }
-            if self.sleep_as(&mut fds, until, true) {
+            // A thread that started waiting meanwhile drives: what woke us is its to serve (a
+            // shared-memory wake-up is given once).
+            if self.sleep_as(&mut fds, until, true) && self.waiters.load(Ordering::SeqCst) == 0 {
                 let mut guard = self.lock();
                 let s = &mut *guard;
                 let before = s.core.ops_ended();

@@ -98,6 +98,13 @@ fn tcp() {
     sender_waits_and_receiver_stays_bounded(ts);
 }
 
+/// Over shared memory the ring holds what the kernel's buffers would; the window is the same.
+#[test]
+fn shm() {
+    let (ts, _store) = testing::shm_world(2, &cfg()).unwrap();
+    sender_waits_and_receiver_stays_bounded(ts);
+}
+
 #[cfg(feature = "quic")]
 #[test]
 fn quic() {

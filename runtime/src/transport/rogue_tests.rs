@@ -203,9 +203,34 @@ fn tcp_world() -> Vec<crate::transport::tcp::TcpTransport> {
     testing::tcp_world(3, &cfg()).unwrap().0
 }
 
+fn shm_world() -> Vec<crate::transport::tcp::TcpTransport> {
+    let ts = testing::shm_world(3, &cfg()).unwrap().0;
+    for t in &ts {
+        for p in (0..3).filter(|p| *p != t.rank()) {
+            assert_eq!(t.link_kind(p), "shm", "rank {}'s link to {p}", t.rank());
+        }
+    }
+    ts
+}
+
 #[test]
 fn malformed_frames_tcp() {
     malformed_frames(tcp_world);
+}
+
+#[test]
+fn malformed_frames_shm() {
+    malformed_frames(shm_world);
+}
+
+#[test]
+fn unexpected_data_budget_shm() {
+    unexpected_data_budget(shm_world());
+}
+
+#[test]
+fn no_write_after_failure_shm() {
+    no_write_after_failure(shm_world(), |t, p, h, b| t.engine().send_raw(p, h, b));
 }
 
 #[test]

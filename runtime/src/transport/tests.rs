@@ -65,6 +65,10 @@ macro_rules! transport_test {
             fn tcp() {
                 ($body)(Kind::Tcp)
             }
+            #[test]
+            fn shm() {
+                ($body)(Kind::Shm)
+            }
             #[cfg(feature = "quic")]
             #[test]
             fn quic() {

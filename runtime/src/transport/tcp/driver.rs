@@ -81,7 +81,7 @@ fn io_fail(e: &std::io::Error) -> LinkFail {
 
 impl TcpDriver {
     /// A driver over connected streams (`None` at our own index), each with its shared-memory
-    /// link where [`shm::pair_up`] made one; brings their links up.
+    /// link where the set-up after its handshake made one; brings their links up.
     pub(crate) fn new(
         streams: Vec<Option<TcpStream>>,
         mut links: Vec<Option<ShmLink>>,
@@ -134,6 +134,10 @@ impl TcpDriver {
             if !self.conns[peer].as_ref().is_some_and(|c| c.shm.is_some()) {
                 continue;
             }
+            if self.conns[peer].as_ref().and_then(|c| c.shm.as_ref()).is_some_and(|l| l.peer_eof) {
+                self.finish_ended(core, peer, now);
+                continue;
+            }
             if core.wants_tx(peer) {
                 self.progress_tx(core, peer, now);
             }
@@ -141,6 +145,14 @@ impl TcpDriver {
                 self.progress_rx(core, peer, now);
             }
         }
+    }
+
+    /// A shared-memory peer ended its side (its socket reached its end): whatever the mode,
+    /// take in what its ring holds (a parked frame moves to the unexpected queue, bounded by
+    /// the budget) and then see the end, which fails the link unless its close came first.
+    fn finish_ended(&mut self, core: &mut Core, peer: usize, now: Instant) {
+        core.unpark(peer);
+        self.progress_rx(core, peer, now);
     }
 
     fn progress_tx(&mut self, core: &mut Core, peer: usize, now: Instant) {
@@ -256,8 +268,11 @@ impl Driver for TcpDriver {
         self.kind(peer)
     }
 
-    fn spin_while_moving(&self) -> bool {
-        self.any_shm
+    fn spin_progress(&self) -> u64 {
+        if !self.any_shm {
+            return 0;
+        }
+        self.conns.iter().flatten().filter_map(|c| c.shm.as_ref()).map(|l| l.moved).sum()
     }
 
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant) {
@@ -279,8 +294,12 @@ impl Driver for TcpDriver {
             if core.wants_tx(peer) {
                 self.progress_tx(core, peer, now);
             }
-            let shm = self.conns[peer].as_ref().is_some_and(|c| c.shm.is_some());
-            if mode == Mode::Wait && (core.wants_rx(peer) || shm) {
+            let shm = self.conns[peer].as_ref().and_then(|c| c.shm.as_ref());
+            if shm.is_some_and(|l| l.peer_eof) {
+                self.finish_ended(core, peer, now);
+                continue;
+            }
+            if mode == Mode::Wait && (core.wants_rx(peer) || shm.is_some()) {
                 self.progress_rx(core, peer, now);
             }
         }
@@ -299,6 +318,10 @@ impl Driver for TcpDriver {
             let Some(l) = c.as_ref().and_then(|c| c.shm.as_ref()) else { continue };
             if !core.is_up(peer) {
                 continue;
+            }
+            if l.peer_eof {
+                // Its end was seen and is served by the next pass, not by a sleep.
+                return true;
             }
             if core.wants_tx(peer) {
                 ready |= l.arm_tx();
@@ -320,8 +343,9 @@ impl Driver for TcpDriver {
             if let Some(l) = c.shm.as_ref() {
                 // Wake-ups and the peer's end arrive on the socket; the frames never do.
                 let events = match mode {
+                    // At its end the socket stays readable: the passes finish the link.
+                    _ if l.peer_eof => 0,
                     Mode::Idle if core.wants_tx(peer) => libc::POLLIN,
-                    Mode::Idle if l.peer_eof => 0,
                     Mode::Idle => libc::POLLRDHUP,
                     _ => libc::POLLIN,
                 };
@@ -358,6 +382,7 @@ impl Driver for TcpDriver {
             if let Some(c) = self.conns[peer].as_mut() {
                 if let Some(l) = c.shm.as_mut() {
                     if shm::drain_wakes(c.fd) {
+                        // The peer is gone or going: served below (`finish_ended`).
                         l.peer_eof = true;
                     }
                     continue;
@@ -401,6 +426,12 @@ impl Driver for TcpDriver {
         }
         for peer in 0..self.conns.len() {
             let Some(c) = self.conns[peer].as_mut() else { continue };
+            if c.shm.is_some() {
+                if c.shutdown_shm(core, peer, now) {
+                    self.conns[peer] = None;
+                }
+                continue;
+            }
             if core.is_up(peer) && core.wants_tx(peer) {
                 if c.flush(core, peer, now).is_err() {
                     self.conns[peer] = None;
@@ -413,24 +444,6 @@ impl Driver for TcpDriver {
             if !c.shut {
                 let _ = c.stream.shutdown(std::net::Shutdown::Write);
                 c.shut = true;
-            }
-            if let Some(l) = c.shm.as_mut() {
-                // Drop what the peer still writes (it may wait for room to write its close),
-                // until its end arrives on the socket.
-                match l.avail() {
-                    Ok(n) if n > 0 => {
-                        l.skip(n);
-                        if l.release() {
-                            shm::wake(c.fd);
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(_) => l.peer_eof = true,
-                }
-                if l.peer_eof || shm::drain_wakes(c.fd) {
-                    self.conns[peer] = None;
-                }
-                continue;
             }
             // SAFETY: reading into our own scratch buffer.
             let r = unsafe {
@@ -457,6 +470,45 @@ struct Read {
 }
 
 impl Conn {
+    /// One shutdown step of a shared-memory link; true when it is finished. Drops what the
+    /// peer still writes first (it may be waiting for room to write its close), then sees our
+    /// queued frames (the close last) into the ring and ends our side of the socket, until the
+    /// peer's end arrives there.
+    fn shutdown_shm(&mut self, core: &mut Core, peer: usize, now: Instant) -> bool {
+        let fd = self.fd;
+        let Some(l) = self.shm.as_mut() else { return true };
+        match l.avail() {
+            Ok(n) if n > 0 => {
+                l.skip(n);
+                if l.release() {
+                    shm::wake(fd);
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return true,
+        }
+        if shm::drain_wakes(fd) {
+            l.peer_eof = true;
+        }
+        if l.peer_eof {
+            // Gone, or finished its side after its close: nothing more to see out.
+            return true;
+        }
+        if core.is_up(peer) && core.wants_tx(peer) {
+            if self.flush(core, peer, now).is_err() {
+                return true;
+            }
+            if core.wants_tx(peer) {
+                return false;
+            }
+        }
+        if !self.shut {
+            let _ = self.stream.shutdown(std::net::Shutdown::Write);
+            self.shut = true;
+        }
+        false
+    }
+
     /// Write queued frames into the shared ring until it is full or the queue empty; wake the
     /// peer if it sleeps.
     fn flush_shm(&mut self, core: &mut Core, peer: usize, now: Instant) -> Result<(), LinkFail> {

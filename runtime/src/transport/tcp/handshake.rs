@@ -6,7 +6,13 @@
 //!   ◄── Challenge 49 B  status, server nonce, HMAC(key, "srv" ‖ hello ‖ server nonce)
 //!   Proof  32 B  HMAC(key, "cli" ‖ hello ‖ server nonce)                          ──►
 //!   ◄── Ack 1 B  status
+//!   ◄── shared-memory Offer 80 B (where the server runs; `shm.rs`)
+//!   Segment 80 B (pid, descriptor, nonce; or none)                                ──►
+//!   ◄── Ack 80 B (attached or not)
 //! ```
+//!
+//! The last three messages decide whether the connection's frames go through shared memory
+//! (ranks of one host) and are part of the handshake's one deadline; version 2 has them.
 //!
 //! Both sides prove they know the job key without sending it; the nonces make every proof
 //! single-use. The server checks the client's proof before it looks at the job id, world size
@@ -26,7 +32,7 @@ use crate::util::read_exact_by;
 /// Magic at the start of a handshake.
 pub(crate) const HS_MAGIC: &[u8; 8] = b"TUTTIHS1";
 /// Handshake protocol version.
-pub(crate) const HS_VERSION: u16 = 1;
+pub(crate) const HS_VERSION: u16 = 2;
 /// Length of a hello.
 pub(crate) const HELLO_LEN: usize = 48;
 

@@ -26,8 +26,8 @@
 //! **Waking.** A waiting rank spins on the rings first (the engine's spin). Before it sleeps it
 //! sets *reader-sleeps* on the rings it reads (and *writer-waits* on a full ring it writes), then
 //! looks again; a writer that publishes, or a reader that makes room, and finds the flag set clears
-//! it and writes one byte to the socket, which wakes the sleeper's `poll`. A busy pair never makes
-//! a system call.
+//! it and writes one byte to the socket, which wakes the sleeper's `poll`. Ranks that keep each
+//! other busy never write a wake-up (they only yield the CPU while they spin).
 //!
 //! **Set-up** ([`server_side`], [`client_side`]), on every connection right after the handshake
 //! authenticated it, within the handshake's deadline:
@@ -35,7 +35,7 @@
 //! the same host, creates the segment and answers with its process id, the segment's descriptor
 //! number and a random nonce; the lower rank opens `/proc/<pid>/fd/<n>` (the kernel allows that
 //! only to the same user or root), checks the owner, the size, the seals and the nonce, and
-//! acknowledges. The segment has no name: nothing outside the two processes can find it, and
+//! acknowledges. The segment has no name: no process of another user can open it, and
 //! it is freed by the kernel when both have exited, however they ended. Any failure on the way
 //! leaves the pair on TCP.
 //!
@@ -154,12 +154,25 @@ impl Segment {
     fn attach(pid: u32, fd: u32, nonce: &[u8; 16]) -> Result<Segment, String> {
         let path = format!("/proc/{pid}/fd/{fd}\0");
         // SAFETY: a NUL-terminated path.
-        let raw = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDWR | libc::O_CLOEXEC) };
+        let raw = unsafe {
+            libc::open(
+                path.as_ptr().cast(),
+                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK,
+            )
+        };
         if raw < 0 {
             return Err(os_err(&format!("opening {}", path.trim_end_matches('\0'))));
         }
         // SAFETY: `raw` is ours and open.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // Seals first: once sealed, the size cannot change between our check and our mapping
+        // (a peer that shrank the file would make our next access fault).
+        // SAFETY: plain call on our descriptor.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        if seals < 0 || seals & need != need {
+            return Err("the peer's segment is not sealed against resizing".into());
+        }
         // SAFETY: zeroed stat is a valid out-parameter.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fstat on our descriptor into a local.
@@ -177,12 +190,6 @@ impl Segment {
                  {SEGMENT_BYTES})",
                 st.st_uid, st.st_size
             ));
-        }
-        // SAFETY: plain call on our descriptor.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-        if seals < 0 || seals & need != need {
-            return Err("the peer's segment is not sealed against resizing".into());
         }
         let seg = Segment::map(fd.as_raw_fd())?;
         let mut head = [0u8; 32];
@@ -228,6 +235,8 @@ pub(crate) struct ShmLink {
     rx_tail: u64,
     /// The peer ended the link (its socket reached its end): what the ring holds is all.
     pub(crate) peer_eof: bool,
+    /// Bytes copied in and out, ever (a waiting rank spins on while it grows).
+    pub(crate) moved: u64,
 }
 
 impl std::fmt::Debug for ShmLink {
@@ -267,7 +276,7 @@ unsafe fn copy_out(ring: *const u8, pos: u64, dst: *mut u8, n: usize) {
 impl ShmLink {
     fn new(seg: Segment, lower: bool) -> ShmLink {
         let tx = usize::from(!lower);
-        ShmLink { seg, tx, rx: 1 - tx, tx_head: 0, rx_tail: 0, peer_eof: false }
+        ShmLink { seg, tx, rx: 1 - tx, tx_head: 0, rx_tail: 0, peer_eof: false, moved: 0 }
     }
 
     /// Free bytes in the ring we write. Errors when the peer's read position is impossible.
@@ -306,6 +315,7 @@ impl ShmLink {
         // SAFETY: the caller vouches for `src` and `n <= RING_BYTES`.
         unsafe { copy_in(self.seg.data(self.tx), self.tx_head, src, n) };
         self.tx_head += n as u64;
+        self.moved += n as u64;
     }
 
     /// Make what was put readable. True when the reader sleeps and must be woken.
@@ -325,6 +335,7 @@ impl ShmLink {
         // SAFETY: the caller vouches for `dst` and `n <= RING_BYTES`.
         unsafe { copy_out(self.seg.data(self.rx), self.rx_tail, dst, n) };
         self.rx_tail += n as u64;
+        self.moved += n as u64;
     }
 
     /// Copy the first published bytes into `dst` without consuming them; returns how many.

@@ -127,10 +127,27 @@ fn attaching_checks_the_segment_is_the_announced_one() {
     assert_eq!(unsafe { libc::ftruncate(plain.as_raw_fd(), SEGMENT_BYTES as libc::off_t) }, 0);
     let e = Segment::attach(me, plain.as_raw_fd() as u32, &nonce).err().unwrap();
     assert!(e.contains("sealed"), "{e}");
-    // A file of another size.
-    // SAFETY: as above.
-    assert_eq!(unsafe { libc::ftruncate(plain.as_raw_fd(), 4096) }, 0);
-    let e = Segment::attach(me, plain.as_raw_fd() as u32, &nonce).err().unwrap();
+    // A sealed file of another size.
+    // SAFETY: a valid C string and flags.
+    let small = unsafe {
+        libc::memfd_create(c"small".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+    };
+    assert!(small >= 0);
+    // SAFETY: our descriptor.
+    let small = unsafe { OwnedFd::from_raw_fd(small) };
+    // SAFETY: plain calls on our descriptor.
+    unsafe {
+        assert_eq!(libc::ftruncate(small.as_raw_fd(), 4096), 0);
+        assert_eq!(
+            libc::fcntl(
+                small.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
+            ),
+            0
+        );
+    }
+    let e = Segment::attach(me, small.as_raw_fd() as u32, &nonce).err().unwrap();
     assert!(e.contains("bytes"), "{e}");
     // A descriptor that is not there.
     let e = Segment::attach(me, 999_999, &nonce).err().unwrap();
