@@ -43,8 +43,9 @@ pub fn connection(data: &[u8]) {
 /// peer could: writes and reads of any size, and garbage written over the ring's positions. A
 /// read never goes outside the ring, and never returns more than it holds.
 pub fn shm_ring(data: &[u8]) {
-    use crate::transport::tcp::shm::{local_pair, scribble, RING_BYTES};
-    let Ok((mut a, mut b)) = local_pair() else { return };
+    use crate::transport::tcp::shm::{local_pair, scribble, RING_MIN};
+    const RING_BYTES: usize = RING_MIN;
+    let Ok((mut a, mut b)) = local_pair(RING_BYTES) else { return };
     let mut buf = vec![0u8; RING_BYTES];
     let mut it = data.chunks(9);
     while let Some(op) = it.next() {

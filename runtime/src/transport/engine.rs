@@ -26,6 +26,9 @@ use crate::wire::MsgDesc;
 
 /// How long a failed transport's shutdown lets its abort frames and the peers' ends arrive.
 const FAILED_LINGER: Duration = Duration::from_millis(100);
+/// How long a wait spins without yielding the CPU first, where the driver allows it
+/// ([`Driver::hot_spin`]).
+const HOT_SPIN: Duration = Duration::from_micros(3);
 /// Longest a blocked thread sleeps before looking again (abort and deadlines are also checked).
 const POLL_SLICE: Duration = Duration::from_millis(100);
 
@@ -60,6 +63,11 @@ pub(crate) trait Driver: Send + 'static {
     /// raises no descriptor by itself (shared-memory rings) for a wake-up. True when input or
     /// room is there already, so the engine passes again instead of sleeping.
     fn arm(&mut self, _core: &Core, _mode: Mode) -> bool {
+        false
+    }
+    /// Whether a wait may spin briefly without yielding the CPU ([`HOT_SPIN`]): where the
+    /// answer comes through memory and every rank of the host has a CPU of its own.
+    fn hot_spin(&self) -> bool {
         false
     }
     /// A count that grows while bytes move on links where a sleep is expensive (shared memory:
@@ -290,6 +298,7 @@ impl<D: Driver> Engine<D> {
         let t0 = Instant::now();
         let mut w = Waiter::new(op, t0, deadline);
         let mut spin_until = None;
+        let mut hot_until = None;
         let mut spun = false;
         let mut moved = 0;
         // Filled (and allocated) only if the first pass does not end the wait.
@@ -318,9 +327,18 @@ impl<D: Driver> Engine<D> {
                 spin_until = None;
             }
             let spin_end = *spin_until.get_or_insert(now + self.spin);
+            if hot_until.is_none() && s.driver.hot_spin() {
+                hot_until = Some(now + HOT_SPIN);
+            }
             if now < spin_end {
                 drop(guard);
-                std::thread::yield_now();
+                // The first microseconds without giving the CPU away (a yield is a system call,
+                // and the answer often comes sooner) where every rank has a CPU of its own.
+                if hot_until.is_some_and(|h| now < h) {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
                 guard = self.lock();
                 spun = true;
                 continue;

@@ -50,6 +50,9 @@ pub(crate) struct TcpDriver {
     any_socket: bool,
     /// Some connection goes through shared memory.
     any_shm: bool,
+    /// Some connection goes through shared memory and this host has a CPU for each of the
+    /// ranks this one shares memory with (itself included): a wait may spin without yielding.
+    hot: bool,
 }
 
 /// Choose the socket's congestion control (`LinkConfig::tcp_congestion`); the system's default
@@ -114,8 +117,10 @@ impl TcpDriver {
             });
         }
         let any_socket = conns.iter().flatten().any(|c| c.shm.is_none());
-        let any_shm = conns.iter().flatten().any(|c| c.shm.is_some());
-        Ok(TcpDriver { conns, sink: Vec::new(), any_socket, any_shm })
+        let local = conns.iter().flatten().filter(|c| c.shm.is_some()).count();
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let hot = local > 0 && local < cpus;
+        Ok(TcpDriver { conns, sink: Vec::new(), any_socket, any_shm: local > 0, hot })
     }
 
     /// How the frames to `peer` travel.
@@ -266,6 +271,10 @@ impl Driver for TcpDriver {
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
         self.kind(peer)
+    }
+
+    fn hot_spin(&self) -> bool {
+        self.hot
     }
 
     fn spin_progress(&self) -> u64 {

@@ -267,7 +267,7 @@ fn connect_one(
         };
         let hs_deadline = (Instant::now() + cfg.handshake_timeout).min(deadline);
         let done = handshake::client(&mut s, &id.key, hello, hs_deadline).and_then(|()| {
-            shm::client_side(&mut s, cfg.shm, hs_deadline).map_err(handshake::HsError::Io)
+            shm::client_side(&mut s, cfg.shm, id.world, hs_deadline).map_err(handshake::HsError::Io)
         });
         match done {
             Ok(link) => {
@@ -349,7 +349,7 @@ fn accept_loop(
                     !std::mem::replace(slot, true)
                 };
                 match handshake::server(&mut s, &expect, nonce, accept, deadline) {
-                    Ok(h) => match shm::server_side(&mut s, shm, deadline) {
+                    Ok(h) => match shm::server_side(&mut s, shm, id.world, deadline) {
                         Ok(link) => {
                             let _ = s.set_read_timeout(None);
                             let _ = s.set_write_timeout(None);

@@ -8,12 +8,12 @@
 //! production code, whichever way the bytes went.
 //!
 //! ```text
-//! segment (memfd, sealed against resizing), SEGMENT_BYTES = 4 KiB + 2 × RING_BYTES
+//! segment (memfd, sealed against resizing), 4 KiB + 2 × R bytes, R = ring_for(world)
 //!   page 0      magic, nonce, ring size; each ring's control block:
 //!               head (writer's position), tail (reader's position), reader-sleeps, writer-waits,
 //!               each on its own cache line
-//!   ring 0      lower rank → higher rank, RING_BYTES
-//!   ring 1      higher rank → lower rank, RING_BYTES
+//!   ring 0      lower rank → higher rank, R bytes
+//!   ring 1      higher rank → lower rank, R bytes
 //! ```
 //!
 //! Positions count bytes ever written and read (`u64`), so `head - tail` is what the ring holds.
@@ -40,8 +40,11 @@
 //! leaves the pair on TCP.
 //!
 //! **Memory.** One segment per pair of same-host ranks that are connected, of which only the
-//! pages touched are allocated: at most `2 × RING_BYTES` (512 KiB) per pair, so 64 ranks on one
-//! host hold at most 64 × 63 / 2 × 512 KiB = 1008 MiB, and a ring or tree job far less.
+//! pages touched are allocated: at most `2 × R` per pair, with the ring size R from the job's
+//! world size `w` ([`ring_for`]): the largest power of two at most 1 GiB / (w (w − 1)), between
+//! 64 KiB and 1 MiB. So however many of a job's ranks share a host, they hold at most 1 GiB
+//! (up to 128 ranks on one host; 64 ranks: R = 256 KiB, 1008 MiB), and a small job gets 1 MiB
+//! rings, which a 2 MiB collective crosses in two pieces instead of eight.
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -49,16 +52,32 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
-/// Bytes of one direction's ring.
-pub(crate) const RING_BYTES: usize = 256 << 10;
+/// Smallest ring ([`ring_for`]).
+pub(crate) const RING_MIN: usize = 64 << 10;
+/// Largest ring: larger ones measured no faster (2 and 64 MiB collectives, 2 ranks).
+pub(crate) const RING_MAX: usize = 1 << 20;
+/// What all the rings of a job on one host may hold together ([`ring_for`]).
+const HOST_BUDGET: usize = 1 << 30;
 /// Most bytes copied into or out of a ring between two publications of a position: the
 /// writer and the reader work on different pieces of the ring at once instead of taking turns
 /// over the whole of it.
 pub(crate) const PIECE_BYTES: usize = 32 << 10;
 /// Bytes of the first page: header and control blocks.
 const HEAD_PAGE: usize = 4096;
-/// Bytes of one pair's segment.
-pub(crate) const SEGMENT_BYTES: usize = HEAD_PAGE + 2 * RING_BYTES;
+/// Bytes of each direction's ring in a job of `world` ranks: the largest power of two that
+/// lets every pair of the job, all on one host, hold at most 1 GiB in rings, within
+/// [`RING_MIN`]..=[`RING_MAX`].
+pub(crate) fn ring_for(world: usize) -> usize {
+    let pairs = world.max(2) * (world.max(2) - 1);
+    let fit = HOST_BUDGET / pairs;
+    let pow2 = if fit == 0 { 0 } else { 1usize << (usize::BITS - 1 - fit.leading_zeros()) };
+    pow2.clamp(RING_MIN, RING_MAX)
+}
+
+/// Bytes of one pair's segment with rings of `ring` bytes.
+fn segment_bytes(ring: usize) -> usize {
+    HEAD_PAGE + 2 * ring
+}
 /// Magic at the start of a segment.
 const SEG_MAGIC: &[u8; 8] = b"TUTTISEG";
 /// Where each ring's control block starts in the first page.
@@ -87,6 +106,8 @@ const _: () = assert!(CTL_AT[1] + size_of::<RingCtl>() <= HEAD_PAGE);
 /// A mapped segment; unmapped on drop.
 struct Segment {
     base: *mut u8,
+    /// Bytes of each ring (a power of two, checked when attaching).
+    ring: usize,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; the shared fields are atomics and the
@@ -98,13 +119,13 @@ fn os_err(what: &str) -> String {
 }
 
 impl Segment {
-    /// Map `fd` (a segment of [`SEGMENT_BYTES`]) shared, read and write.
-    fn map(fd: RawFd) -> Result<Segment, String> {
+    /// Map `fd` (a segment with rings of `ring` bytes) shared, read and write.
+    fn map(fd: RawFd, ring: usize) -> Result<Segment, String> {
         // SAFETY: a fresh shared mapping of a file we hold open; checked below.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                SEGMENT_BYTES,
+                segment_bytes(ring),
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 fd,
@@ -114,12 +135,12 @@ impl Segment {
         if p == libc::MAP_FAILED {
             return Err(os_err("mapping the segment"));
         }
-        Ok(Segment { base: p.cast() })
+        Ok(Segment { base: p.cast(), ring })
     }
 
     /// A new segment stamped with `nonce`, and its descriptor (sealed against resizing, so the
     /// peer cannot shrink it under our mapping).
-    fn create(nonce: &[u8; 16]) -> Result<(Segment, OwnedFd), String> {
+    fn create(nonce: &[u8; 16], ring: usize) -> Result<(Segment, OwnedFd), String> {
         let name = c"tutti-shm";
         // SAFETY: a valid C string; flags as documented.
         let fd = unsafe {
@@ -131,7 +152,7 @@ impl Segment {
         // SAFETY: `fd` is ours and open.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: plain calls on our descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), SEGMENT_BYTES as libc::off_t) } != 0 {
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), segment_bytes(ring) as libc::off_t) } != 0 {
             return Err(os_err("sizing the segment"));
         }
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
@@ -139,10 +160,10 @@ impl Segment {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
             return Err(os_err("sealing the segment"));
         }
-        let seg = Segment::map(fd.as_raw_fd())?;
+        let seg = Segment::map(fd.as_raw_fd(), ring)?;
         let mut head = [0u8; 32];
         head[..8].copy_from_slice(SEG_MAGIC);
-        head[8..12].copy_from_slice(&(RING_BYTES as u32).to_le_bytes());
+        head[8..12].copy_from_slice(&(ring as u32).to_le_bytes());
         head[16..32].copy_from_slice(nonce);
         // SAFETY: the first page is ours to write; nobody else maps it yet.
         unsafe { std::ptr::copy_nonoverlapping(head.as_ptr(), seg.base, head.len()) };
@@ -151,7 +172,10 @@ impl Segment {
 
     /// Open the segment the peer `pid` holds as descriptor `fd`, and check it is the one it
     /// stamped with `nonce`: ours to use, of the right size, sealed.
-    fn attach(pid: u32, fd: u32, nonce: &[u8; 16]) -> Result<Segment, String> {
+    fn attach(pid: u32, fd: u32, nonce: &[u8; 16], ring: usize) -> Result<Segment, String> {
+        if !ring.is_power_of_two() || !(RING_MIN..=RING_MAX).contains(&ring) {
+            return Err(format!("the peer's ring size {ring} is not one we use"));
+        }
         let path = format!("/proc/{pid}/fd/{fd}\0");
         // SAFETY: a NUL-terminated path.
         let raw = unsafe {
@@ -183,20 +207,22 @@ impl Segment {
         let me = unsafe { libc::geteuid() };
         if st.st_mode & libc::S_IFMT != libc::S_IFREG
             || st.st_uid != me
-            || st.st_size != SEGMENT_BYTES as libc::off_t
+            || st.st_size != segment_bytes(ring) as libc::off_t
         {
             return Err(format!(
                 "the peer's segment is not ours to use (owner {}, we are {me}; {} bytes, expected \
-                 {SEGMENT_BYTES})",
-                st.st_uid, st.st_size
+                 {})",
+                st.st_uid,
+                st.st_size,
+                segment_bytes(ring)
             ));
         }
-        let seg = Segment::map(fd.as_raw_fd())?;
+        let seg = Segment::map(fd.as_raw_fd(), ring)?;
         let mut head = [0u8; 32];
         // SAFETY: reading the first page of our mapping into a local.
         unsafe { std::ptr::copy_nonoverlapping(seg.base, head.as_mut_ptr(), head.len()) };
         if &head[..8] != SEG_MAGIC
-            || head[8..12] != (RING_BYTES as u32).to_le_bytes()
+            || head[8..12] != (ring as u32).to_le_bytes()
             || head[16..32] != nonce[..]
         {
             return Err("the segment at the peer's descriptor is not the one it announced".into());
@@ -212,14 +238,14 @@ impl Segment {
 
     fn data(&self, ring: usize) -> *mut u8 {
         // SAFETY: ring `ring`'s bytes lie inside the mapping.
-        unsafe { self.base.add(HEAD_PAGE + ring * RING_BYTES) }
+        unsafe { self.base.add(HEAD_PAGE + ring * self.ring) }
     }
 }
 
 impl Drop for Segment {
     fn drop(&mut self) {
         // SAFETY: unmapping our own mapping once.
-        unsafe { libc::munmap(self.base.cast(), SEGMENT_BYTES) };
+        unsafe { libc::munmap(self.base.cast(), segment_bytes(self.ring)) };
     }
 }
 
@@ -245,27 +271,27 @@ impl std::fmt::Debug for ShmLink {
     }
 }
 
-/// Copy `n` bytes into `ring` at position `pos`, wrapping.
+/// Copy `n` bytes into `ring` (of `size` bytes) at position `pos`, wrapping.
 ///
 /// # Safety
-/// `src` is readable for `n <= RING_BYTES` bytes; `ring` is a ring of `RING_BYTES`.
-unsafe fn copy_in(ring: *mut u8, pos: u64, src: *const u8, n: usize) {
-    let at = (pos % RING_BYTES as u64) as usize;
-    let first = n.min(RING_BYTES - at);
-    // SAFETY: `at + first <= RING_BYTES` and `n - first <= at`; the caller vouches for `src`.
+/// `src` is readable for `n <= size` bytes; `ring` is writable for `size` bytes.
+unsafe fn copy_in(ring: *mut u8, size: usize, pos: u64, src: *const u8, n: usize) {
+    let at = (pos % size as u64) as usize;
+    let first = n.min(size - at);
+    // SAFETY: `at + first <= size` and `n - first <= at`; the caller vouches for `src`.
     unsafe {
         std::ptr::copy_nonoverlapping(src, ring.add(at), first);
         std::ptr::copy_nonoverlapping(src.add(first), ring, n - first);
     }
 }
 
-/// Copy `n` bytes out of `ring` from position `pos`, wrapping.
+/// Copy `n` bytes out of `ring` (of `size` bytes) from position `pos`, wrapping.
 ///
 /// # Safety
-/// `dst` is writable for `n <= RING_BYTES` bytes; `ring` is a ring of `RING_BYTES`.
-unsafe fn copy_out(ring: *const u8, pos: u64, dst: *mut u8, n: usize) {
-    let at = (pos % RING_BYTES as u64) as usize;
-    let first = n.min(RING_BYTES - at);
+/// `dst` is writable for `n <= size` bytes; `ring` is readable for `size` bytes.
+unsafe fn copy_out(ring: *const u8, size: usize, pos: u64, dst: *mut u8, n: usize) {
+    let at = (pos % size as u64) as usize;
+    let first = n.min(size - at);
     // SAFETY: as in `copy_in`.
     unsafe {
         std::ptr::copy_nonoverlapping(ring.add(at), dst, first);
@@ -283,24 +309,26 @@ impl ShmLink {
     pub(crate) fn room(&self) -> Result<usize, String> {
         let tail = self.seg.ctl(self.tx).tail.0.load(Ordering::Acquire);
         let used = self.tx_head.wrapping_sub(tail);
-        if used > RING_BYTES as u64 {
+        let size = self.seg.ring;
+        if used > size as u64 {
             return Err(format!(
                 "the peer's read position in the shared ring ({tail}) is not within \
-                 {RING_BYTES} bytes behind what we wrote ({}): the peer corrupted the segment",
+                 {size} bytes behind what we wrote ({}): the peer corrupted the segment",
                 self.tx_head
             ));
         }
-        Ok(RING_BYTES - used as usize)
+        Ok(size - used as usize)
     }
 
     /// Published bytes not yet read. Errors when the peer's write position is impossible.
     pub(crate) fn avail(&self) -> Result<usize, String> {
         let head = self.seg.ctl(self.rx).head.0.load(Ordering::Acquire);
         let n = head.wrapping_sub(self.rx_tail);
-        if n > RING_BYTES as u64 {
+        let size = self.seg.ring;
+        if n > size as u64 {
             return Err(format!(
                 "the peer's write position in the shared ring ({head}) is not within \
-                 {RING_BYTES} bytes ahead of what we read ({}): the peer corrupted the segment",
+                 {size} bytes ahead of what we read ({}): the peer corrupted the segment",
                 self.rx_tail
             ));
         }
@@ -312,8 +340,8 @@ impl ShmLink {
     /// # Safety
     /// `src` is readable for `n` bytes, and `n` is at most the [`ShmLink::room`] left.
     pub(crate) unsafe fn put(&mut self, src: *const u8, n: usize) {
-        // SAFETY: the caller vouches for `src` and `n <= RING_BYTES`.
-        unsafe { copy_in(self.seg.data(self.tx), self.tx_head, src, n) };
+        // SAFETY: the caller vouches for `src` and `n <= room <= ring`.
+        unsafe { copy_in(self.seg.data(self.tx), self.seg.ring, self.tx_head, src, n) };
         self.tx_head += n as u64;
         self.moved += n as u64;
     }
@@ -332,8 +360,8 @@ impl ShmLink {
     /// # Safety
     /// `dst` is writable for `n` bytes, and `n` is at most [`ShmLink::avail`].
     pub(crate) unsafe fn take(&mut self, dst: *mut u8, n: usize) {
-        // SAFETY: the caller vouches for `dst` and `n <= RING_BYTES`.
-        unsafe { copy_out(self.seg.data(self.rx), self.rx_tail, dst, n) };
+        // SAFETY: the caller vouches for `dst` and `n <= avail <= ring`.
+        unsafe { copy_out(self.seg.data(self.rx), self.seg.ring, self.rx_tail, dst, n) };
         self.rx_tail += n as u64;
         self.moved += n as u64;
     }
@@ -342,7 +370,9 @@ impl ShmLink {
     pub(crate) fn peek(&self, dst: &mut [u8]) -> usize {
         let n = self.avail().unwrap_or(0).min(dst.len());
         // SAFETY: `n` bytes fit `dst` and are published.
-        unsafe { copy_out(self.seg.data(self.rx), self.rx_tail, dst.as_mut_ptr(), n) };
+        unsafe {
+            copy_out(self.seg.data(self.rx), self.seg.ring, self.rx_tail, dst.as_mut_ptr(), n)
+        };
         n
     }
 
@@ -456,13 +486,13 @@ pub(crate) struct SetupMsg {
 }
 
 impl SetupMsg {
-    fn new(step: Step, yes: bool) -> SetupMsg {
+    fn new(step: Step, yes: bool, ring: usize) -> SetupMsg {
         SetupMsg {
             step,
             yes,
             pid: std::process::id(),
             fd: 0,
-            ring: RING_BYTES as u32,
+            ring: ring as u32,
             host: [0; 32],
             nonce: [0; 16],
         }
@@ -539,16 +569,18 @@ fn recv_msg(s: &mut TcpStream, step: Step, deadline: Instant) -> Result<SetupMsg
 pub(crate) fn server_side(
     s: &mut TcpStream,
     enabled: bool,
+    world: usize,
     deadline: Instant,
 ) -> Result<Option<ShmLink>, String> {
-    let mut offer = SetupMsg::new(Step::Offer, enabled);
+    let ring = ring_for(world);
+    let mut offer = SetupMsg::new(Step::Offer, enabled, ring);
     offer.host = host_id();
     send_msg(s, offer)?;
     let seg = recv_msg(s, Step::Segment, deadline)?;
-    let mut ack = SetupMsg::new(Step::Ack, false);
+    let mut ack = SetupMsg::new(Step::Ack, false, ring);
     let mut link = None;
-    if seg.yes && enabled {
-        match Segment::attach(seg.pid, seg.fd, &seg.nonce) {
+    if seg.yes && enabled && seg.ring as usize == ring {
+        match Segment::attach(seg.pid, seg.fd, &seg.nonce, ring) {
             Ok(mapped) => {
                 ack.yes = true;
                 link = Some(ShmLink::new(mapped, true));
@@ -568,14 +600,16 @@ pub(crate) fn server_side(
 pub(crate) fn client_side(
     s: &mut TcpStream,
     enabled: bool,
+    world: usize,
     deadline: Instant,
 ) -> Result<Option<ShmLink>, String> {
+    let ring = ring_for(world);
     let offer = recv_msg(s, Step::Offer, deadline)?;
-    let mut answer = SetupMsg::new(Step::Segment, false);
+    let mut answer = SetupMsg::new(Step::Segment, false, ring);
     let mut made = None;
-    if enabled && offer.yes && offer.host == host_id() && offer.ring == RING_BYTES as u32 {
+    if enabled && offer.yes && offer.host == host_id() && offer.ring as usize == ring {
         let made_one = crate::auth::random::<16>()
-            .and_then(|nonce| Segment::create(&nonce).map(|(seg, fd)| (seg, fd, nonce)));
+            .and_then(|nonce| Segment::create(&nonce, ring).map(|(seg, fd)| (seg, fd, nonce)));
         match made_one {
             Ok((seg, fd, nonce)) => {
                 answer.yes = true;
@@ -595,10 +629,10 @@ pub(crate) fn client_side(
 /// A pair of linked ends over one segment in this process (tests and fuzzing): the first is
 /// the lower rank's.
 #[cfg(any(test, feature = "fuzzing"))]
-pub(crate) fn local_pair() -> Result<(ShmLink, ShmLink), String> {
+pub(crate) fn local_pair(ring: usize) -> Result<(ShmLink, ShmLink), String> {
     let nonce = [7u8; 16];
-    let (seg, fd) = Segment::create(&nonce)?;
-    let other = Segment::attach(std::process::id(), fd.as_raw_fd() as u32, &nonce)?;
+    let (seg, fd) = Segment::create(&nonce, ring)?;
+    let other = Segment::attach(std::process::id(), fd.as_raw_fd() as u32, &nonce, ring)?;
     Ok((ShmLink::new(seg, true), ShmLink::new(other, false)))
 }
 

@@ -4,6 +4,9 @@ use proptest::prelude::*;
 
 use super::*;
 
+/// The rings of these tests.
+const RING_BYTES: usize = RING_MAX;
+
 /// Bytes 0, 1, 2, … (mod 251, so a shifted copy never matches).
 fn pattern(from: usize, n: usize) -> Vec<u8> {
     (from..from + n).map(|i| (i % 251) as u8).collect()
@@ -11,7 +14,7 @@ fn pattern(from: usize, n: usize) -> Vec<u8> {
 
 #[test]
 fn bytes_cross_the_ring_in_order_across_its_wrap() {
-    let (mut a, mut b) = local_pair().unwrap();
+    let (mut a, mut b) = local_pair(RING_BYTES).unwrap();
     let chunk = RING_BYTES / 3 + 17;
     let mut sent = 0;
     let mut got = Vec::new();
@@ -46,7 +49,7 @@ fn bytes_cross_the_ring_in_order_across_its_wrap() {
 
 #[test]
 fn a_full_ring_has_no_room_until_the_reader_releases() {
-    let (mut a, mut b) = local_pair().unwrap();
+    let (mut a, mut b) = local_pair(RING_BYTES).unwrap();
     let data = vec![9u8; RING_BYTES];
     // SAFETY: `RING_BYTES` readable bytes, the whole (empty) ring.
     unsafe { a.put(data.as_ptr(), RING_BYTES) };
@@ -63,7 +66,7 @@ fn a_full_ring_has_no_room_until_the_reader_releases() {
 
 #[test]
 fn wake_ups_are_asked_for_only_by_a_sleeper_and_given_once() {
-    let (mut a, mut b) = local_pair().unwrap();
+    let (mut a, mut b) = local_pair(RING_BYTES).unwrap();
     let x = [1u8; 8];
     // SAFETY: 8 readable bytes, within the room.
     unsafe { a.put(x.as_ptr(), 8) };
@@ -94,7 +97,7 @@ fn wake_ups_are_asked_for_only_by_a_sleeper_and_given_once() {
 
 #[test]
 fn a_peer_scribbling_positions_is_a_named_error_never_a_wild_read() {
-    let (a, b) = local_pair().unwrap();
+    let (a, b) = local_pair(RING_BYTES).unwrap();
     // The writer's head far ahead of what the reader has read: more than a ring's worth.
     scribble(&b, true, RING_BYTES as u64 + 1);
     let e = b.avail().unwrap_err();
@@ -111,11 +114,11 @@ fn a_peer_scribbling_positions_is_a_named_error_never_a_wild_read() {
 #[test]
 fn attaching_checks_the_segment_is_the_announced_one() {
     let nonce = [3u8; 16];
-    let (_seg, fd) = Segment::create(&nonce).unwrap();
+    let (_seg, fd) = Segment::create(&nonce, RING_BYTES).unwrap();
     let me = std::process::id();
     let raw = fd.as_raw_fd() as u32;
-    assert!(Segment::attach(me, raw, &nonce).is_ok());
-    let e = Segment::attach(me, raw, &[4u8; 16]).err().unwrap();
+    assert!(Segment::attach(me, raw, &nonce, RING_BYTES).is_ok());
+    let e = Segment::attach(me, raw, &[4u8; 16], RING_BYTES).err().unwrap();
     assert!(e.contains("not the one it announced"), "{e}");
     // An unsealed file of the right size: the peer could shrink it under our mapping.
     // SAFETY: a valid C string and flags.
@@ -124,8 +127,11 @@ fn attaching_checks_the_segment_is_the_announced_one() {
     // SAFETY: our descriptor.
     let plain = unsafe { OwnedFd::from_raw_fd(plain) };
     // SAFETY: plain call on our descriptor.
-    assert_eq!(unsafe { libc::ftruncate(plain.as_raw_fd(), SEGMENT_BYTES as libc::off_t) }, 0);
-    let e = Segment::attach(me, plain.as_raw_fd() as u32, &nonce).err().unwrap();
+    assert_eq!(
+        unsafe { libc::ftruncate(plain.as_raw_fd(), segment_bytes(RING_BYTES) as libc::off_t) },
+        0
+    );
+    let e = Segment::attach(me, plain.as_raw_fd() as u32, &nonce, RING_BYTES).err().unwrap();
     assert!(e.contains("sealed"), "{e}");
     // A sealed file of another size.
     // SAFETY: a valid C string and flags.
@@ -147,11 +153,30 @@ fn attaching_checks_the_segment_is_the_announced_one() {
             0
         );
     }
-    let e = Segment::attach(me, small.as_raw_fd() as u32, &nonce).err().unwrap();
+    let e = Segment::attach(me, small.as_raw_fd() as u32, &nonce, RING_BYTES).err().unwrap();
     assert!(e.contains("bytes"), "{e}");
     // A descriptor that is not there.
-    let e = Segment::attach(me, 999_999, &nonce).err().unwrap();
+    let e = Segment::attach(me, 999_999, &nonce, RING_BYTES).err().unwrap();
     assert!(e.contains("opening"), "{e}");
+}
+
+#[test]
+fn rings_shrink_with_the_world_so_one_host_holds_at_most_1_gib() {
+    assert_eq!(ring_for(1), RING_MAX);
+    assert_eq!(ring_for(2), RING_MAX);
+    assert_eq!(ring_for(32), 1 << 20);
+    assert_eq!(ring_for(33), 512 << 10);
+    assert_eq!(ring_for(64), 256 << 10);
+    assert_eq!(ring_for(128), 64 << 10);
+    assert_eq!(ring_for(100_000), RING_MIN);
+    for w in 2..=128usize {
+        let r = ring_for(w);
+        assert!(r.is_power_of_two());
+        assert!(w * (w - 1) * r <= 1 << 30, "world {w}: {r}-byte rings hold more than 1 GiB");
+    }
+    // A segment whose ring size is not ours is refused before anything is opened.
+    let e = Segment::attach(std::process::id(), 0, &[0; 16], 3 << 10).err().unwrap();
+    assert!(e.contains("ring size"), "{e}");
 }
 
 #[test]
@@ -163,7 +188,7 @@ fn the_host_id_is_stable_and_names_the_boot() {
 
 #[test]
 fn setup_messages_round_trip() {
-    let mut m = SetupMsg::new(Step::Segment, true);
+    let mut m = SetupMsg::new(Step::Segment, true, RING_BYTES);
     m.fd = 17;
     m.host = [5; 32];
     m.nonce = [6; 16];
