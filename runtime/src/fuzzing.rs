@@ -47,8 +47,7 @@ pub fn shm_ring(data: &[u8]) {
     const RING_BYTES: usize = RING_MIN;
     let Ok((mut a, mut b)) = local_pair(RING_BYTES) else { return };
     let mut buf = vec![0u8; RING_BYTES];
-    let mut it = data.chunks(9);
-    while let Some(op) = it.next() {
+    for op in data.chunks(9) {
         let mut v = [0u8; 8];
         v[..op.len() - 1].copy_from_slice(&op[1..]);
         let v = u64::from_le_bytes(v);

@@ -136,7 +136,7 @@ impl TcpDriver {
             return;
         }
         for peer in 0..self.conns.len() {
-            if !self.conns[peer].as_ref().is_some_and(|c| c.shm.is_some()) {
+            if self.conns[peer].as_ref().is_none_or(|c| c.shm.is_none()) {
                 continue;
             }
             if self.conns[peer].as_ref().and_then(|c| c.shm.as_ref()).is_some_and(|l| l.peer_eof) {

@@ -126,11 +126,10 @@ fn attaching_checks_the_segment_is_the_announced_one() {
     assert!(plain >= 0);
     // SAFETY: our descriptor.
     let plain = unsafe { OwnedFd::from_raw_fd(plain) };
+    let size = segment_bytes(RING_BYTES) as libc::off_t;
     // SAFETY: plain call on our descriptor.
-    assert_eq!(
-        unsafe { libc::ftruncate(plain.as_raw_fd(), segment_bytes(RING_BYTES) as libc::off_t) },
-        0
-    );
+    let sized = unsafe { libc::ftruncate(plain.as_raw_fd(), size) };
+    assert_eq!(sized, 0);
     let e = Segment::attach(me, plain.as_raw_fd() as u32, &nonce, RING_BYTES).err().unwrap();
     assert!(e.contains("sealed"), "{e}");
     // A sealed file of another size.
