@@ -2,7 +2,7 @@
 """Randomized kill soak: how fast, and how well, survivors name a rank that dies.
 
 Each round starts WORLD collbench ranks with torchrun-style variables (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), picks a transport, a collective, a size, a victim and a moment at
+MASTER_ADDR, MASTER_PORT), picks a transport (shared memory, TCP alone or QUIC), a collective, a size, a victim and a moment at
 random, then sends SIGKILL (or, one round in five, SIGSTOP) to the victim. It measures the time
 until every survivor has exited on its own, and checks that each survivor's error names the
 victim. A round where a survivor is still running after --hang seconds counts as a hang (the
@@ -45,6 +45,16 @@ def names(err, victim, me):
     return re.search(rf"\branks? {victim}\b", text) is not None
 
 
+def transport_env(transport):
+    """The variables for a transport of the soak: `shm` is TCP with its links through shared
+    memory (the default on one host), `tcp` TCP alone (`TUTTI_SHM=0`), `quic` QUIC."""
+    if transport == "shm":
+        return {"TUTTI_TRANSPORT": "tcp", "TUTTI_SHM": "1"}
+    if transport == "tcp":
+        return {"TUTTI_TRANSPORT": "tcp", "TUTTI_SHM": "0"}
+    return {"TUTTI_TRANSPORT": transport}
+
+
 class Direct:
     """WORLD ranks started by this script with torchrun-style variables."""
 
@@ -54,7 +64,7 @@ class Direct:
         for r in range(world):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       TUTTI_TRANSPORT=transport)
+                       **transport_env(transport))
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.PIPE, text=True))
 
@@ -84,7 +94,7 @@ class Launched:
     """WORLD ranks started by tutti-run; they are found among its children by RANK."""
 
     def __init__(self, cmd, world, transport, launcher):
-        env = dict(os.environ, TUTTI_TRANSPORT=transport)
+        env = dict(os.environ, **transport_env(transport))
         self.launcher = subprocess.Popen([launcher, "--nproc", str(world), "--grace", "5", "--"]
                                          + cmd, env=env, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.PIPE, text=True)
@@ -127,7 +137,7 @@ class Launched:
 
 
 def round_(rng, binary, world, hang, launcher):
-    transport = rng.choice(["tcp", "quic"])
+    transport = rng.choice(["shm", "tcp", "quic"])
     coll, size = rng.choice(COLLS), rng.choice(SIZES)
     victim = rng.randrange(world)
     sig = signal.SIGSTOP if rng.random() < 0.2 else signal.SIGKILL
@@ -181,13 +191,14 @@ def main():
     results = [r for r in (round_(rng, a.bin, a.world, a.hang, a.launcher) for _ in range(a.rounds)) if r]
     print("\n| transport | signal | rounds | median | worst | error names the victim | hangs |")
     print("|---|---|---|---|---|---|---|")
-    for t in ["tcp", "quic"]:
+    for t in ["shm", "tcp", "quic"]:
         for s in ["SIGKILL", "SIGSTOP"]:
             rs = [r for r in results if r[0] == t and r[1] == s]
             if not rs:
                 continue
             times = [r[2] for r in rs]
-            print(f"| {t.upper()} | {s} | {len(rs)} | {statistics.median(times):.2f} s | "
+            name = {"shm": "TCP + shared memory", "tcp": "TCP alone"}.get(t, t.upper())
+            print(f"| {name} | {s} | {len(rs)} | {statistics.median(times):.2f} s | "
                   f"{max(times):.2f} s | {sum(r[4] for r in rs)} / {len(rs)} | "
                   f"{sum(r[3] for r in rs)} |")
 
