@@ -40,7 +40,8 @@ pub const EXCHANGE_FREE: f64 = 65536.0;
 pub const SHARED_RINGS: f64 = 1.15;
 
 /// Per-byte cost between two ranks of one host, for the measurement's model: one loopback TCP stream
-/// between two ranks moves 2.3–3.9 GB/s on the 2-core VM.
+/// between two ranks moved 2.3–3.9 GB/s on the 2-core VM (measured before such links went through
+/// shared memory; not refitted).
 pub const LOCAL_BETA: f64 = 0.4e-9;
 
 /// Measured link parameters.

@@ -1,4 +1,6 @@
-//! Every collective, every algorithm, every world size of the grid, every root, exact data.
+//! Every collective, every algorithm, every world size of the grid, every root, exact data:
+//! in memory, and over shared memory between ranks of one host (fewer worlds: the same state
+//! machine, another driver).
 
 mod common;
 
@@ -455,6 +457,29 @@ fn random_link_delays_do_not_change_results() {
                     alltoall_grid(&c);
                 });
             }
+        });
+    }
+}
+
+#[test]
+fn every_collective_and_algorithm_over_shared_memory() {
+    for n in [1, 2, 3, 4, 5, 8] {
+        shm_world(n, 512 << 10, |c| {
+            allreduce_grid(&c, "shared memory");
+            broadcast_grid(&c);
+            reduce_grid(&c);
+            gather_scatter_grid(&c);
+            allgather_grid(&c);
+            reduce_scatter_grid(&c);
+            alltoall_grid(&c);
+        });
+    }
+    for n in [2, 3] {
+        shm_world(n, 256, |c| {
+            dtype_op_case::<f32>(&c, "f32 over shared memory");
+            dtype_op_case::<bf16>(&c, "bf16 over shared memory");
+            dtype_op_case::<i64>(&c, "i64 over shared memory");
+            dtype_op_case::<u8>(&c, "u8 over shared memory");
         });
     }
 }

@@ -16,7 +16,24 @@ pub(crate) fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {
 
 /// Run `f` on every rank of an in-memory world of `n` with segment size `seg`.
 pub(crate) fn world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
-    let groups = tutti_runtime::Group::mem_world(n);
+    on_groups(tutti_runtime::Group::mem_world(n), seg, f);
+}
+
+/// As [`world`], over TCP connections whose frames go through shared memory (the ranks are
+/// threads of this process, so of one host), checking that every link is shared memory.
+pub(crate) fn shm_world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
+    let groups = tutti_runtime::testing::groups(tutti_runtime::testing::Kind::Shm, n)
+        .expect("a shared-memory world of threads");
+    for g in &groups {
+        let t = g.transport();
+        for p in (0..n).filter(|p| *p != g.rank()) {
+            assert_eq!(t.link_kind(p), "shm", "rank {}'s link to {p}", g.rank());
+        }
+    }
+    on_groups(groups, seg, f);
+}
+
+fn on_groups(groups: Vec<tutti_runtime::Group>, seg: usize, f: impl Fn(Comm) + Sync) {
     std::thread::scope(|s| {
         let f = &f;
         let hs: Vec<_> = groups

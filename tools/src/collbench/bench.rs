@@ -214,8 +214,8 @@ impl Bench {
                 );
             }
         }
-        // Every rank's device index, for the header (ranks may share a GPU).
-        // and how each rank's links move their bytes (shared memory to the ranks of its host).
+        // Every rank's device index, for the header (ranks may share a GPU), and how its links
+        // move their bytes (shared memory to the ranks of its host).
         let t = self.comm.group().transport();
         let shm = (0..n).filter(|p| *p != me && t.link_kind(*p) == "shm").count() as i64;
         let mut ords = vec![0i64; 2 * n];

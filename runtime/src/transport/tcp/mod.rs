@@ -4,8 +4,10 @@
 //! the store, connects to every lower rank and accepts every higher one. Each connection is
 //! authenticated by the job key (see `handshake.rs`). Eager set-up costs `world - 1` connections per
 //! rank up front but means a dead or missing rank is found at start-up, not in the middle of the
-//! first collective, and no collective ever pays a connect. The data path is the shared engine and
-//! connection core (`../engine.rs`, `../core.rs`) over this transport's driver (`driver.rs`).
+//! first collective, and no collective ever pays a connect. Right after its handshake, a
+//! connection between two ranks of one host sets up shared memory for its frames (`shm.rs`). The
+//! data path is the shared engine and connection core (`../engine.rs`, `../core.rs`) over this
+//! transport's driver (`driver.rs`).
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;

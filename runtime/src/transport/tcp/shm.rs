@@ -44,7 +44,7 @@
 //! world size `w` ([`ring_for`]): the largest power of two at most 1 GiB / (w (w − 1)), between
 //! 64 KiB and 1 MiB. So however many of a job's ranks share a host, they hold at most 1 GiB
 //! (up to 128 ranks on one host; 64 ranks: R = 256 KiB, 1008 MiB), and a small job gets 1 MiB
-//! rings, which a 2 MiB collective crosses in two pieces instead of eight.
+//! rings, which a 2 MiB collective crosses in two ring-fulls instead of eight.
 
 use std::io::Write;
 use std::net::TcpStream;
