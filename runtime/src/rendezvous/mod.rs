@@ -423,6 +423,8 @@ mod tests {
             ("TUTTI_WINDOW_BYTES", "16M"),
             ("TUTTI_TCP_CONGESTION", "cu bic"),
             ("TUTTI_TCP_CONGESTION", "a-very-long-algorithm-name"),
+            ("TUTTI_SHM", "yes"),
+            ("TUTTI_SHM", "2"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k), "{k}={v}: {e}");
@@ -436,5 +438,9 @@ mod tests {
         let cc = |v| with(&[("TUTTI_TCP_CONGESTION", v)]).unwrap().link.tcp_congestion;
         assert_eq!(cc("reno").as_deref(), Some("reno"));
         assert_eq!(cc("system"), None);
+        // Shared memory between ranks of one host unless turned off.
+        assert!(with(&[]).unwrap().link.shm);
+        assert!(!with(&[("TUTTI_SHM", "0")]).unwrap().link.shm);
+        assert!(with(&[("TUTTI_SHM", "1")]).unwrap().link.shm);
     }
 }

@@ -299,6 +299,22 @@ unsafe fn copy_out(ring: *const u8, size: usize, pos: u64, dst: *mut u8, n: usiz
     }
 }
 
+/// Publish our position `pos = to` (release), then take the peer's request for a wake-up, if
+/// it made one: true when it did, and this side must wake it. With [`ask`] on the other side,
+/// the two fences make sure that of a request and a position stored at the same time, at least
+/// one is seen: a sleeper is never left without its wake-up.
+fn advance(pos: &AtomicU64, to: u64, asks: &AtomicU32) -> bool {
+    pos.store(to, Ordering::Release);
+    fence(Ordering::SeqCst);
+    asks.load(Ordering::Relaxed) != 0 && asks.swap(0, Ordering::AcqRel) != 0
+}
+
+/// Ask the peer for a wake-up (before looking at its position once more, then sleeping).
+fn ask(flag: &AtomicU32) {
+    flag.store(1, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+}
+
 impl ShmLink {
     fn new(seg: Segment, lower: bool) -> ShmLink {
         let tx = usize::from(!lower);
@@ -349,10 +365,7 @@ impl ShmLink {
     /// Make what was put readable. True when the reader sleeps and must be woken.
     pub(crate) fn publish(&mut self) -> bool {
         let c = self.seg.ctl(self.tx);
-        c.head.0.store(self.tx_head, Ordering::Release);
-        fence(Ordering::SeqCst);
-        c.reader_sleeps.0.load(Ordering::Relaxed) != 0
-            && c.reader_sleeps.0.swap(0, Ordering::AcqRel) != 0
+        advance(&c.head.0, self.tx_head, &c.reader_sleeps.0)
     }
 
     /// Copy `n` published bytes out; they stay held until [`ShmLink::release`].
@@ -384,25 +397,20 @@ impl ShmLink {
     /// Give the bytes taken back to the writer. True when it waits for room and must be woken.
     pub(crate) fn release(&mut self) -> bool {
         let c = self.seg.ctl(self.rx);
-        c.tail.0.store(self.rx_tail, Ordering::Release);
-        fence(Ordering::SeqCst);
-        c.writer_waits.0.load(Ordering::Relaxed) != 0
-            && c.writer_waits.0.swap(0, Ordering::AcqRel) != 0
+        advance(&c.tail.0, self.rx_tail, &c.writer_waits.0)
     }
 
     /// About to sleep for input: ask the writer for a wake-up. True when there is input already
     /// (or the ring is corrupt, which the next read reports): do not sleep.
     pub(crate) fn arm_rx(&self) -> bool {
-        self.seg.ctl(self.rx).reader_sleeps.0.store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+        ask(&self.seg.ctl(self.rx).reader_sleeps.0);
         self.avail().map_or(true, |n| n > 0)
     }
 
     /// About to sleep for room: ask the reader for a wake-up. True when there is room already
     /// (or the ring is corrupt): do not sleep.
     pub(crate) fn arm_tx(&self) -> bool {
-        self.seg.ctl(self.tx).writer_waits.0.store(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+        ask(&self.seg.ctl(self.tx).writer_waits.0);
         self.room().map_or(true, |n| n > 0)
     }
 }
