@@ -123,10 +123,9 @@ impl TcpDriver {
         Ok(TcpDriver { conns, sink: Vec::new(), any_socket, any_shm: local > 0, hot })
     }
 
-    /// How the frames to `peer` travel.
-    pub(crate) fn kind(&self, peer: usize) -> Option<&'static str> {
-        let c = self.conns.get(peer)?.as_ref()?;
-        Some(if c.shm.is_some() { "shm" } else { "tcp" })
+    /// `peer`'s shared-memory link, if its connection has one.
+    fn shm(&self, peer: usize) -> Option<&ShmLink> {
+        self.conns.get(peer)?.as_ref()?.shm.as_ref()
     }
 
     /// Serve the shared-memory links outside a sleep's flags: the rings have no readiness to
@@ -136,19 +135,25 @@ impl TcpDriver {
             return;
         }
         for peer in 0..self.conns.len() {
-            if self.conns[peer].as_ref().is_none_or(|c| c.shm.is_none()) {
-                continue;
+            if self.shm(peer).is_some() {
+                self.serve_shm_link(core, peer, mode, now);
             }
-            if self.conns[peer].as_ref().and_then(|c| c.shm.as_ref()).is_some_and(|l| l.peer_eof) {
-                self.finish_ended(core, peer, now);
-                continue;
-            }
-            if core.wants_tx(peer) {
-                self.progress_tx(core, peer, now);
-            }
-            if mode == Mode::Wait {
-                self.progress_rx(core, peer, now);
-            }
+        }
+    }
+
+    /// One pass over a shared-memory link: its end, once seen; otherwise what it has to write
+    /// and, while a thread waits, to read (into the unexpected queue, bounded, for receives not
+    /// yet posted, as `ready` does for a flagged socket).
+    fn serve_shm_link(&mut self, core: &mut Core, peer: usize, mode: Mode, now: Instant) {
+        if self.shm(peer).is_some_and(|l| l.peer_eof) {
+            self.finish_ended(core, peer, now);
+            return;
+        }
+        if core.wants_tx(peer) {
+            self.progress_tx(core, peer, now);
+        }
+        if mode == Mode::Wait {
+            self.progress_rx(core, peer, now);
         }
     }
 
@@ -222,7 +227,8 @@ impl TcpDriver {
                         core.link_failed(peer, LinkFail::Protocol(e));
                         continue;
                     }
-                    Ok(0) => l.peer_eof,
+                    // An ended link is finished by the pass (`serve_shm_link`).
+                    Ok(0) => false,
                     Ok(_) => {
                         l.peek(&mut hb) == HEADER_LEN
                             && matches!(Header::decode(&hb), Ok(h) if h.kind != FrameKind::Data)
@@ -270,7 +276,8 @@ impl Driver for TcpDriver {
     }
 
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
-        self.kind(peer)
+        let c = self.conns.get(peer)?.as_ref()?;
+        Some(if c.shm.is_some() { "shm" } else { "tcp" })
     }
 
     fn hot_spin(&self) -> bool {
@@ -300,15 +307,14 @@ impl Driver for TcpDriver {
             if self.conns[peer].is_none() {
                 continue;
             }
+            if self.shm(peer).is_some() {
+                self.serve_shm_link(core, peer, mode, now);
+                continue;
+            }
             if core.wants_tx(peer) {
                 self.progress_tx(core, peer, now);
             }
-            let shm = self.conns[peer].as_ref().and_then(|c| c.shm.as_ref());
-            if shm.is_some_and(|l| l.peer_eof) {
-                self.finish_ended(core, peer, now);
-                continue;
-            }
-            if mode == Mode::Wait && (core.wants_rx(peer) || shm.is_some()) {
+            if mode == Mode::Wait && core.wants_rx(peer) {
                 self.progress_rx(core, peer, now);
             }
         }
