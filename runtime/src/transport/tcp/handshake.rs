@@ -6,12 +6,11 @@
 //!   ◄── Challenge 49 B  status, server nonce, HMAC(key, "srv" ‖ hello ‖ server nonce)
 //!   Proof  32 B  HMAC(key, "cli" ‖ hello ‖ server nonce)                          ──►
 //!   ◄── Ack 1 B  status
-//!   ◄── shared-memory Offer 80 B (where the server runs; `shm.rs`)
-//!   Segment 80 B (pid, descriptor, nonce; or none)                                ──►
-//!   ◄── Ack 80 B (attached or not)
+//!   ◄── shared-memory Offer 80 B (where the server runs, pid, descriptor, nonce; `shm.rs`)
+//!   Ack 80 B (attached or not)                                                     ──►
 //! ```
 //!
-//! The last three messages decide whether the connection's frames go through shared memory
+//! The last two messages decide whether the connection's frames go through shared memory
 //! (ranks of one host) and are part of the handshake's one deadline; version 2 has them.
 //!
 //! Both sides prove they know the job key without sending it; the nonces make every proof

@@ -335,6 +335,10 @@ fn accept_loop(
                 let _slot = slot;
                 let deadline = Instant::now() + hs_timeout;
                 let _ = s.set_nonblocking(false);
+                // The handshake's last answer and the shared-memory offer leave back to back:
+                // without this, Nagle holds the offer until the client's delayed ack (40 ms a
+                // connection, in a chain through every rank's dials).
+                let _ = s.set_nodelay(true);
                 let nonce = match auth::random::<16>() {
                     Ok(n) => n,
                     Err(e) => return warn!(rank, "refused connection from {from}: {e}"),

@@ -31,11 +31,12 @@
 //!
 //! **Set-up** ([`server_side`], [`client_side`]), on every connection right after the handshake
 //! authenticated it, within the handshake's deadline:
-//! the lower rank says where it runs and whether it offers shared memory; the higher rank, on
-//! the same host, creates the segment and answers with its process id, the segment's descriptor
-//! number and a random nonce; the lower rank opens `/proc/<pid>/fd/<n>` (the kernel allows that
-//! only to the same user or root), checks the owner, the size, the seals and the nonce, and
-//! acknowledges. The segment has no name: no process of another user can open it, and
+//! the lower rank (the handshake's server) creates the pair's segment and offers it, right
+//! behind the handshake's last answer, with where it runs, its process id, the segment's
+//! descriptor number and a random nonce; the higher rank, on the same host, opens
+//! `/proc/<pid>/fd/<n>` (the kernel allows that only to the same user or root), checks the
+//! seals, the owner, the size and the nonce, and says whether it attached. The dialling rank
+//! waits for nothing more than the handshake did. The segment has no name: no process of another user can open it, and
 //! it is freed by the kernel when both have exited, however they ended. Any failure on the way
 //! leaves the pair on TCP.
 //!
@@ -472,12 +473,10 @@ pub(crate) const MSG_LEN: usize = 80;
 /// Which step of the set-up a message is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// Lower rank → higher: where it runs, whether it offers shared memory.
+    /// Lower rank → higher: where it runs and the segment it made (or none).
     Offer = 1,
-    /// Higher rank → lower: the segment (or a refusal).
-    Segment = 2,
-    /// Lower rank → higher: attached (or not).
-    Ack = 3,
+    /// Higher rank → lower: attached (or not).
+    Ack = 2,
 }
 
 /// One set-up message.
@@ -529,8 +528,7 @@ impl SetupMsg {
         }
         let step = match b[8] {
             1 => Step::Offer,
-            2 => Step::Segment,
-            3 => Step::Ack,
+            2 => Step::Ack,
             _ => return Err("unknown step"),
         };
         if b[9] > 1 || b[10..12] != [0, 0] || b[72..80] != [0; 8] {
@@ -569,8 +567,10 @@ fn recv_msg(s: &mut TcpStream, step: Step, deadline: Instant) -> Result<SetupMsg
 }
 
 /// The lower rank's side of the set-up on a freshly authenticated connection (the handshake's
-/// server): offer, then attach the segment the peer made, if it made one. `enabled` is this
-/// rank's `TUTTI_SHM`. Returns the link, or `None` when the pair stays on TCP.
+/// server, which answers in its own thread): make the pair's segment (before knowing where the
+/// peer runs: a peer on another host leaves it, and its untouched pages cost nothing), offer it
+/// with where this rank runs, and keep it if the peer attached. `enabled` is this rank's
+/// `TUTTI_SHM`. Returns the link, or `None` when the pair stays on TCP.
 ///
 /// # Errors
 /// The connection broke, or the peer sent something else, by `deadline`.
@@ -581,27 +581,32 @@ pub(crate) fn server_side(
     deadline: Instant,
 ) -> Result<Option<ShmLink>, String> {
     let ring = ring_for(world);
-    let mut offer = SetupMsg::new(Step::Offer, enabled, ring);
+    let mut offer = SetupMsg::new(Step::Offer, false, ring);
     offer.host = host_id();
-    send_msg(s, offer)?;
-    let seg = recv_msg(s, Step::Segment, deadline)?;
-    let mut ack = SetupMsg::new(Step::Ack, false, ring);
-    let mut link = None;
-    if seg.yes && enabled && seg.ring as usize == ring {
-        match Segment::attach(seg.pid, seg.fd, &seg.nonce, ring) {
-            Ok(mapped) => {
-                ack.yes = true;
-                link = Some(ShmLink::new(mapped, true));
+    let mut made = None;
+    if enabled {
+        let made_one = crate::auth::random::<16>()
+            .and_then(|nonce| Segment::create(&nonce, ring).map(|(seg, fd)| (seg, fd, nonce)));
+        match made_one {
+            Ok((seg, fd, nonce)) => {
+                offer.yes = true;
+                offer.fd = fd.as_raw_fd() as u32;
+                offer.nonce = nonce;
+                made = Some((seg, fd));
             }
-            Err(e) => tracing::debug!("shared segment not attached, the link stays on TCP: {e}"),
+            Err(e) => tracing::debug!("no shared segment, the link stays on TCP: {e}"),
         }
     }
-    send_msg(s, ack)?;
-    Ok(link)
+    send_msg(s, offer)?;
+    let ack = recv_msg(s, Step::Ack, deadline)?;
+    // The descriptor closes here: the peer holds its own, and the mappings keep the memory.
+    Ok(made.filter(|_| ack.yes).map(|(seg, _fd)| ShmLink::new(seg, true)))
 }
 
-/// The higher rank's side (the handshake's client): on the same host, with both offering,
-/// make the pair's segment and hand it over; the link is shared memory once the peer attached.
+/// The higher rank's side (the handshake's client, which dials its peers one after the other):
+/// on the same host, with both offering, attach the offered segment and say so. It waits for
+/// nothing after the handshake's own messages: the offer comes right behind the handshake's
+/// last answer.
 ///
 /// # Errors
 /// As [`server_side`].
@@ -613,25 +618,19 @@ pub(crate) fn client_side(
 ) -> Result<Option<ShmLink>, String> {
     let ring = ring_for(world);
     let offer = recv_msg(s, Step::Offer, deadline)?;
-    let mut answer = SetupMsg::new(Step::Segment, false, ring);
-    let mut made = None;
+    let mut ack = SetupMsg::new(Step::Ack, false, ring);
+    let mut link = None;
     if enabled && offer.yes && offer.host == host_id() && offer.ring as usize == ring {
-        let made_one = crate::auth::random::<16>()
-            .and_then(|nonce| Segment::create(&nonce, ring).map(|(seg, fd)| (seg, fd, nonce)));
-        match made_one {
-            Ok((seg, fd, nonce)) => {
-                answer.yes = true;
-                answer.fd = fd.as_raw_fd() as u32;
-                answer.nonce = nonce;
-                made = Some((seg, fd));
+        match Segment::attach(offer.pid, offer.fd, &offer.nonce, ring) {
+            Ok(mapped) => {
+                ack.yes = true;
+                link = Some(ShmLink::new(mapped, false));
             }
-            Err(e) => tracing::debug!("no shared segment, the link stays on TCP: {e}"),
+            Err(e) => tracing::debug!("shared segment not attached, the link stays on TCP: {e}"),
         }
     }
-    send_msg(s, answer)?;
-    let ack = recv_msg(s, Step::Ack, deadline)?;
-    // The descriptor closes here: the peer holds its own, and the mappings keep the memory.
-    Ok(made.filter(|_| ack.yes).map(|(seg, _fd)| ShmLink::new(seg, false)))
+    send_msg(s, ack)?;
+    Ok(link)
 }
 
 /// A pair of linked ends over one segment in this process (tests and fuzzing): the first is

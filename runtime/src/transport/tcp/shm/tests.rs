@@ -187,7 +187,7 @@ fn the_host_id_is_stable_and_names_the_boot() {
 
 #[test]
 fn setup_messages_round_trip() {
-    let mut m = SetupMsg::new(Step::Segment, true, RING_BYTES);
+    let mut m = SetupMsg::new(Step::Offer, true, RING_BYTES);
     m.fd = 17;
     m.host = [5; 32];
     m.nonce = [6; 16];
