@@ -32,6 +32,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod group;
 mod membership;
+mod memfd;
 mod options;
 pub mod rendezvous;
 pub mod store;
@@ -39,6 +40,7 @@ pub mod store;
 pub mod testing;
 pub mod transport;
 mod util;
+pub mod window;
 pub mod wire;
 
 pub use error::{Error, OpContext, Result};

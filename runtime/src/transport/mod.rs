@@ -234,6 +234,13 @@ pub trait Transport: Send + Sync {
         self.name()
     }
 
+    /// Whether this rank can map `peer`'s [windows](crate::window::Window): the peer runs in
+    /// this process (in memory) or on this host over a shared-memory link. Collectives that
+    /// read peers' memory directly run only where this holds for every peer.
+    fn shares_memory_with(&self, peer: usize) -> bool {
+        peer != self.rank() && matches!(self.link_kind(peer), "shm" | "mem")
+    }
+
     /// Post a send of `len` bytes at `data` to `peer` under `desc`.
     ///
     /// # Safety

@@ -49,7 +49,9 @@
 
 use std::io::Write;
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+
+use crate::memfd::Mapping;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -104,71 +106,20 @@ struct RingCtl {
 const _: () = assert!(size_of::<RingCtl>() <= CTL_AT[1] - CTL_AT[0]);
 const _: () = assert!(CTL_AT[1] + size_of::<RingCtl>() <= HEAD_PAGE);
 
-/// A mapped segment; unmapped on drop.
+/// A mapped segment (unmapped on drop) with rings of `ring` bytes.
 struct Segment {
-    base: *mut u8,
+    map: Mapping,
     /// Bytes of each ring (a power of two, checked when attaching).
     ring: usize,
 }
 
-// SAFETY: the mapping is plain memory owned by this value; the shared fields are atomics and the
-// ring bytes are only copied with raw pointers.
-unsafe impl Send for Segment {}
-
-fn os_err(what: &str) -> String {
-    format!("{what}: {}", std::io::Error::last_os_error())
-}
-
 impl Segment {
-    /// Map `fd` (a segment with rings of `ring` bytes) shared, read and write.
-    fn map(fd: RawFd, ring: usize) -> Result<Segment, String> {
-        // SAFETY: a fresh shared mapping of a file we hold open; checked below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                segment_bytes(ring),
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(os_err("mapping the segment"));
-        }
-        Ok(Segment { base: p.cast(), ring })
-    }
-
     /// A new segment stamped with `nonce`, and its descriptor (sealed against resizing, so the
     /// peer cannot shrink it under our mapping).
     fn create(nonce: &[u8; 16], ring: usize) -> Result<(Segment, OwnedFd), String> {
-        let name = c"tutti-shm";
-        // SAFETY: a valid C string; flags as documented.
-        let fd = unsafe {
-            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
-        if fd < 0 {
-            return Err(os_err("memfd_create"));
-        }
-        // SAFETY: `fd` is ours and open.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: plain calls on our descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), segment_bytes(ring) as libc::off_t) } != 0 {
-            return Err(os_err("sizing the segment"));
-        }
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: as above.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            return Err(os_err("sealing the segment"));
-        }
-        let seg = Segment::map(fd.as_raw_fd(), ring)?;
-        let mut head = [0u8; 32];
-        head[..8].copy_from_slice(SEG_MAGIC);
-        head[8..12].copy_from_slice(&(ring as u32).to_le_bytes());
-        head[16..32].copy_from_slice(nonce);
-        // SAFETY: the first page is ours to write; nobody else maps it yet.
-        unsafe { std::ptr::copy_nonoverlapping(head.as_ptr(), seg.base, head.len()) };
-        Ok((seg, fd))
+        let (map, fd) =
+            Mapping::create(c"tutti-shm", segment_bytes(ring), SEG_MAGIC, ring as u32, nonce)?;
+        Ok((Segment { map, ring }, fd))
     }
 
     /// Open the segment the peer `pid` holds as descriptor `fd`, and check it is the one it
@@ -177,76 +128,19 @@ impl Segment {
         if !ring.is_power_of_two() || !(RING_MIN..=RING_MAX).contains(&ring) {
             return Err(format!("the peer's ring size {ring} is not one we use"));
         }
-        let path = format!("/proc/{pid}/fd/{fd}\0");
-        // SAFETY: a NUL-terminated path.
-        let raw = unsafe {
-            libc::open(
-                path.as_ptr().cast(),
-                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOCTTY | libc::O_NONBLOCK,
-            )
-        };
-        if raw < 0 {
-            return Err(os_err(&format!("opening {}", path.trim_end_matches('\0'))));
-        }
-        // SAFETY: `raw` is ours and open.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // Seals first: once sealed, the size cannot change between our check and our mapping
-        // (a peer that shrank the file would make our next access fault).
-        // SAFETY: plain call on our descriptor.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-        if seals < 0 || seals & need != need {
-            return Err("the peer's segment is not sealed against resizing".into());
-        }
-        // SAFETY: zeroed stat is a valid out-parameter.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fstat on our descriptor into a local.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(os_err("fstat of the segment"));
-        }
-        // SAFETY: plain call.
-        let me = unsafe { libc::geteuid() };
-        if st.st_mode & libc::S_IFMT != libc::S_IFREG
-            || st.st_uid != me
-            || st.st_size != segment_bytes(ring) as libc::off_t
-        {
-            return Err(format!(
-                "the peer's segment is not ours to use (owner {}, we are {me}; {} bytes, expected \
-                 {})",
-                st.st_uid,
-                st.st_size,
-                segment_bytes(ring)
-            ));
-        }
-        let seg = Segment::map(fd.as_raw_fd(), ring)?;
-        let mut head = [0u8; 32];
-        // SAFETY: reading the first page of our mapping into a local.
-        unsafe { std::ptr::copy_nonoverlapping(seg.base, head.as_mut_ptr(), head.len()) };
-        if &head[..8] != SEG_MAGIC
-            || head[8..12] != (ring as u32).to_le_bytes()
-            || head[16..32] != nonce[..]
-        {
-            return Err("the segment at the peer's descriptor is not the one it announced".into());
-        }
-        Ok(seg)
+        let map = Mapping::attach(pid, fd, segment_bytes(ring), SEG_MAGIC, ring as u32, nonce)?;
+        Ok(Segment { map, ring })
     }
 
     fn ctl(&self, ring: usize) -> &RingCtl {
         // SAFETY: inside the first page, aligned (page-aligned base + multiple of 128), valid for
         // the mapping's life; every field is an atomic, so sharing it is sound.
-        unsafe { &*self.base.add(CTL_AT[ring]).cast::<RingCtl>() }
+        unsafe { &*self.map.base().add(CTL_AT[ring]).cast::<RingCtl>() }
     }
 
     fn data(&self, ring: usize) -> *mut u8 {
         // SAFETY: ring `ring`'s bytes lie inside the mapping.
-        unsafe { self.base.add(HEAD_PAGE + ring * self.ring) }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping once.
-        unsafe { libc::munmap(self.base.cast(), segment_bytes(self.ring)) };
+        unsafe { self.map.base().add(HEAD_PAGE + ring * self.ring) }
     }
 }
 

@@ -3,6 +3,7 @@ use std::os::fd::AsRawFd;
 use proptest::prelude::*;
 
 use super::*;
+use std::os::fd::FromRawFd;
 
 /// The rings of these tests.
 const RING_BYTES: usize = RING_MAX;

@@ -1,0 +1,403 @@
+//! Windows: memory a rank publishes to the other ranks of its host, for collectives that read
+//! their peers' memory directly instead of sending it.
+//!
+//! ```text
+//! window (memfd, sealed against resizing), 4 KiB + data bytes
+//!   0       stamp: magic, nonce (checked when a peer attaches)
+//!   1024    COUNTERS counters (u64), each on its own cache line, written by the owner only
+//!   1536    waiters: how many peers sleep on one of the counters (futex)
+//!   2048    STAMPS slots of STAMP_BYTES, written by the owner (what the data holds now)
+//!   4096    data
+//! ```
+//!
+//! The owner writes its data, then [`publishes`](Window::publish) a counter (a release store);
+//! a reader that [`waits`](Window::wait) until the counter reaches a value sees the data written
+//! before it. A waiter spins for a moment, then sleeps on the counter (a futex on the shared
+//! page, so it works across processes) in slices, asking its caller between slices whether to
+//! give up (a lost peer, an abort); the owner wakes sleepers only when some are registered.
+//!
+//! Nothing read from a peer's window decides where this rank reads or writes: lengths and
+//! offsets come from the caller, so a peer that writes garbage into its window gives wrong
+//! numbers or a failed stamp check, never an access outside the mapping.
+//!
+//! A window is made by [`Window::create`], which returns the [`Offer`] to send to the peers
+//! over an authenticated link; each peer [`attaches`](Window::attach) it (see the `memfd`
+//! checks: sealed, same user, right size, the nonce). The file has no name, and the kernel frees
+//! it once the last process that mapped it has exited or unmapped it.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::memfd::Mapping;
+
+/// Bytes before the data.
+pub const HEADER: usize = 4096;
+/// Counters in a window.
+pub const COUNTERS: usize = 4;
+/// Stamp slots in a window.
+pub const STAMPS: usize = 4;
+/// Bytes of one stamp slot.
+pub const STAMP_BYTES: usize = 64;
+/// Bytes of an encoded [`Offer`].
+pub const OFFER_LEN: usize = 40;
+
+const MAGIC: &[u8; 8] = b"TUTTIWIN";
+const COUNTERS_AT: usize = 1024;
+const WAITERS_AT: usize = COUNTERS_AT + 128 * COUNTERS;
+const STAMPS_AT: usize = 2048;
+const _: () = assert!(WAITERS_AT + 4 <= STAMPS_AT);
+const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= HEADER);
+/// Largest data area a window may have (checked when attaching: an offer is untrusted).
+pub const MAX_DATA: usize = 1 << 30;
+/// How long a sleeping waiter sleeps before it asks its caller again.
+const SLICE: Duration = Duration::from_millis(2);
+
+/// Why a window could not be made or attached. Not fatal: the collectives fall back to
+/// messages.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("shared window: {0}")]
+pub struct WindowError(pub String);
+
+/// What a peer needs to attach a window: the owner's process id, its descriptor number, the
+/// data size and the nonce stamped in the window. It carries no secret (the kernel checks the
+/// user); send it over the job's authenticated links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    /// The owner's process id.
+    pub pid: u32,
+    /// The owner's descriptor of the window.
+    pub fd: u32,
+    /// Bytes of data.
+    pub data_len: u64,
+    /// The random stamp.
+    pub nonce: [u8; 16],
+}
+
+impl Offer {
+    /// The offer as [`OFFER_LEN`] bytes.
+    pub fn encode(&self) -> [u8; OFFER_LEN] {
+        let mut b = [0u8; OFFER_LEN];
+        b[..4].copy_from_slice(&self.pid.to_le_bytes());
+        b[4..8].copy_from_slice(&self.fd.to_le_bytes());
+        b[8..16].copy_from_slice(&self.data_len.to_le_bytes());
+        b[16..32].copy_from_slice(&self.nonce);
+        b[32..40].copy_from_slice(MAGIC);
+        b
+    }
+
+    /// Parse [`Offer::encode`]'s bytes.
+    ///
+    /// # Errors
+    /// [`WindowError`] when `b` is not an offer (wrong length or magic, a size over
+    /// [`MAX_DATA`]).
+    pub fn decode(b: &[u8]) -> Result<Offer, WindowError> {
+        if b.len() != OFFER_LEN || &b[32..40] != MAGIC {
+            return Err(WindowError("not a window offer".into()));
+        }
+        let word = |r: std::ops::Range<usize>| {
+            let mut a = [0u8; 8];
+            a[..r.len()].copy_from_slice(&b[r]);
+            u64::from_le_bytes(a)
+        };
+        let data_len = word(8..16);
+        if data_len > MAX_DATA as u64 {
+            return Err(WindowError(format!("a window of {data_len} bytes is over the limit")));
+        }
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&b[16..32]);
+        Ok(Offer { pid: word(0..4) as u32, fd: word(4..8) as u32, data_len, nonce })
+    }
+}
+
+/// One window, this rank's own or a peer's, mapped; unmapped on drop.
+pub struct Window {
+    map: Mapping,
+    data_len: usize,
+    /// The owner keeps its descriptor while peers may still attach.
+    fd: Option<OwnedFd>,
+}
+
+impl std::fmt::Debug for Window {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window")
+            .field("data_len", &self.data_len)
+            .field("owner", &self.fd.is_some())
+            .finish()
+    }
+}
+
+impl Window {
+    /// A new window with `data_len` bytes of data, and the offer that lets the ranks of this
+    /// host attach it.
+    ///
+    /// # Errors
+    /// [`WindowError`] when the system refuses the memory (or `data_len` is over [`MAX_DATA`]).
+    pub fn create(data_len: usize) -> Result<(Window, Offer), WindowError> {
+        if data_len > MAX_DATA {
+            return Err(WindowError(format!("a window of {data_len} bytes is over the limit")));
+        }
+        let nonce = crate::auth::random::<16>().map_err(|e| WindowError(e.to_string()))?;
+        let (map, fd) = Mapping::create(c"tutti-window", HEADER + data_len, MAGIC, 0, &nonce)
+            .map_err(WindowError)?;
+        let offer = Offer {
+            pid: std::process::id(),
+            fd: fd.as_raw_fd() as u32,
+            data_len: data_len as u64,
+            nonce,
+        };
+        Ok((Window { map, data_len, fd: Some(fd) }, offer))
+    }
+
+    /// Map the window a peer of this host offered.
+    ///
+    /// # Errors
+    /// [`WindowError`] when it cannot be opened (another host, another user, the owner gone) or
+    /// is not the one offered.
+    pub fn attach(offer: &Offer) -> Result<Window, WindowError> {
+        let data_len = usize::try_from(offer.data_len)
+            .ok()
+            .filter(|l| *l <= MAX_DATA)
+            .ok_or_else(|| WindowError("the offered window is over the limit".into()))?;
+        let map = Mapping::attach(offer.pid, offer.fd, HEADER + data_len, MAGIC, 0, &offer.nonce)
+            .map_err(WindowError)?;
+        Ok(Window { map, data_len, fd: None })
+    }
+
+    /// Close the owner's descriptor: no peer attaches any more (the mappings stay).
+    pub fn seal_attachments(&mut self) {
+        self.fd = None;
+    }
+
+    /// The first byte of the data.
+    pub fn data(&self) -> *mut u8 {
+        // SAFETY: the data starts inside the mapping.
+        unsafe { self.map.base().add(HEADER) }
+    }
+
+    /// Bytes of data.
+    pub fn data_len(&self) -> usize {
+        self.data_len
+    }
+
+    /// Stamp slot `i` (of [`STAMPS`]), [`STAMP_BYTES`] long: the owner writes what its data
+    /// holds, before publishing; readers check it.
+    ///
+    /// # Panics
+    /// If `i` is not below [`STAMPS`].
+    pub fn stamp(&self, i: usize) -> *mut u8 {
+        assert!(i < STAMPS, "stamp slot {i} of {STAMPS}");
+        // SAFETY: inside the header page.
+        unsafe { self.map.base().add(STAMPS_AT + i * STAMP_BYTES) }
+    }
+
+    fn counter_ref(&self, i: usize) -> &AtomicU64 {
+        assert!(i < COUNTERS, "counter {i} of {COUNTERS}");
+        // SAFETY: inside the header page, 128-byte aligned, valid for the mapping's life; only
+        // ever accessed atomically.
+        unsafe { &*self.map.base().add(COUNTERS_AT + 128 * i).cast::<AtomicU64>() }
+    }
+
+    fn waiters(&self) -> &AtomicU32 {
+        // SAFETY: as `counter_ref`.
+        unsafe { &*self.map.base().add(WAITERS_AT).cast::<AtomicU32>() }
+    }
+
+    /// Counter `i` now (an acquire load).
+    ///
+    /// # Panics
+    /// If `i` is not below [`COUNTERS`].
+    pub fn counter(&self, i: usize) -> u64 {
+        self.counter_ref(i).load(Ordering::Acquire)
+    }
+
+    /// Set counter `i` (of this rank's own window) to `v`: everything written before is seen by
+    /// a reader that sees `v`. Wakes the peers sleeping on the window.
+    ///
+    /// # Panics
+    /// If `i` is not below [`COUNTERS`].
+    pub fn publish(&self, i: usize, v: u64) {
+        let c = self.counter_ref(i);
+        c.store(v, Ordering::SeqCst);
+        if self.waiters().load(Ordering::SeqCst) != 0 {
+            futex_wake(low_half(c));
+        }
+    }
+
+    /// Wait until counter `i` is at least `at_least`: `Ok(Some(value))`; `Ok(None)` when
+    /// `until` passes first. Spins for `spin` (yielding after the first microseconds), then
+    /// sleeps in slices of a few milliseconds and calls `check` before each: its error ends the
+    /// wait.
+    ///
+    /// # Errors
+    /// `check`'s.
+    ///
+    /// # Panics
+    /// If `i` is not below [`COUNTERS`].
+    pub fn wait<E>(
+        &self,
+        i: usize,
+        at_least: u64,
+        until: Instant,
+        spin: Duration,
+        mut check: impl FnMut() -> Result<(), E>,
+    ) -> Result<Option<u64>, E> {
+        let c = self.counter_ref(i);
+        let v = c.load(Ordering::Acquire);
+        if v >= at_least {
+            return Ok(Some(v));
+        }
+        let start = Instant::now();
+        let mut k = 0u32;
+        while start.elapsed() < spin {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            let v = c.load(Ordering::Acquire);
+            if v >= at_least {
+                return Ok(Some(v));
+            }
+            k += 1;
+            if k > 16 {
+                std::thread::yield_now();
+            }
+        }
+        loop {
+            check()?;
+            let now = Instant::now();
+            if now >= until {
+                let v = c.load(Ordering::Acquire);
+                return Ok((v >= at_least).then_some(v));
+            }
+            self.waiters().fetch_add(1, Ordering::SeqCst);
+            let v = c.load(Ordering::SeqCst);
+            if v < at_least {
+                futex_wait(low_half(c), v as u32, SLICE.min(until - now));
+            }
+            self.waiters().fetch_sub(1, Ordering::SeqCst);
+            let v = c.load(Ordering::Acquire);
+            if v >= at_least {
+                return Ok(Some(v));
+            }
+        }
+    }
+}
+
+/// The futex word of a counter: its low 32 bits.
+fn low_half(c: &AtomicU64) -> *const u32 {
+    let p = (c as *const AtomicU64).cast::<u32>();
+    if cfg!(target_endian = "big") {
+        p.wrapping_add(1)
+    } else {
+        p
+    }
+}
+
+fn futex_wait(word: *const u32, seen: u32, for_: Duration) {
+    let ts = libc::timespec {
+        tv_sec: for_.as_secs() as libc::time_t,
+        tv_nsec: for_.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` points into a live shared mapping, 4-byte aligned; the kernel only reads
+    // it. A shared (not private) futex: the waker may be another process.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word,
+            libc::FUTEX_WAIT,
+            seen,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+fn futex_wake(word: *const u32) {
+    // SAFETY: as `futex_wait`.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word,
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<u8>(),
+            0,
+            0,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_sees_what_was_written_before_the_counter() {
+        let (mine, offer) = Window::create(1 << 16).unwrap();
+        let peer = Window::attach(&Offer::decode(&offer.encode()).unwrap()).unwrap();
+        let t = std::thread::spawn(move || {
+            let far = Instant::now() + Duration::from_secs(10);
+            for g in 1..=200u64 {
+                let v = peer.wait(0, g, far, Duration::ZERO, || Ok::<(), ()>(())).unwrap();
+                assert!(v.is_some_and(|v| v >= g));
+                // SAFETY: the owner wrote these bytes before publishing `g`, and does not write
+                // again before we publish our counter below.
+                let b = unsafe { std::slice::from_raw_parts(peer.data(), 1 << 16) };
+                assert!(b.iter().all(|x| *x == g as u8), "generation {g}");
+                peer.publish(1, g);
+            }
+            peer
+        });
+        let far = Instant::now() + Duration::from_secs(10);
+        for g in 1..=200u64 {
+            // SAFETY: the peer is done reading (it published generation g-1 on counter 1).
+            unsafe { std::ptr::write_bytes(mine.data(), g as u8, 1 << 16) };
+            mine.publish(0, g);
+            let done = mine.wait(1, g, far, Duration::from_micros(5), || Ok::<(), ()>(()));
+            assert_eq!(done, Ok(Some(g)));
+        }
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn a_wait_ends_at_its_deadline_or_when_its_caller_says_so() {
+        let (w, _) = Window::create(64).unwrap();
+        let t0 = Instant::now();
+        let r = w.wait(2, 1, t0 + Duration::from_millis(30), Duration::ZERO, || Ok::<(), ()>(()));
+        assert_eq!(r, Ok(None));
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        let mut calls = 0;
+        let r = w.wait(2, 1, t0 + Duration::from_secs(10), Duration::ZERO, || {
+            calls += 1;
+            if calls == 3 {
+                Err("peer lost")
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!(r, Err("peer lost"));
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn attach_refuses_what_was_not_offered() {
+        let (w, offer) = Window::create(4096).unwrap();
+        let mut wrong = offer;
+        wrong.nonce[0] ^= 1;
+        assert!(Window::attach(&wrong).is_err(), "another nonce");
+        let mut wrong = offer;
+        wrong.data_len += 4096;
+        assert!(Window::attach(&wrong).is_err(), "another size");
+        let mut bytes = offer.encode();
+        bytes[35] ^= 1;
+        assert!(Offer::decode(&bytes).is_err(), "not an offer");
+        let mut big = offer;
+        big.data_len = MAX_DATA as u64 + 1;
+        assert!(Offer::decode(&big.encode()).is_err(), "over the limit");
+        // Once sealed, the descriptor is gone: nobody attaches any more.
+        let mut w = w;
+        w.seal_attachments();
+        assert!(Window::attach(&offer).is_err());
+    }
+}
