@@ -382,6 +382,16 @@ impl Comm {
         self.ensure_measured()?;
         // The collective's `plan` refuses an algorithm that cannot run here (`Coll::supports`).
         let (coll, bytes, uniform) = (req.coll, req.bytes, req.uniform);
+        if self.sel.direct_on().is_none() {
+            // Direct reads need every peer to map this rank's memory (the same link kinds on
+            // every rank: each pair agreed on its link when it connected).
+            let t = self.group.transport();
+            let me = t.rank();
+            let all = (0..self.size())
+                .map(|r| self.group.global_rank(r))
+                .all(|g| g == me || t.shares_memory_with(g));
+            self.sel.set_direct(all && self.size() >= 2);
+        }
         let algo = self.sel.algo(coll, bytes, self.size(), uniform);
         let stats = self.execute(req, algo, plan)?;
         if let Some(key) = self.sel.tuning(coll, bytes, uniform) {
@@ -405,6 +415,22 @@ impl Comm {
         plan: impl FnOnce(&PlanCtx, Algo, &Topology) -> Result<Plan>,
     ) -> Result<Stats> {
         let start = Instant::now();
+        let mut algo = algo;
+        if algo == Algo::Direct {
+            match self.direct_ready()? {
+                None => return self.execute_direct(req, start),
+                Some(why) if self.sel.forced(req.coll) => {
+                    return Err(Error::Unsupported {
+                        rank: self.rank(),
+                        op: req.coll.name(),
+                        algo: algo.name(),
+                        detail: why,
+                    })
+                }
+                // Every rank learned the same at the set-up: all choose again alike.
+                Some(_) => algo = self.sel.algo(req.coll, req.bytes, self.size(), req.uniform),
+            }
+        }
         let op = req.coll.name();
         let cfg = &self.sel.cfg;
         let ctx = PlanCtx {
@@ -459,6 +485,114 @@ impl Comm {
         let elapsed = start.elapsed();
         debug!(op, seq, bytes = req.bytes, %algo, ?elapsed, "collective done");
         Ok(Stats { algo, bytes_sent, elapsed, seq })
+    }
+
+    /// Set up direct reads in this group if not yet done (a collective step, the same on every
+    /// rank): `None` when they can run, else why not.
+    fn direct_ready(&self) -> Result<Option<String>> {
+        let mut st = self.sel.direct.lock().unwrap_or_else(|p| p.into_inner());
+        if let crate::direct::State::Unknown = *st {
+            *st = crate::direct::Direct::setup(
+                &self.group,
+                |mine, all| self.exec_allgather(Algo::Ring, mine, all),
+                |x| {
+                    let mut v = [x];
+                    self.exec_allreduce_f64(Algo::Tree, &mut v, ReduceOp::Max)?;
+                    Ok(v[0])
+                },
+            )?;
+            self.sel.set_direct(matches!(*st, crate::direct::State::Ready(_)));
+        }
+        Ok(match &*st {
+            crate::direct::State::Ready(_) => None,
+            crate::direct::State::Off(why) => Some(why.clone()),
+            crate::direct::State::Unknown => Some("not set up".into()),
+        })
+    }
+
+    /// Run `req` by direct reads of the peers' windows (set up: see [`Comm::direct_ready`]).
+    fn execute_direct(&self, req: Req<'_>, start: Instant) -> Result<Stats> {
+        let mut st = self.sel.direct.lock().unwrap_or_else(|p| p.into_inner());
+        let crate::direct::State::Ready(d) = &mut *st else {
+            return Err(Error::Unsupported {
+                rank: self.rank(),
+                op: req.coll.name(),
+                algo: Algo::Direct.name(),
+                detail: "direct reads are not set up in this group".into(),
+            });
+        };
+        let cfg = &self.sel.cfg;
+        let seq = self.group.next_seq();
+        let fp = Fingerprint {
+            op: req.coll.op_kind(),
+            dtype: req.dtype,
+            redop: req.redop.map_or(0, ReduceOp::code),
+            root: req.root.map_or(u32::MAX, |r| r as u32),
+            count: req.count as u64,
+            settings: settings_digest(Algo::Direct, cfg.segment, cfg.chunk),
+        };
+        let call = crate::direct::Call {
+            group: &self.group,
+            op_name: req.coll.name(),
+            desc: crate::direct::desc(self.group.id(), seq, fp),
+            start,
+            deadline: start + self.group.timeout(),
+            bytes: req.bytes,
+        };
+        let (n, len) = (self.size(), req.data.len());
+        let dst = req.data.as_mut_ptr();
+        let src = req.input.map_or(dst as *const u8, <[u8]>::as_ptr);
+        let op = req.redop.unwrap_or(ReduceOp::Sum);
+        // SAFETY: `src` and `dst` are the call's input and data, valid for the lengths each
+        // collective's method checked, and distinct when the call is out of place.
+        let published = unsafe {
+            match req.coll {
+                Coll::Allreduce => {
+                    d.allreduce(&call, src, dst, len, req.dtype, op, req.finish).map(|()| len)
+                }
+                Coll::Broadcast => {
+                    let root = req.root.unwrap_or(0);
+                    d.broadcast(&call, root, src, dst, len).map(|()| {
+                        if root == self.rank() {
+                            len
+                        } else {
+                            0
+                        }
+                    })
+                }
+                Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll if req.uniform => {
+                    let block = req.bytes / n;
+                    d.blocks(&call, req.coll, src, dst, block, req.dtype, op).map(|()| {
+                        if req.coll == Coll::Allgather {
+                            block
+                        } else {
+                            block * n
+                        }
+                    })
+                }
+                _ => {
+                    return Err(Error::Unsupported {
+                        rank: self.rank(),
+                        op: req.coll.name(),
+                        algo: Algo::Direct.name(),
+                        detail: "direct reads run allreduce, broadcast, and all-gather, \
+                                 reduce-scatter and all-to-all of equal counts"
+                            .into(),
+                    })
+                }
+            }
+        }?;
+        drop(st);
+        let elapsed = start.elapsed();
+        debug!(
+            op = req.coll.name(),
+            seq,
+            bytes = req.bytes,
+            algo = "direct",
+            ?elapsed,
+            "collective done"
+        );
+        Ok(Stats { algo: Algo::Direct, bytes_sent: published as u64, elapsed, seq })
     }
 
     /// An in-place allreduce of `x` with `algo`, straight through [`Comm::execute`].

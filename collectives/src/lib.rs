@@ -26,6 +26,7 @@ pub(crate) mod coll;
 mod comm;
 mod config;
 pub mod device;
+mod direct;
 pub mod dtype;
 mod error;
 mod exec;

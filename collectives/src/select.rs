@@ -36,11 +36,16 @@ pub enum Algo {
     TwoLevel,
     /// Binomial scatter then ring allgather (broadcast).
     ScatterAllgather,
+    /// Direct reads of the peers' memory, on one host: every rank publishes its part in shared
+    /// memory and reads what it needs straight from the others' (allreduce, broadcast,
+    /// all-gather, reduce-scatter, all-to-all; see `direct.rs`). Only where every rank of the
+    /// group can map every other's memory.
+    Direct,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 13] = [
+    pub const ALL: [Algo; 14] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Rabenseifner,
@@ -54,6 +59,7 @@ impl Algo {
         Algo::Dissemination,
         Algo::TwoLevel,
         Algo::ScatterAllgather,
+        Algo::Direct,
     ];
 
     /// Short name (collbench's algorithm column, `TUTTI_ALGO`).
@@ -72,6 +78,7 @@ impl Algo {
             Algo::Dissemination => "dissemination",
             Algo::TwoLevel => "twolevel",
             Algo::ScatterAllgather => "scatter_allgather",
+            Algo::Direct => "direct",
         }
     }
 
@@ -86,6 +93,7 @@ impl Algo {
             "recursive_halving" | "recursive-halving" => "halving",
             "post_all" | "post-all" => "postall",
             "two_level" | "two-level" | "hierarchical" => "twolevel",
+            "direct_read" | "direct-read" | "shm_direct" => "direct",
             "scatter-allgather" | "scatter+allgather" | "van_de_geijn" | "vandegeijn" => {
                 "scatter_allgather"
             }
@@ -193,6 +201,19 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
     }
 }
 
+/// Whether direct reads ([`Algo::Direct`]) beat messages for a call of `coll` moving `bytes`
+/// (nccl-tests' S) on `n` ranks of one host that map each other's memory. From collbench runs
+/// on the reference machine (`docs/algorithms.md`).
+pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
+    const K: usize = 1 << 10;
+    n >= 2
+        && match coll {
+            Coll::Allreduce | Coll::Broadcast => bytes >= 16 * K,
+            Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll => uniform && bytes >= 64 * K,
+            Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier => false,
+        }
+}
+
 /// Allreduces of at most this many bytes choose from the table even on slow links: there the
 /// per-message CPU cost of ranks that share cores decides, as on loopback, more than the link,
 /// and the tree, with fewer ranks busy at once, wins. Measured on 1 Gbit/s links (4 hosts × 1
@@ -216,6 +237,11 @@ pub(crate) struct Selector {
     /// The links, once measured (see `Comm::link_scale`): the cost model on links at least
     /// 4 times slower than loopback, `None` otherwise.
     pub(crate) link: std::sync::Arc<std::sync::OnceLock<Option<crate::model::Model>>>,
+    /// Whether direct reads can run in this group: 0 not known yet, 1 yes, 2 no (a peer does
+    /// not share this rank's memory, or some rank could not map every window).
+    direct_on: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    /// The group's windows, once set up (see `direct.rs`).
+    pub(crate) direct: crate::direct::Shared,
 }
 
 impl Selector {
@@ -227,7 +253,22 @@ impl Selector {
             tuner: Default::default(),
             topo: Default::default(),
             link: Default::default(),
+            direct_on: Default::default(),
+            direct: Default::default(),
         }
+    }
+
+    /// Whether direct reads can run here: `None` before [`Selector::set_direct`].
+    pub(crate) fn direct_on(&self) -> Option<bool> {
+        match self.direct_on.load(std::sync::atomic::Ordering::Acquire) {
+            0 => None,
+            v => Some(v == 1),
+        }
+    }
+
+    /// Record whether direct reads can run here.
+    pub(crate) fn set_direct(&self, on: bool) {
+        self.direct_on.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether `coll`'s algorithm is forced (`Comm::with_algo` or `TUTTI_ALGO`).
@@ -269,6 +310,11 @@ impl Selector {
     pub(crate) fn algo(&self, coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
         let model = self.link_model();
         let auto = || {
+            // Where every rank of the group maps every other's memory, direct reads from the
+            // sizes where they measured faster than messages through shared memory.
+            if self.direct_on() == Some(true) && direct_pays(coll, bytes, n, uniform) {
+                return Algo::Direct;
+            }
             // On links slower than loopback, the cost model, above MODEL_FROM; it covers the
             // collectives whose choice trades steps against bytes. All-to-all's choice is
             // about message counts.

@@ -71,7 +71,10 @@ fn candidates(coll: Coll, n: usize, uniform: bool, default: Algo) -> Vec<Algo> {
         // as it can run here.
         // Two-level depends on the hosts, which the candidates do not know: the cost model
         // chooses it on slow links, tuning does not explore it.
-        if *a != default && *a != Algo::TwoLevel && coll.supports(*a, n, uniform).is_ok() {
+        // Direct reads need a group that shares memory, which the candidates do not know
+        // either: the table chooses them where they can run.
+        let unknown = matches!(*a, Algo::TwoLevel | Algo::Direct);
+        if *a != default && !unknown && coll.supports(*a, n, uniform).is_ok() {
             v.push(*a);
         }
     }

@@ -27,6 +27,7 @@ fn outstanding_collectives_complete_in_program_order() {
                 .enumerate()
                 .all(|(i, v)| *v == reduced::<f64>(9, n, i, ReduceOp::Max)));
             let b = c.ibarrier();
+            let mut prev = None;
             for (k, h) in hs.into_iter().enumerate() {
                 let (buf, st) = h.wait().unwrap();
                 assert_eq!(buf.len(), 10_000 + k);
@@ -36,7 +37,9 @@ fn outstanding_collectives_complete_in_program_order() {
                         .map(|i| reduced::<f32>(k as u64, n, i, ReduceOp::Sum))
                         .collect::<Vec<_>>()
                 ));
-                assert_eq!(st.seq, k as u64, "submission order is sequence order");
+                // A first direct call sets up windows, which takes sequence numbers of its own.
+                assert!(prev < Some(st.seq), "submission order is sequence order");
+                prev = Some(st.seq);
             }
             let (all, _) = g.wait().unwrap();
             assert_eq!(
@@ -99,7 +102,7 @@ fn lent_buffers_are_reduced_in_place_and_the_scope_waits() {
                     ha.wait().unwrap().seq,
                 ]
             });
-            assert_eq!(seqs, [3, 2, 1, 0], "submission order is sequence order");
+            assert!(seqs.windows(2).all(|w| w[0] > w[1]), "submission order is sequence order");
             let want = |k: u64, len: usize, op| (0..len).map(move |i| (k, i, op));
             assert!(same_bits(
                 &a,

@@ -118,7 +118,7 @@ impl Comm {
 }
 
 /// The algorithms that implement allgather.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveDoubling, Algo::Bruck];
+pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveDoubling, Algo::Bruck, Algo::Direct];
 
 /// The schedule `algo` runs for an allgather of `blocks` (byte offset and length per rank) on
 /// `topo` (the ring follows hosts).
@@ -143,6 +143,7 @@ pub(crate) fn plan(
         | Algo::Linear
         | Algo::Dissemination
         | Algo::TwoLevel
-        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Allgather, algo)),
+        | Algo::ScatterAllgather
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::Allgather, algo)),
     })
 }

@@ -167,8 +167,14 @@ impl Comm {
 }
 
 /// The algorithms that implement allreduce.
-pub(crate) const ALGOS: &[Algo] =
-    &[Algo::Ring, Algo::RecursiveDoubling, Algo::Rabenseifner, Algo::Tree, Algo::TwoLevel];
+pub(crate) const ALGOS: &[Algo] = &[
+    Algo::Ring,
+    Algo::RecursiveDoubling,
+    Algo::Rabenseifner,
+    Algo::Tree,
+    Algo::TwoLevel,
+    Algo::Direct,
+];
 
 /// The schedule `algo` runs for an allreduce of `count` elements on `topo` (which ranks share a
 /// host: the ring follows hosts; two-level needs the same number ≥ 2 of ranks on ≥ 2 hosts).
@@ -198,6 +204,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, count: usize, topo: &Topology) -> 
         | Algo::PostAll
         | Algo::Linear
         | Algo::Dissemination
-        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Allreduce, algo)),
+        | Algo::ScatterAllgather
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::Allreduce, algo)),
     })
 }

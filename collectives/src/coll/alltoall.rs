@@ -113,7 +113,7 @@ impl Comm {
 }
 
 /// The algorithms that implement all-to-all.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Pairwise, Algo::PostAll, Algo::Bruck];
+pub(crate) const ALGOS: &[Algo] = &[Algo::Pairwise, Algo::PostAll, Algo::Bruck, Algo::Direct];
 
 /// The schedule `algo` runs for an all-to-all of `send` and `recv` blocks (byte offset and
 /// length per peer); in place, the data is first copied to a scratch buffer of `total` bytes.
@@ -158,7 +158,8 @@ pub(crate) fn plan(
         | Algo::Linear
         | Algo::Dissemination
         | Algo::TwoLevel
-        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::AllToAll, algo)),
+        | Algo::ScatterAllgather
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::AllToAll, algo)),
     }
     Ok(p)
 }

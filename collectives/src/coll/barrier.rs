@@ -55,6 +55,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo) -> Result<Plan> {
         | Algo::PostAll
         | Algo::Linear
         | Algo::TwoLevel
-        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Barrier, algo)),
+        | Algo::ScatterAllgather
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::Barrier, algo)),
     })
 }

@@ -73,7 +73,7 @@ impl Comm {
 }
 
 /// The algorithms that implement broadcast.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Tree, Algo::Chain, Algo::ScatterAllgather];
+pub(crate) const ALGOS: &[Algo] = &[Algo::Tree, Algo::Chain, Algo::ScatterAllgather, Algo::Direct];
 
 /// The schedule `algo` runs for a broadcast of `len` bytes from `root` on `topo` (the chain
 /// follows hosts).
@@ -105,6 +105,7 @@ pub(crate) fn plan(
         | Algo::PostAll
         | Algo::Linear
         | Algo::Dissemination
-        | Algo::TwoLevel => return Err(super::refuse(ctx, Coll::Broadcast, algo)),
+        | Algo::TwoLevel
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::Broadcast, algo)),
     })
 }

@@ -121,6 +121,9 @@ impl Coll {
             {
                 "needs a power-of-two world"
             }
+            (Coll::Allgather | Coll::AllToAll | Coll::ReduceScatter, Algo::Direct) if !uniform => {
+                "needs equal counts on every rank"
+            }
             (Coll::Allgather | Coll::AllToAll, Algo::Bruck) if !uniform => {
                 "needs equal counts on every rank"
             }
@@ -201,12 +204,12 @@ pub(crate) fn check(ctx: &PlanCtx, coll: Coll, algo: Algo, uniform: bool) -> Res
 
 /// The error of `plan` for an algorithm that does not implement the collective.
 pub(crate) fn refuse(ctx: &PlanCtx, coll: Coll, algo: Algo) -> Error {
-    Error::Unsupported {
-        rank: ctx.rank,
-        op: coll.name(),
-        algo: algo.name(),
-        detail: format!("{algo} does not implement {coll}"),
-    }
+    let detail = if algo == Algo::Direct && coll.algos().contains(&algo) {
+        "direct reads have no message schedule: a communicator runs them in shared memory".into()
+    } else {
+        format!("{algo} does not implement {coll}")
+    };
+    Error::Unsupported { rank: ctx.rank, op: coll.name(), algo: algo.name(), detail }
 }
 
 impl fmt::Display for Coll {

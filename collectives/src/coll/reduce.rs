@@ -95,6 +95,7 @@ pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, len: usize, root: usize) -> Result
         | Algo::Linear
         | Algo::Dissemination
         | Algo::TwoLevel
-        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Reduce, algo)),
+        | Algo::ScatterAllgather
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::Reduce, algo)),
     })
 }

@@ -134,7 +134,7 @@ impl Comm {
 }
 
 /// The algorithms that implement reduce-scatter.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveHalving];
+pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveHalving, Algo::Direct];
 
 /// The schedule `algo` runs for a reduce-scatter of `blocks` (byte offset and length per rank)
 /// on `topo` (the ring follows hosts).
@@ -158,6 +158,7 @@ pub(crate) fn plan(
         | Algo::Linear
         | Algo::Dissemination
         | Algo::TwoLevel
-        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::ReduceScatter, algo)),
+        | Algo::ScatterAllgather
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::ReduceScatter, algo)),
     })
 }

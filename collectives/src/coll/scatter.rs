@@ -59,6 +59,7 @@ pub(crate) fn plan(
         | Algo::PostAll
         | Algo::Dissemination
         | Algo::TwoLevel
-        | Algo::ScatterAllgather => return Err(super::refuse(ctx, Coll::Scatter, algo)),
+        | Algo::ScatterAllgather
+        | Algo::Direct => return Err(super::refuse(ctx, Coll::Scatter, algo)),
     })
 }
