@@ -390,7 +390,7 @@ impl Comm {
             let all = (0..self.size())
                 .map(|r| self.group.global_rank(r))
                 .all(|g| g == me || t.shares_memory_with(g));
-            self.sel.set_direct(all && self.size() >= 2);
+            self.sel.set_direct(all && self.size() >= 2 && self.sel.cfg.direct);
         }
         let algo = self.sel.algo(coll, bytes, self.size(), uniform);
         let stats = self.execute(req, algo, plan)?;
@@ -501,7 +501,9 @@ impl Comm {
                     Ok(v[0])
                 },
             )?;
-            self.sel.set_direct(matches!(*st, crate::direct::State::Ready(_)));
+            if !matches!(*st, crate::direct::State::Ready(_)) {
+                self.sel.set_direct(false);
+            }
         }
         Ok(match &*st {
             crate::direct::State::Ready(_) => None,

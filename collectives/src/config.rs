@@ -30,6 +30,10 @@ pub struct Config {
     /// see `tune.rs`). Default off: the built-in table. Hazard: the first few calls of each class
     /// run slower algorithms on purpose, and one small allreduce is added when a class is decided.
     pub tune: bool,
+    /// Let the automatic choice read the peers' memory directly (`Algo::Direct`) where every
+    /// rank of a group can map every other's (`TUTTI_DIRECT`, default on; `0` keeps every call
+    /// on messages). Every rank must have the same setting. A forced `direct` runs either way.
+    pub direct: bool,
 }
 
 impl Default for Config {
@@ -39,12 +43,13 @@ impl Default for Config {
             chunk: DEFAULT_CHUNK,
             overrides: Overrides::default(),
             tune: false,
+            direct: true,
         }
     }
 }
 
 impl Config {
-    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE`, `TUTTI_SEGMENT_BYTES` and `TUTTI_CHUNK_BYTES`
+    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE`, `TUTTI_DIRECT`, `TUTTI_SEGMENT_BYTES` and `TUTTI_CHUNK_BYTES`
     /// from the environment; an empty variable counts as unset (as the runtime's settings do).
     ///
     /// # Errors
@@ -62,6 +67,13 @@ impl Config {
                 "1" => true,
                 "0" => false,
                 _ => return Err(bad(format!("TUTTI_TUNE={v:?}: expected 1 or 0"))),
+            };
+        }
+        if let Some(v) = var("TUTTI_DIRECT") {
+            c.direct = match v.trim() {
+                "1" => true,
+                "0" => false,
+                _ => return Err(bad(format!("TUTTI_DIRECT={v:?}: expected 1 or 0"))),
             };
         }
         if let Some(v) = var("TUTTI_SEGMENT_BYTES") {

@@ -42,6 +42,13 @@ use crate::plan::split;
 const POSTED: usize = 0;
 const REDUCED: usize = 1;
 const DONE: usize = 2;
+/// *Posted* counts generations in units of this, plus the bytes posted so far in the current
+/// one: a reader may copy the first pieces of a buffer while its owner writes the rest.
+const GEN: u64 = 1 << 32;
+/// Bytes between two publications of *posted* where every rank has a core of its own; with
+/// fewer cores than ranks a buffer is posted whole (a reader that waits on each piece would
+/// sleep and be woken for each).
+const PIECE: usize = 64 << 10;
 
 /// Bytes of one buffer of a window for a group of `n` ranks: 1 MiB up to 128 ranks, then the
 /// largest power of two at most 128 MiB / n (at least 64 KiB). Each rank's window holds two
@@ -49,6 +56,9 @@ const DONE: usize = 2;
 /// `n × (4 KiB + 2 × buffer)`: 8 MiB at 4 ranks, 128 MiB at 64, 256 MiB at most up to 2,048
 /// ranks. Only the pages a call touches are allocated.
 pub(crate) fn buffer_for(n: usize) -> usize {
+    if let Some(b) = std::env::var("TUTTI_DIRECT_BYTES_EXP").ok().and_then(|v| v.parse().ok()) {
+        return b;
+    }
     let b = (128usize << 20) / n.max(1);
     let b = if b.is_power_of_two() { b } else { b.next_power_of_two() / 2 };
     b.clamp(64 << 10, 1 << 20)
@@ -62,6 +72,8 @@ pub(crate) struct Direct {
     gen: u64,
     /// How long a wait spins before it sleeps.
     spin: Duration,
+    /// Bytes between two publications of *posted* ([`PIECE`], or a whole buffer).
+    piece: usize,
 }
 
 /// Where a communicator's direct reads stand.
@@ -170,8 +182,12 @@ impl Direct {
         // Every rank has attached every window: no descriptor needs to stay open.
         wins[me].seal_attachments();
         let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
-        let spin = if cpus >= n { Duration::from_micros(50) } else { Duration::from_micros(5) };
-        Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin })))
+        let (spin, piece) = if cpus >= n {
+            (Duration::from_micros(50), PIECE)
+        } else {
+            (Duration::from_micros(5), usize::MAX)
+        };
+        Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin, piece })))
     }
 
     /// Bytes of one buffer.
@@ -189,54 +205,81 @@ impl Direct {
         (self.gen, (self.gen % 2) as usize)
     }
 
-    fn wait(&self, call: &Call<'_>, r: usize, counter: usize, g: u64, done: usize) -> Result<()> {
+    /// Wait until rank `r`'s `counter` reaches `at_least` (a timeout names `r`, the generation
+    /// and the bytes `done`).
+    fn wait(
+        &self,
+        call: &Call<'_>,
+        r: usize,
+        counter: usize,
+        at_least: u64,
+        done: usize,
+    ) -> Result<()> {
         let t = call.group.transport();
         let check = || match t.poisoned() {
             Some(e) => Err(e),
             None => Ok(()),
         };
-        match self.wins[r].wait(counter, g, call.deadline, self.spin, check) {
+        match self.wins[r].wait(counter, at_least, call.deadline, self.spin, check) {
             Ok(Some(_)) => Ok(()),
             Ok(None) => Err(Error::Runtime(RtError::Timeout {
                 rank: call.global(self.me),
                 peer: call.global(r),
-                ctx: call.ctx(g, done),
+                ctx: call.ctx(self.gen, done),
                 timeout: call.group.timeout(),
             })),
             Err(e) => Err(Error::Runtime(e)),
         }
     }
 
-    /// Steps 1 and 2 of generation `g`: wait until buffer `b` is free, let `fill` write it,
-    /// stamp it, publish.
-    fn post(
-        &self,
-        call: &Call<'_>,
-        g: u64,
-        b: usize,
-        done: usize,
-        fill: impl FnOnce(*mut u8),
-    ) -> Result<()> {
+    /// Step 1 of generation `g` and the start of step 2: wait until buffer `b` is free, stamp
+    /// it and publish that nothing is posted yet; [`Direct::progress`] publishes the bytes.
+    fn begin(&self, call: &Call<'_>, g: u64, b: usize, done: usize) -> Result<()> {
         if g > 2 {
             for r in (0..self.wins.len()).filter(|r| *r != self.me) {
                 self.wait(call, r, DONE, g - 2, done)?;
             }
         }
-        fill(self.buf(self.me, b));
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
         // SAFETY: our own window's stamp slot, HEADER_LEN ≤ STAMP_BYTES; peers read it only
         // after the publish below.
         unsafe {
             std::ptr::copy_nonoverlapping(stamp.as_ptr(), self.wins[self.me].stamp(b), HEADER_LEN)
         };
-        self.wins[self.me].publish(POSTED, g);
+        self.wins[self.me].publish(POSTED, g * GEN);
         Ok(())
     }
 
-    /// Step 3's first half for peer `r`: wait until it posted generation `g` and check that it
-    /// posted the same call.
-    fn posted(&self, call: &Call<'_>, r: usize, g: u64, b: usize, done: usize) -> Result<()> {
-        self.wait(call, r, POSTED, g, done)?;
+    /// The first `bytes` of our buffer hold generation `g`'s data.
+    fn progress(&self, g: u64, bytes: usize) {
+        self.wins[self.me].publish(POSTED, g * GEN + bytes as u64);
+    }
+
+    /// Write `len` bytes into our buffer `b` of generation `g` with `fill(offset, len)`, piece
+    /// by piece, publishing each.
+    fn fill(&self, g: u64, b: usize, len: usize, mut fill: impl FnMut(*mut u8, usize, usize)) {
+        let mut at = 0;
+        while at < len {
+            let l = self.piece.min(len - at);
+            // SAFETY: inside our own buffer.
+            fill(unsafe { self.buf(self.me, b).add(at) }, at, l);
+            at += l;
+            self.progress(g, at);
+        }
+    }
+
+    /// Step 3's first half for peer `r`: wait until it posted the first `need` bytes of
+    /// generation `g` and check that it posted the same call.
+    fn posted(
+        &self,
+        call: &Call<'_>,
+        r: usize,
+        g: u64,
+        b: usize,
+        need: usize,
+        done: usize,
+    ) -> Result<()> {
+        self.wait(call, r, POSTED, g * GEN + need as u64, done)?;
         let mut raw = [0u8; HEADER_LEN];
         // SAFETY: the peer's stamp slot, written before it published `g`; it does not write it
         // again before we publish *done* = `g`.
@@ -300,13 +343,16 @@ impl Direct {
         while off < len {
             let l = piece.min(len - off);
             let (g, b) = self.next();
+            self.begin(call, g, b, off)?;
             // SAFETY: `l` bytes of the caller's source into our own free buffer.
-            self.post(call, g, b, off, |w| unsafe { kernel::copy_stream(w, src.add(off), l) })?;
-            for r in self.peers() {
-                self.posted(call, r, g, b, off)?;
-            }
+            self.fill(g, b, l, |w, at, k| unsafe {
+                std::ptr::copy_nonoverlapping(src.add(off + at), w, k)
+            });
             let slices = split(l / es, n, es);
             let (so, sl) = slices[self.me];
+            for r in self.peers() {
+                self.posted(call, r, g, b, so + sl, off)?;
+            }
             // Our slice: rank 0's, then every other rank's reduced in, in rank order.
             // SAFETY: `dst + off + so` is ours to write (inside the caller's range); every
             // buffer's slice `so` was posted by its owner and is not written before we publish
@@ -357,18 +403,25 @@ impl Direct {
             let l = piece.min(len - off);
             let (g, b) = self.next();
             if self.me == root {
+                self.begin(call, g, b, off)?;
                 // SAFETY: the caller's bytes into our own free buffer, and to its output when
                 // out of place.
-                self.post(call, g, b, off, |w| unsafe {
-                    std::ptr::copy_nonoverlapping(src.add(off), w, l);
+                self.fill(g, b, l, |w, at, k| unsafe {
+                    std::ptr::copy_nonoverlapping(src.add(off + at), w, k);
                     if src != dst as *const u8 {
-                        std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), l);
+                        std::ptr::copy_nonoverlapping(src.add(off + at), dst.add(off + at), k);
                     }
-                })?;
+                });
             } else {
-                self.posted(call, root, g, b, off)?;
-                // SAFETY: the root's posted bytes into our output.
-                unsafe { kernel::copy_stream(dst.add(off), self.buf(root, b), l) };
+                // Each piece as soon as the root has posted it.
+                let mut at = 0;
+                while at < l {
+                    let k = self.piece.min(l - at);
+                    self.posted(call, root, g, b, at + k, off + at)?;
+                    // SAFETY: the root's posted bytes into our output.
+                    unsafe { kernel::copy_stream(dst.add(off + at), self.buf(root, b).add(at), k) };
+                    at += k;
+                }
             }
             self.finish(g);
             off += l;
@@ -409,31 +462,64 @@ impl Direct {
         while off < block {
             let l = piece.min(block - off);
             let (g, b) = self.next();
-            // SAFETY: pieces of the caller's input into our own free buffer.
-            self.post(call, g, b, off, |w| unsafe {
-                if coll == Coll::Allgather {
-                    std::ptr::copy_nonoverlapping(src.add(ours(me) + off), w, l);
-                } else {
-                    for k in 0..n {
-                        std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
+            self.begin(call, g, b, off)?;
+            if coll == Coll::Allgather {
+                // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
+                let mut at = 0;
+                while at < l {
+                    let k = self.piece.min(l - at);
+                    let mine = self.buf(me, b);
+                    // SAFETY: our input's piece into our own free buffer; then posted pieces
+                    // of every buffer into our output's blocks at this offset (ours too when
+                    // out of place).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.add(ours(me) + off + at),
+                            mine.add(at),
+                            k,
+                        );
+                        self.progress(g, at + k);
+                        if !in_place {
+                            std::ptr::copy_nonoverlapping(
+                                mine.add(at),
+                                dst.add(me * block + off + at),
+                                k,
+                            );
+                        }
                     }
+                    for r in self.peers() {
+                        self.posted(call, r, g, b, at + k, off + at)?;
+                        // SAFETY: as above.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                self.buf(r, b).add(at),
+                                dst.add(r * block + off + at),
+                                k,
+                            )
+                        };
+                    }
+                    at += k;
                 }
-            })?;
+                self.finish(g);
+                off += l;
+                continue;
+            }
+            // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
+            // SAFETY: pieces of the caller's input into our own free buffer.
+            unsafe {
+                let w = self.buf(me, b);
+                for k in 0..n {
+                    std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
+                }
+            }
+            self.progress(g, n * piece);
             for r in self.peers() {
-                self.posted(call, r, g, b, off)?;
+                self.posted(call, r, g, b, me * piece + l, off)?;
             }
             // SAFETY: every read is of a posted piece; every write inside the caller's output
             // at this generation's offset (the input's pieces there were posted already).
             unsafe {
                 match coll {
-                    Coll::Allgather => {
-                        for r in 0..n {
-                            if r != me || !in_place {
-                                let from = if r == me { self.buf(me, b) } else { self.buf(r, b) };
-                                std::ptr::copy_nonoverlapping(from, dst.add(r * block + off), l);
-                            }
-                        }
-                    }
                     Coll::AllToAll => {
                         for r in 0..n {
                             let from = self.buf(r, b).add(me * piece);
@@ -443,11 +529,8 @@ impl Direct {
                     _ => {
                         let at = if in_place { me * block } else { 0 };
                         let out = std::slice::from_raw_parts_mut(dst.add(at + off), l);
-                        std::ptr::copy_nonoverlapping(
-                            self.buf(0, b).add(me * piece),
-                            out.as_mut_ptr(),
-                            l,
-                        );
+                        let first = self.buf(0, b).add(me * piece);
+                        std::ptr::copy_nonoverlapping(first, out.as_mut_ptr(), l);
                         for r in 1..n {
                             let theirs =
                                 std::slice::from_raw_parts(self.buf(r, b).add(me * piece), l);

@@ -203,15 +203,31 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 
 /// Whether direct reads ([`Algo::Direct`]) beat messages for a call of `coll` moving `bytes`
 /// (nccl-tests' S) on `n` ranks of one host that map each other's memory. From collbench runs
-/// on the reference machine (`docs/algorithms.md`).
+/// on the reference machine (2 cores; `docs/algorithms.md`), direct against messages through
+/// shared memory, interleaved: with 2 ranks (a core each) direct reads win from 4 KiB to the
+/// sizes where the rings' 32 KiB pieces keep both copies in cache (3–5× at 8 KiB, 4× at 64 KiB
+/// for allreduce); with 4 ranks on 2 cores a rank waits for peers that are not running, so
+/// direct pays where it saves the most copies (large allreduce, all-gather, reduce-scatter,
+/// broadcast) and in the middle sizes where messages take several rounds.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     const K: usize = 1 << 10;
-    n >= 2
-        && match coll {
-            Coll::Allreduce | Coll::Broadcast => bytes >= 16 * K,
-            Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll => uniform && bytes >= 64 * K,
-            Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier => false,
+    const M: usize = 1 << 20;
+    let b = bytes;
+    match (coll, n) {
+        (_, 0 | 1) => false,
+        (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, _) if !uniform => false,
+        (Coll::Allreduce, 2) => (4 * K..=2 * M).contains(&b),
+        (Coll::Broadcast, 2) => (4 * K..=64 * K).contains(&b) || b >= M,
+        (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => {
+            (4 * K..=64 * K).contains(&b)
         }
+        (Coll::Allreduce, _) => b >= M,
+        (Coll::Broadcast, _) => (16 * K..=64 * K).contains(&b) || b >= 4 * M,
+        (Coll::Allgather, _) => (32 * K..=64 * K).contains(&b) || b >= 4 * M,
+        (Coll::ReduceScatter, _) => (16 * K..=64 * K).contains(&b) || b >= M,
+        (Coll::AllToAll, _) => (16 * K..=256 * K).contains(&b),
+        (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
+    }
 }
 
 /// Allreduces of at most this many bytes choose from the table even on slow links: there the

@@ -19,6 +19,7 @@ contiguous copy. The list forms (``all_gather``, ``reduce_scatter``, ``all_to_al
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import ipaddress
@@ -28,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -190,6 +192,10 @@ class ProcessGroupTutti(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "tutti"
+
+    # torch's destroy_process_group calls this on every group it destroys.
+    def shutdown(self) -> None:
+        self._futures.close()
 
     # torch keeps a group's name on its C++ backends, which a Python group has none of; it
     # reads the name back when it destroys the group.
@@ -586,23 +592,49 @@ class _Completer:
         self._lock = threading.Lock()
         self._helpers = 0
         self._unsettled = 0
+        self._threads: list[threading.Thread] = []
+        _COMPLETERS.add(self)
 
     def put(self, work: "_Work", fut: Future) -> None:
         with self._lock:
             self._unsettled += 1
             if self._unsettled > self._helpers and self._helpers < _MAX_HELPERS:
                 self._helpers += 1
-                threading.Thread(target=_complete, args=(self._q,), name="tutti-futures",
-                                 daemon=True).start()
+                t = threading.Thread(target=_complete, args=(self._q,), name="tutti-futures",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
         self._q.put((work, fut))
 
     def _settled(self) -> None:
         with self._lock:
             self._unsettled -= 1
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        # A helper still inside torch's Future.set_result at finalisation is pthread_exit'ed
+        # in a noexcept destructor that re-takes the GIL: std::terminate. Drain and join them.
+        with self._lock:
+            threads, self._threads, self._helpers = self._threads, [], 0
+        for _ in threads:
+            self._q.put(None)
+        end = time.monotonic() + timeout_s
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(end - time.monotonic(), 0.0))
+
     def __del__(self):
         for _ in range(self._helpers):
             self._q.put(None)
+
+
+# For programs that never destroy their groups (atexit runs before finalisation).
+_COMPLETERS: "weakref.WeakSet[_Completer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_completers() -> None:
+    for c in list(_COMPLETERS):
+        c.close()
 
 
 def _complete(q: queue.SimpleQueue) -> None:

@@ -1,0 +1,187 @@
+//! Direct reads (`Algo::Direct`): what goes wrong is named as it is for messages — a mismatch
+//! names both calls, a missing rank is a timeout naming it, an abort wakes a waiting rank at
+//! once — and a group whose ranks cannot map each other's memory falls back to messages (or
+//! refuses a forced `direct` on every rank, without a hang). Over memory and over TCP with
+//! shared memory; the exact results at every world, dtype and op are in `grid_mem.rs`.
+
+use std::time::{Duration, Instant};
+
+use tutti_collectives::{Algo, Comm, ReduceOp};
+use tutti_runtime::testing::{groups, Kind};
+
+/// Run `f` on every rank of an `n`-rank world of `kind` (group timeout `timeout`); each rank's
+/// result and the slowest rank's time.
+fn run<T: Send>(
+    kind: Kind,
+    n: usize,
+    timeout: Duration,
+    f: impl Fn(&Comm) -> T + Sync,
+) -> (Vec<T>, Duration) {
+    let gs = groups(kind, n).unwrap();
+    let start = Instant::now();
+    let out: Vec<(T, Duration)> = std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = gs
+            .into_iter()
+            .map(|g| {
+                g.set_timeout(timeout);
+                s.spawn(move || {
+                    let c = Comm::new(g);
+                    let r = f(&c);
+                    (r, start.elapsed())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let slowest = out.iter().map(|o| o.1).max().unwrap();
+    (out.into_iter().map(|o| o.0).collect(), slowest)
+}
+
+fn errors(rs: Vec<tutti_collectives::Result<()>>) -> Vec<String> {
+    rs.into_iter()
+        .enumerate()
+        .map(|(r, x)| x.expect_err(&format!("rank {r} must fail")).to_string())
+        .collect()
+}
+
+macro_rules! both {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn mem() {
+                ($body)(Kind::Mem)
+            }
+            #[test]
+            fn shm() {
+                ($body)(Kind::Shm)
+            }
+        }
+    };
+}
+
+both!(the_automatic_choice_reads_directly_where_memory_is_shared, |kind| {
+    let (algos, _) = run(kind, 3, Duration::from_secs(30), |c| {
+        let mut x: Vec<f32> = (0..300_000).map(|i| (i % 1000) as f32 + c.rank() as f32).collect();
+        let st = c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+        let bad = x.iter().enumerate().position(|(i, v)| *v != 3.0 * (i % 1000) as f32 + 3.0);
+        assert_eq!(bad, None, "rank {}", c.rank());
+        st.algo
+    });
+    assert!(algos.iter().all(|a| *a == Algo::Direct), "{algos:?}");
+});
+
+both!(a_count_mismatch_is_named, |kind| {
+    let (errs, t) = run(kind, 4, Duration::from_secs(30), |c| {
+        let c = c.with_algo(Algo::Direct);
+        let n = if c.rank() == 2 { 100_001 } else { 100_000 };
+        let mut x = vec![1.0f32; n];
+        c.allreduce(&mut x, ReduceOp::Sum).map(|_| ())
+    });
+    let errs = errors(errs);
+    assert!(
+        errs.iter().any(|e| e.contains("count 100000") && e.contains("count 100001")),
+        "{errs:?}"
+    );
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
+both!(an_op_mismatch_is_named, |kind| {
+    let (errs, t) = run(kind, 3, Duration::from_secs(30), |c| {
+        let c = c.with_algo(Algo::Direct);
+        let mut x = vec![1i32; 90_000];
+        if c.rank() == 1 {
+            let mut all = vec![0i32; 270_000];
+            c.allgather(&x, &mut all).map(|_| ())
+        } else {
+            c.allreduce(&mut x, ReduceOp::Sum).map(|_| ())
+        }
+    });
+    let errs = errors(errs);
+    assert!(
+        errs.iter().any(|e| e.contains("op allreduce") && e.contains("op allgather")),
+        "{errs:?}"
+    );
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
+both!(a_missing_rank_is_a_timeout_naming_it, |kind| {
+    let (errs, t) = run(kind, 3, Duration::from_secs(2), |c| {
+        let c = c.with_algo(Algo::Direct);
+        let mut x = vec![1.0f64; 50_000];
+        c.allreduce(&mut x, ReduceOp::Sum)?;
+        if c.rank() == 2 {
+            // Alive, but never makes the second call.
+            std::thread::sleep(Duration::from_secs(4));
+            return Err(tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(
+                "skipped".into(),
+            )));
+        }
+        c.allreduce(&mut x, ReduceOp::Sum).map(|_| ())
+    });
+    let errs = errors(errs);
+    for e in &errs[..2] {
+        assert!(e.contains("rank 2"), "{errs:?}");
+    }
+    assert!(errs.iter().any(|e| e.contains("timed out waiting for peer rank 2")), "{errs:?}");
+    assert!(t < Duration::from_secs(8), "{t:?}");
+});
+
+both!(an_abort_wakes_a_waiting_rank, |kind| {
+    let (errs, _) = run(kind, 2, Duration::from_secs(60), |c| {
+        let c = c.with_algo(Algo::Direct);
+        let mut x = vec![1.0f32; 100_000];
+        c.allreduce(&mut x, ReduceOp::Sum)?;
+        let t0 = Instant::now();
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+            c.group().abort("stopping the job");
+            return Err(tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(
+                "aborted".into(),
+            )));
+        }
+        let r = c.allreduce(&mut x, ReduceOp::Sum).map(|_| ());
+        assert!(t0.elapsed() < Duration::from_secs(5), "woken after {:?}", t0.elapsed());
+        r
+    });
+    let errs = errors(errs);
+    assert!(errs[0].contains("stopping the job"), "{errs:?}");
+});
+
+#[test]
+fn without_shared_memory_the_choice_falls_back_and_a_forced_direct_is_refused() {
+    let (rs, t) = run(Kind::Tcp, 3, Duration::from_secs(30), |c| {
+        let mut x = vec![2.0f32; 300_000];
+        let st = c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+        assert_ne!(st.algo, Algo::Direct);
+        assert!(x.iter().all(|v| *v == 6.0));
+        // Every rank learns at the set-up that the group cannot read directly: all refuse.
+        c.with_algo(Algo::Direct).allreduce(&mut x, ReduceOp::Sum).map(|_| ())
+    });
+    for (r, e) in errors(rs).iter().enumerate() {
+        assert!(e.contains("direct") && e.contains("share memory"), "rank {r}: {e}");
+    }
+    assert!(t < Duration::from_secs(10), "{t:?}");
+}
+
+#[test]
+fn turned_off_the_automatic_choice_stays_on_messages() {
+    let gs = groups(Kind::Mem, 2).unwrap();
+    std::thread::scope(|s| {
+        for g in gs {
+            s.spawn(move || {
+                let cfg = tutti_collectives::Config { direct: false, ..Default::default() };
+                let c = Comm::with_config(g, cfg);
+                let mut x = vec![1u8; 1 << 20];
+                let st = c.broadcast(&mut x, 0).unwrap();
+                assert_ne!(st.algo, Algo::Direct);
+                // Forced, it still runs.
+                let st = c.with_algo(Algo::Direct).broadcast(&mut x, 1).unwrap();
+                assert_eq!(st.algo, Algo::Direct);
+                let st = c.broadcast(&mut x, 0).unwrap();
+                assert_ne!(st.algo, Algo::Direct);
+            });
+        }
+    });
+}
