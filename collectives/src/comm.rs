@@ -81,13 +81,15 @@ pub(crate) struct Req<'a> {
 
 /// The settings every rank must share for a call, folded into 16 bits of its fingerprint: the
 /// algorithm that runs (high 4 bits, its position in [`Algo::ALL`] plus one) and a digest of the
-/// pipeline segment size and the allreduce piece size (low 12 bits). Ranks with different
-/// `TUTTI_ALGO`, `TUTTI_SEGMENT_BYTES` or `TUTTI_CHUNK_BYTES` then fail with a mismatch that
-/// shows both settings instead of waiting on each other or blaming the counts.
-pub(crate) fn settings_digest(algo: Algo, segment: usize, chunk: usize) -> u16 {
+/// pipeline segment size, the allreduce piece size and whether direct reads are allowed (low 12
+/// bits). Ranks with different `TUTTI_ALGO`, `TUTTI_SEGMENT_BYTES`, `TUTTI_CHUNK_BYTES` or
+/// `TUTTI_DIRECT` then fail with a mismatch that shows both settings instead of waiting on each
+/// other or blaming the counts.
+pub(crate) fn settings_digest(algo: Algo, cfg: &Config) -> u16 {
     let a = Algo::ALL.iter().position(|x| *x == algo).map_or(0, |i| i + 1) as u16;
-    // The two sizes hashed, folded to 12 bits.
-    let h = tutti_runtime::wire::fnv1a(0, [segment as u64, chunk as u64]);
+    // The settings hashed, folded to 12 bits.
+    let h =
+        tutti_runtime::wire::fnv1a(0, [cfg.segment as u64, cfg.chunk as u64, cfg.direct as u64]);
     let folded = (h ^ (h >> 12) ^ (h >> 24) ^ (h >> 36) ^ (h >> 48)) as u16 & 0x0fff;
     (a << 12) | folded
 }
@@ -383,19 +385,16 @@ impl Comm {
         // The collective's `plan` refuses an algorithm that cannot run here (`Coll::supports`).
         let (coll, bytes, uniform) = (req.coll, req.bytes, req.uniform);
         if self.sel.direct_on().is_none() {
-            // Direct reads need every peer to map this rank's memory (the same link kinds on
-            // every rank: each pair agreed on its link when it connected).
-            let t = self.group.transport();
-            let me = t.rank();
-            let all = (0..self.size())
-                .map(|r| self.group.global_rank(r))
-                .all(|g| g == me || t.shares_memory_with(g));
-            self.sel.set_direct(all && self.size() >= 2 && self.sel.cfg.direct);
+            // Whether direct reads may run: the setting, until the set-up (which every rank
+            // reaches at the same call, the first the table gives to direct reads) finds out
+            // whether every rank maps every other's memory, and tells all ranks alike.
+            self.sel.set_direct(self.size() >= 2 && self.sel.cfg.direct);
         }
         let algo = self.sel.algo(coll, bytes, self.size(), uniform);
         let stats = self.execute(req, algo, plan)?;
         if let Some(key) = self.sel.tuning(coll, bytes, uniform) {
-            if let Some(mut times) = self.sel.record(key, algo, stats.elapsed) {
+            // The algorithm that ran (direct reads may have fallen back to messages).
+            if let Some(mut times) = self.sel.record(key, stats.algo, stats.elapsed) {
                 // Every rank reaches this at the same call: agree on the slowest rank's times.
                 self.exec_allreduce_f64(Algo::Tree, &mut times, ReduceOp::Max)?;
                 if let Some(best) = self.sel.decide(key, &times) {
@@ -418,7 +417,8 @@ impl Comm {
         let mut algo = algo;
         if algo == Algo::Direct {
             match self.direct_ready()? {
-                None => return self.execute_direct(req, start),
+                // The call's deadline starts after the one-time set-up.
+                None => return self.execute_direct(req, Instant::now()),
                 Some(why) if self.sel.forced(req.coll) => {
                     return Err(Error::Unsupported {
                         rank: self.rank(),
@@ -469,7 +469,7 @@ impl Comm {
             redop: req.redop.map_or(0, ReduceOp::code),
             root: req.root.map_or(u32::MAX, |r| r as u32),
             count: req.count as u64,
-            settings: settings_digest(algo, cfg.segment, cfg.chunk),
+            settings: settings_digest(algo, cfg),
         };
         let call = Call {
             group: &self.group,
@@ -531,7 +531,7 @@ impl Comm {
             redop: req.redop.map_or(0, ReduceOp::code),
             root: req.root.map_or(u32::MAX, |r| r as u32),
             count: req.count as u64,
-            settings: settings_digest(Algo::Direct, cfg.segment, cfg.chunk),
+            settings: settings_digest(Algo::Direct, cfg),
         };
         let call = crate::direct::Call {
             group: &self.group,

@@ -56,9 +56,6 @@ const PIECE: usize = 64 << 10;
 /// `n × (4 KiB + 2 × buffer)`: 8 MiB at 4 ranks, 128 MiB at 64, 256 MiB at most up to 2,048
 /// ranks. Only the pages a call touches are allocated.
 pub(crate) fn buffer_for(n: usize) -> usize {
-    if let Some(b) = std::env::var("TUTTI_DIRECT_BYTES_EXP").ok().and_then(|v| v.parse().ok()) {
-        return b;
-    }
     let b = (128usize << 20) / n.max(1);
     let b = if b.is_power_of_two() { b } else { b.next_power_of_two() / 2 };
     b.clamp(64 << 10, 1 << 20)
@@ -156,9 +153,19 @@ impl Direct {
                     continue;
                 }
                 let w = if rec[0] == 1 {
-                    Offer::decode(&rec[1..])
-                        .and_then(|o| Window::attach(&o))
-                        .map_err(|e| e.to_string())
+                    Offer::decode(&rec[1..]).map_err(|e| e.to_string()).and_then(|o| {
+                        // Every window alike: offsets in a peer's are computed from ours.
+                        if o.data_len as usize == own.data_len() {
+                            Window::attach(&o).map_err(|e| e.to_string())
+                        } else {
+                            Err(format!(
+                                "rank {}'s window holds {} bytes, ours {}",
+                                group.global_rank(r),
+                                o.data_len,
+                                own.data_len()
+                            ))
+                        }
+                    })
                 } else {
                     Err(format!("rank {} has no window", group.global_rank(r)))
                 };
@@ -215,11 +222,10 @@ impl Direct {
         at_least: u64,
         done: usize,
     ) -> Result<()> {
-        let t = call.group.transport();
-        let check = || match t.poisoned() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        };
+        // Between sleeps: the transport's failure, and the dead-peer rule for the rank waited
+        // for (nothing is posted to it, so no operation applies the rule).
+        let (t, peer, since) = (call.group.transport(), call.global(r), Instant::now());
+        let check = || t.check_peer(peer, since);
         match self.wins[r].wait(counter, at_least, call.deadline, self.spin, check) {
             Ok(Some(_)) => Ok(()),
             Ok(None) => Err(Error::Runtime(RtError::Timeout {
@@ -339,8 +345,8 @@ impl Direct {
     ) -> Result<()> {
         let (n, es) = (self.wins.len(), dtype.size());
         let piece = self.buf_len() / es * es;
-        let mut off = 0;
-        while off < len {
+        // One generation at least: a call of nothing still checks that the peers make it.
+        for off in (0..len.div_ceil(piece).max(1)).map(|k| k * piece) {
             let l = piece.min(len - off);
             let (g, b) = self.next();
             self.begin(call, g, b, off)?;
@@ -379,7 +385,6 @@ impl Direct {
                 };
             }
             self.finish(g);
-            off += l;
         }
         Ok(())
     }
@@ -398,12 +403,14 @@ impl Direct {
         len: usize,
     ) -> Result<()> {
         let piece = self.buf_len();
-        let mut off = 0;
-        while off < len {
+        // One generation at least: a call of nothing still checks that the peers make it.
+        for off in (0..len.div_ceil(piece).max(1)).map(|k| k * piece) {
             let l = piece.min(len - off);
             let (g, b) = self.next();
+            // Every rank stamps its buffer, so that the root too learns of a peer that makes
+            // another call (another root, say), in the call's first generation.
+            self.begin(call, g, b, off)?;
             if self.me == root {
-                self.begin(call, g, b, off)?;
                 // SAFETY: the caller's bytes into our own free buffer, and to its output when
                 // out of place.
                 self.fill(g, b, l, |w, at, k| unsafe {
@@ -412,7 +419,13 @@ impl Direct {
                         std::ptr::copy_nonoverlapping(src.add(off + at), dst.add(off + at), k);
                     }
                 });
+                if off == 0 {
+                    for r in self.peers() {
+                        self.posted(call, r, g, b, 0, off)?;
+                    }
+                }
             } else {
+                self.posted(call, root, g, b, 0, off)?;
                 // Each piece as soon as the root has posted it.
                 let mut at = 0;
                 while at < l {
@@ -424,7 +437,6 @@ impl Direct {
                 }
             }
             self.finish(g);
-            off += l;
         }
         Ok(())
     }
@@ -458,8 +470,8 @@ impl Direct {
             (Coll::Allgather, false) => 0,
             _ => k * block,
         };
-        let mut off = 0;
-        while off < block {
+        // One generation at least: a call of nothing still checks that the peers make it.
+        for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
             let l = piece.min(block - off);
             let (g, b) = self.next();
             self.begin(call, g, b, off)?;
@@ -501,7 +513,7 @@ impl Direct {
                     at += k;
                 }
                 self.finish(g);
-                off += l;
+
                 continue;
             }
             // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
@@ -540,7 +552,6 @@ impl Direct {
                 }
             }
             self.finish(g);
-            off += l;
         }
         Ok(())
     }

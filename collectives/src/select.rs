@@ -351,7 +351,13 @@ impl Selector {
                 .unwrap_or_else(|| choose(coll, bytes, n, uniform))
         };
         if let Some(key) = self.tuning(coll, bytes, uniform) {
-            return self.tuner.pick(key, n, auto());
+            let picked = self.tuner.pick(key, n, auto());
+            // A class whose table choice was direct reads, in a group that turned out not to
+            // share memory: messages.
+            if picked == Algo::Direct && self.direct_on() == Some(false) {
+                return auto();
+            }
+            return picked;
         }
         self.force.or_else(|| self.cfg.overrides.0.get(&coll).copied()).unwrap_or_else(auto)
     }

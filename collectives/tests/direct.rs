@@ -151,12 +151,18 @@ both!(an_abort_wakes_a_waiting_rank, |kind| {
 
 #[test]
 fn without_shared_memory_the_choice_falls_back_and_a_forced_direct_is_refused() {
-    let (rs, t) = run(Kind::Tcp, 3, Duration::from_secs(30), |c| {
+    let (_, t) = run(Kind::Tcp, 3, Duration::from_secs(30), |c| {
         let mut x = vec![2.0f32; 300_000];
         let st = c.allreduce(&mut x, ReduceOp::Sum).unwrap();
         assert_ne!(st.algo, Algo::Direct);
         assert!(x.iter().all(|v| *v == 6.0));
-        // Every rank learns at the set-up that the group cannot read directly: all refuse.
+    });
+    assert!(t < Duration::from_secs(10), "{t:?}");
+    // Forced (in a job of its own: a refusal aborts the group, which could overtake a peer
+    // still in an earlier call). Every rank learns at the set-up that the group cannot read
+    // directly: all refuse.
+    let (rs, t) = run(Kind::Tcp, 3, Duration::from_secs(30), |c| {
+        let mut x = vec![2.0f32; 300_000];
         c.with_algo(Algo::Direct).allreduce(&mut x, ReduceOp::Sum).map(|_| ())
     });
     for (r, e) in errors(rs).iter().enumerate() {
@@ -185,3 +191,95 @@ fn turned_off_the_automatic_choice_stays_on_messages() {
         }
     });
 }
+
+/// Element `i` of rank `r`'s part `k`: exact in i64, different everywhere.
+fn val(r: usize, k: usize, i: usize) -> i64 {
+    (r * 1_000_003 + k * 7_919 + i * 13) as i64
+}
+
+both!(calls_larger_than_a_buffer_run_in_generations_exactly, |kind| {
+    // Blocks larger than a window's buffer (1 MiB), or than its n-th part: several
+    // generations per call, both buffers by turns, in place and out of place.
+    let (oks, _) = run(kind, 3, Duration::from_secs(60), |c| {
+        let c = c.with_algo(Algo::Direct);
+        let (r, n) = (c.rank(), c.size());
+        let blk = 160_000; // 1.28 MB of i64 per block
+                           // All-gather, out of place and in place.
+        let mine: Vec<i64> = (0..blk).map(|i| val(r, 0, i)).collect();
+        let want: Vec<i64> = (0..n).flat_map(|q| (0..blk).map(move |i| val(q, 0, i))).collect();
+        let mut all = vec![0i64; n * blk];
+        c.allgather(&mine, &mut all).unwrap();
+        assert!(all == want, "rank {r}: allgather");
+        let mut all: Vec<i64> =
+            (0..n * blk).map(|j| if j / blk == r { val(r, 0, j % blk) } else { -1 }).collect();
+        c.allgather_inplace(&mut all).unwrap();
+        assert!(all == want, "rank {r}: allgather in place");
+        // All-to-all: rank q's block for rank r is val(q, r, i).
+        let input: Vec<i64> = (0..n).flat_map(|j| (0..blk).map(move |i| val(r, j, i))).collect();
+        let want: Vec<i64> = (0..n).flat_map(|q| (0..blk).map(move |i| val(q, r, i))).collect();
+        let mut out = vec![0i64; n * blk];
+        c.all_to_all(&input, &mut out).unwrap();
+        assert!(out == want, "rank {r}: all-to-all");
+        let mut buf = input.clone();
+        c.all_to_all_inplace(&mut buf).unwrap();
+        assert!(buf == want, "rank {r}: all-to-all in place");
+        // Reduce-scatter: block j summed over the ranks.
+        let sum = |j: usize, i: usize| (0..n).map(|q| val(q, j, i)).sum::<i64>();
+        let mut out = vec![0i64; blk];
+        c.reduce_scatter(&input, &mut out, ReduceOp::Sum).unwrap();
+        assert!(out.iter().enumerate().all(|(i, v)| *v == sum(r, i)), "rank {r}: reduce-scatter");
+        let mut buf = input.clone();
+        c.reduce_scatter_inplace(&mut buf, ReduceOp::Sum).unwrap();
+        let got = &buf[r * blk..(r + 1) * blk];
+        assert!(got.iter().enumerate().all(|(i, v)| *v == sum(r, i)), "rank {r}: in place");
+        // Broadcast from the last rank, and allreduce, of 3 buffers' worth.
+        let len = 3 * blk;
+        let mut b: Vec<i64> = (0..len).map(|i| if r == n - 1 { val(9, 9, i) } else { 0 }).collect();
+        c.broadcast(&mut b, n - 1).unwrap();
+        assert!(b.iter().enumerate().all(|(i, v)| *v == val(9, 9, i)), "rank {r}: broadcast");
+        let mut x: Vec<i64> = (0..len).map(|i| val(r, 1, i)).collect();
+        c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+        let s = |i: usize| (0..n).map(|q| val(q, 1, i)).sum::<i64>();
+        assert!(x.iter().enumerate().all(|(i, v)| *v == s(i)), "rank {r}: allreduce");
+        // A call of nothing, then a small one: the generations stay in step.
+        c.allreduce(&mut Vec::<i64>::new(), ReduceOp::Sum).unwrap();
+        let mut y = vec![r as i64; 5];
+        c.allreduce(&mut y, ReduceOp::Max).unwrap();
+        assert_eq!(y, vec![n as i64 - 1; 5]);
+        true
+    });
+    assert!(oks.iter().all(|o| *o));
+});
+
+both!(a_root_mismatch_is_named_on_the_roots_too, |kind| {
+    // Each rank believes itself the root: without a check on the root's side every call would
+    // return, with wrong data.
+    let (errs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+        let c = c.with_algo(Algo::Direct);
+        let mut x = vec![c.rank() as u8; 1 << 16];
+        c.broadcast(&mut x, c.rank()).map(|_| ())
+    });
+    let errs = errors(errs);
+    assert!(errs.iter().any(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
+both!(in_a_subgroup_errors_name_the_job_ranks, |kind| {
+    let (rs, t) = run(kind, 3, Duration::from_secs(2), |c| {
+        let Some(sub) = c.split(&[1, 2]).unwrap() else { return Ok(()) };
+        let sub = sub.with_algo(Algo::Direct);
+        let mut x = vec![1.0f32; 100_000];
+        sub.allreduce(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_secs(4));
+            return Ok(());
+        }
+        match sub.allreduce(&mut x, ReduceOp::Sum) {
+            Ok(_) => Err("the call without its peer returned".to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    let e = rs[1].as_ref().expect_err("job rank 1 must time out");
+    assert!(e.contains("rank 1: timed out waiting for peer rank 2"), "{e}");
+    assert!(t < Duration::from_secs(8), "{t:?}");
+});

@@ -133,7 +133,7 @@ pub enum Error {
         "rank {rank}: collective mismatch with peer rank {peer}: this rank expected {expected}, \
          rank {peer} sent {got}; every rank of a group must make the same calls with the same \
          op, dtype, count and root, under the same settings (TUTTI_ALGO, TUTTI_SEGMENT_BYTES, \
-         TUTTI_CHUNK_BYTES)"
+         TUTTI_CHUNK_BYTES, TUTTI_DIRECT)"
     )]
     Mismatch {
         /// Local rank.

@@ -26,8 +26,6 @@ pub(crate) struct Mapping {
 // SAFETY: the mapping is plain memory owned by this value; what is shared in it is accessed
 // through atomics or raw copies whose callers keep the protocol.
 unsafe impl Send for Mapping {}
-// SAFETY: as above; `&Mapping` hands out only the base pointer and the length.
-unsafe impl Sync for Mapping {}
 
 pub(crate) fn os_err(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())

@@ -5,7 +5,8 @@
 //! window (memfd, sealed against resizing), 4 KiB + data bytes
 //!   0       stamp: magic, nonce (checked when a peer attaches)
 //!   1024    COUNTERS counters (u64), each on its own cache line, written by the owner only
-//!   1536    waiters: how many peers sleep on one of the counters (futex)
+//!   1536    waiters: how many peers sleep on the window; 1600: the ticket (futex word),
+//!           bumped at every publish
 //!   2048    STAMPS slots of STAMP_BYTES, written by the owner (what the data holds now)
 //!   4096    data
 //! ```
@@ -45,8 +46,9 @@ pub const OFFER_LEN: usize = 40;
 const MAGIC: &[u8; 8] = b"TUTTIWIN";
 const COUNTERS_AT: usize = 1024;
 const WAITERS_AT: usize = COUNTERS_AT + 128 * COUNTERS;
+const TICKET_AT: usize = WAITERS_AT + 64;
 const STAMPS_AT: usize = 2048;
-const _: () = assert!(WAITERS_AT + 4 <= STAMPS_AT);
+const _: () = assert!(TICKET_AT + 4 <= STAMPS_AT);
 const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= HEADER);
 /// Largest data area a window may have (checked when attaching: an offer is untrusted).
 pub const MAX_DATA: usize = 1 << 30;
@@ -203,6 +205,13 @@ impl Window {
         unsafe { &*self.map.base().add(WAITERS_AT).cast::<AtomicU32>() }
     }
 
+    /// The futex word: bumped after every publish, so a sleeper that read it before a publish
+    /// never sleeps through it (a counter's own bits may come back to an earlier value).
+    fn ticket(&self) -> &AtomicU32 {
+        // SAFETY: as `counter_ref`.
+        unsafe { &*self.map.base().add(TICKET_AT).cast::<AtomicU32>() }
+    }
+
     /// Counter `i` now (an acquire load).
     ///
     /// # Panics
@@ -217,10 +226,11 @@ impl Window {
     /// # Panics
     /// If `i` is not below [`COUNTERS`].
     pub fn publish(&self, i: usize, v: u64) {
-        let c = self.counter_ref(i);
-        c.store(v, Ordering::SeqCst);
+        self.counter_ref(i).store(v, Ordering::SeqCst);
+        let t = self.ticket();
+        t.fetch_add(1, Ordering::SeqCst);
         if self.waiters().load(Ordering::SeqCst) != 0 {
-            futex_wake(low_half(c));
+            futex_wake(t.as_ptr());
         }
     }
 
@@ -270,9 +280,10 @@ impl Window {
                 return Ok((v >= at_least).then_some(v));
             }
             self.waiters().fetch_add(1, Ordering::SeqCst);
+            let t = self.ticket().load(Ordering::SeqCst);
             let v = c.load(Ordering::SeqCst);
             if v < at_least {
-                futex_wait(low_half(c), v as u32, SLICE.min(until - now));
+                futex_wait(self.ticket().as_ptr(), t, SLICE.min(until - now));
             }
             self.waiters().fetch_sub(1, Ordering::SeqCst);
             let v = c.load(Ordering::Acquire);
@@ -283,17 +294,7 @@ impl Window {
     }
 }
 
-/// The futex word of a counter: its low 32 bits.
-fn low_half(c: &AtomicU64) -> *const u32 {
-    let p = (c as *const AtomicU64).cast::<u32>();
-    if cfg!(target_endian = "big") {
-        p.wrapping_add(1)
-    } else {
-        p
-    }
-}
-
-fn futex_wait(word: *const u32, seen: u32, for_: Duration) {
+fn futex_wait(word: *mut u32, seen: u32, for_: Duration) {
     let ts = libc::timespec {
         tv_sec: for_.as_secs() as libc::time_t,
         tv_nsec: for_.subsec_nanos() as libc::c_long,
@@ -313,7 +314,7 @@ fn futex_wait(word: *const u32, seen: u32, for_: Duration) {
     }
 }
 
-fn futex_wake(word: *const u32) {
+fn futex_wake(word: *mut u32) {
     // SAFETY: as `futex_wait`.
     unsafe {
         libc::syscall(

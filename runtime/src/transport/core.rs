@@ -735,6 +735,23 @@ impl Core {
 
     // ---- time ----------------------------------------------------------------------------
 
+    /// The dead-peer rule for a wait that needs `peer` but has no operation posted to it
+    /// (direct reads wait on the peer's memory, not its messages): fail the link when nothing,
+    /// not even a keep-alive, came from it for `dead_after` since the later of its last
+    /// traffic and `since` — the rule [`Core::poll_wait`] applies, only once anything at all
+    /// came from it. Returns whether the link failed now.
+    pub(crate) fn check_silent(&mut self, peer: usize, since: Instant, now: Instant) -> bool {
+        let Some(l) = self.links.get(peer).filter(|l| l.up && peer != self.rank) else {
+            return false;
+        };
+        let quiet = now.saturating_duration_since(l.last_rx.max(since));
+        if !l.heard_from || quiet < self.cfg.dead_after {
+            return false;
+        }
+        self.link_failed(peer, LinkFail::Silent(silent_detail(peer, quiet)));
+        true
+    }
+
     /// One step of a wait for `w.op`: its result, or what to do before looking again. Decides
     /// the deadline, the dead-peer rule (the peer silent for `dead_after` since the later of
     /// its last traffic and the start of this wait; only once anything at all came from it, so
@@ -758,12 +775,7 @@ impl Core {
             let since = l.last_rx.max(w.start);
             let quiet = now.saturating_duration_since(since);
             if l.heard_from && quiet >= self.cfg.dead_after {
-                let detail = format!(
-                    "nothing (not even a keep-alive) arrived from rank {peer} for {quiet:.1?}: \
-                     the process is stopped (SIGSTOP), hung in the kernel, or its host is \
-                     unreachable"
-                );
-                self.link_failed(peer, LinkFail::Silent(detail));
+                self.link_failed(peer, LinkFail::Silent(silent_detail(peer, quiet)));
                 return Step::Again;
             }
             if l.heard_from {
@@ -920,6 +932,14 @@ impl Core {
         let (err, reason) = matcher::peer_lost(rank, peer, &mut self.ops, detail);
         self.poison(err, Some(&reason));
     }
+}
+
+/// Why a silent peer is declared dead.
+fn silent_detail(peer: usize, quiet: Duration) -> String {
+    format!(
+        "nothing (not even a keep-alive) arrived from rank {peer} for {quiet:.1?}: the process \
+         is stopped (SIGSTOP), hung in the kernel, or its host is unreachable"
+    )
 }
 
 /// Feed arbitrary bytes to one connection core as peer 1's stream, cut into pieces whose sizes

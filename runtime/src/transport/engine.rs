@@ -456,6 +456,23 @@ impl<D: Driver> Engine<D> {
         self.lock().core.poisoned().cloned()
     }
 
+    /// [`Transport::check_peer`]: the dead-peer rule for a wait on `peer` with nothing posted.
+    pub(crate) fn check_peer(&self, peer: usize, since: Instant) -> Result<()> {
+        let mut g = self.lock();
+        if g.core.check_silent(peer, since, Instant::now()) {
+            g.flush_all(Instant::now());
+            drop(g);
+            self.ended.notify_all();
+            self.pipe.wake();
+        } else {
+            drop(g);
+        }
+        match self.poisoned() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     pub(crate) fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
         crate::transport::matcher::check_peer(self.rank, self.world, peer, "probe")?;
         let mut guard = self.lock();
@@ -699,6 +716,10 @@ impl<T: Wired> Transport for T {
 
     fn peer_died(&self, peer: usize, detail: &str) {
         self.engine().peer_died(peer, detail)
+    }
+
+    fn check_peer(&self, peer: usize, since: Instant) -> Result<()> {
+        self.engine().check_peer(peer, since)
     }
 
     fn poisoned(&self) -> Option<Error> {

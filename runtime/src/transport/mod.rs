@@ -321,6 +321,22 @@ pub trait Transport: Send + Sync {
     /// The error that poisoned this transport, if any.
     fn poisoned(&self) -> Option<Error>;
 
+    /// For a wait on `peer` that began at `since` with no operation posted to it (direct reads
+    /// wait on a peer's memory): apply the dead-peer rule — a peer from which nothing, not
+    /// even a keep-alive, arrived for the dead-peer limit since the later of its last traffic
+    /// and `since` is declared lost, as for a waiting operation — and report the transport's
+    /// failure.
+    ///
+    /// # Errors
+    /// The error that poisoned the transport (this peer's loss, or any earlier failure).
+    fn check_peer(&self, peer: usize, since: Instant) -> Result<()> {
+        let _ = (peer, since);
+        match self.poisoned() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// Whether a message under `desc`'s tag from `peer` has arrived (whole, or its header)
     /// and waits for a receive: a receive posted now would match it at once. Never blocks.
     /// For receiving from whichever peer sends first ([`Group::recv_any`](crate::Group::recv_any)).
