@@ -203,12 +203,12 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 
 /// Whether direct reads ([`Algo::Direct`]) beat messages for a call of `coll` moving `bytes`
 /// (nccl-tests' S) on `n` ranks of one host that map each other's memory. From collbench runs
-/// on the reference machine (2 cores; `docs/algorithms.md`), direct against messages through
-/// shared memory, interleaved: with 2 ranks (a core each) direct reads win from 4 KiB to the
-/// sizes where the rings' 32 KiB pieces keep both copies in cache (3–5× at 8 KiB, 4× at 64 KiB
-/// for allreduce); with 4 ranks on 2 cores a rank waits for peers that are not running, so
-/// direct pays where it saves the most copies (large allreduce, all-gather, reduce-scatter,
-/// broadcast) and in the middle sizes where messages take several rounds.
+/// on the reference machine (2 cores; `docs/algorithms.md`), direct reads against messages
+/// through shared memory, interleaved, in steady state (hundreds of calls of one size): with 2
+/// ranks, each on a core, they win where messages take several steps (broadcast, the smallest
+/// reduce-scatter and all-to-all, a mid-size allreduce); with 4 ranks on 2 cores a wait often finds its peer
+/// not running, so they pay only where they save the most copies (large allreduce, all-gather,
+/// reduce-scatter and broadcast).
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
@@ -216,16 +216,13 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     match (coll, n) {
         (_, 0 | 1) => false,
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, _) if !uniform => false,
-        (Coll::Allreduce, 2) => (4 * K..=2 * M).contains(&b),
+        (Coll::Allreduce, 2) => (256 * K..=4 * M).contains(&b),
         (Coll::Broadcast, 2) => (4 * K..=64 * K).contains(&b) || b >= M,
-        (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => {
-            (4 * K..=64 * K).contains(&b)
-        }
-        (Coll::Allreduce, _) => b >= M,
-        (Coll::Broadcast, _) => (16 * K..=64 * K).contains(&b) || b >= 4 * M,
-        (Coll::Allgather, _) => (32 * K..=64 * K).contains(&b) || b >= 4 * M,
-        (Coll::ReduceScatter, _) => (16 * K..=64 * K).contains(&b) || b >= M,
-        (Coll::AllToAll, _) => (16 * K..=256 * K).contains(&b),
+        (Coll::ReduceScatter | Coll::AllToAll, 2) => (4 * K..=16 * K).contains(&b),
+        (Coll::Allgather, 2) => false,
+        (Coll::Allreduce | Coll::ReduceScatter, _) => b >= M,
+        (Coll::Broadcast | Coll::Allgather, _) => b >= 4 * M,
+        (Coll::AllToAll, _) => b > 128 * K && b <= 512 * K,
         (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
     }
 }
