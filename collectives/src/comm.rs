@@ -79,6 +79,20 @@ pub(crate) struct Req<'a> {
     pub(crate) finish: Option<crate::kernel::Finish>,
 }
 
+impl Req<'_> {
+    /// What every rank must agree on for this call run by `algo` under `cfg`.
+    fn fingerprint(&self, algo: Algo, cfg: &Config) -> Fingerprint {
+        Fingerprint {
+            op: self.coll.op_kind(),
+            dtype: self.dtype,
+            redop: self.redop.map_or(0, ReduceOp::code),
+            root: self.root.map_or(u32::MAX, |r| r as u32),
+            count: self.count as u64,
+            settings: settings_digest(algo, cfg),
+        }
+    }
+}
+
 /// The settings every rank must share for a call, folded into 16 bits of its fingerprint: the
 /// algorithm that runs (high 4 bits, its position in [`Algo::ALL`] plus one) and a digest of the
 /// pipeline segment size, the allreduce piece size and whether direct reads are allowed (low 12
@@ -463,14 +477,7 @@ impl Comm {
             Arc::new(plan(&ctx, algo, &self.topo_now())?)
         };
         let seq = self.group.next_seq();
-        let fp = Fingerprint {
-            op: req.coll.op_kind(),
-            dtype: req.dtype,
-            redop: req.redop.map_or(0, ReduceOp::code),
-            root: req.root.map_or(u32::MAX, |r| r as u32),
-            count: req.count as u64,
-            settings: settings_digest(algo, cfg),
-        };
+        let fp = req.fingerprint(algo, cfg);
         let call = Call {
             group: &self.group,
             op_name: op,
@@ -525,14 +532,7 @@ impl Comm {
         };
         let cfg = &self.sel.cfg;
         let seq = self.group.next_seq();
-        let fp = Fingerprint {
-            op: req.coll.op_kind(),
-            dtype: req.dtype,
-            redop: req.redop.map_or(0, ReduceOp::code),
-            root: req.root.map_or(u32::MAX, |r| r as u32),
-            count: req.count as u64,
-            settings: settings_digest(Algo::Direct, cfg),
-        };
+        let fp = req.fingerprint(Algo::Direct, cfg);
         let call = crate::direct::Call {
             group: &self.group,
             op_name: req.coll.name(),
