@@ -92,6 +92,31 @@ fn a_silent_peer_is_dead_exactly_at_dead_after_and_named() {
     assert!(c.poisoned().is_some());
 }
 
+/// A wait with nothing posted to the peer (direct reads wait on its memory) gets the same rule:
+/// dead at the limit after the later of its last traffic and the wait's start, never before it
+/// was heard from, named, and the transport poisoned.
+#[test]
+fn a_wait_without_an_operation_applies_the_same_dead_peer_rule() {
+    let t0 = Instant::now();
+    let mut c = core(t0);
+    assert!(!c.check_silent(1, t0, t0 + 30 * SEC), "never heard from: still starting");
+    assert_eq!(c.rx_bytes(1, &control(FrameKind::KeepAlive, 1), t0 + SEC), HEADER_LEN);
+    // The wait began at 3 s: silence counts from there, not from the last keep-alive at 1 s.
+    assert!(!c.check_silent(1, t0 + 3 * SEC, t0 + 7 * SEC));
+    assert!(c.is_up(1) && c.poisoned().is_none());
+    assert!(c.check_silent(1, t0 + 3 * SEC, t0 + 8 * SEC), "silent 5 s into the wait: dead");
+    assert!(!c.is_up(1));
+    assert_eq!(c.take_down(), Some(1));
+    match c.poisoned() {
+        Some(Error::PeerLost { rank: 0, peer: 1, detail, .. }) => {
+            assert!(detail.contains("nothing (not even a keep-alive)"), "{detail}")
+        }
+        other => panic!("expected the peer named as lost: {other:?}"),
+    }
+    assert!(!c.check_silent(1, t0, t0 + 60 * SEC), "a link already down is not failed twice");
+    assert!(!c.check_silent(0, t0, t0 + 60 * SEC), "nor is this rank itself");
+}
+
 /// A peer that has sent nothing on the link yet may still be connecting the rest of its world
 /// (at 256 ranks that took longer than the dead-peer limit, and healthy jobs failed): it is
 /// waited for until the operation's deadline, which then names it. Its first frame starts the
