@@ -427,12 +427,14 @@ impl Comm {
         algo: Algo,
         plan: impl FnOnce(&PlanCtx, Algo, &Topology) -> Result<Plan>,
     ) -> Result<Stats> {
-        let start = Instant::now();
+        let mut start = Instant::now();
         let mut algo = algo;
         if algo == Algo::Direct {
-            match self.direct_ready()? {
-                // The call's deadline starts after the one-time set-up.
-                None => return self.execute_direct(req, Instant::now()),
+            let ready = self.direct_ready()?;
+            // The call's deadline starts after the one-time set-up, whichever way it runs.
+            start = Instant::now();
+            match ready {
+                None => return self.execute_direct(req, start),
                 Some(why) if self.sel.forced(req.coll) => {
                     return Err(Error::Unsupported {
                         rank: self.rank(),

@@ -288,7 +288,9 @@ impl Direct {
         need: usize,
         done: usize,
     ) -> Result<()> {
-        self.wait(call, r, POSTED, g * GEN + need as u64, done)?;
+        // The stamp as soon as the peer began the generation (a call of another length is named
+        // as a mismatch, not waited for), then the bytes.
+        self.wait(call, r, POSTED, g * GEN, done)?;
         let mut raw = [0u8; HEADER_LEN];
         // SAFETY: the peer's stamp slot, written before it published `g`; it does not write it
         // again before we publish *done* = `g`.
@@ -297,7 +299,12 @@ impl Direct {
         };
         let (me, peer) = (call.global(self.me), call.global(r));
         match Header::decode(&raw) {
-            Ok(h) if h.desc == call.desc && h.len == g && h.src as usize == peer => Ok(()),
+            Ok(h) if h.desc == call.desc && h.len == g && h.src as usize == peer => {
+                if need > 0 {
+                    self.wait(call, r, POSTED, g * GEN + need as u64, done)?;
+                }
+                Ok(())
+            }
             Ok(h) if h.desc != call.desc => Err(Error::Runtime(RtError::Mismatch {
                 rank: me,
                 peer,
@@ -546,8 +553,13 @@ impl Direct {
                     }
                     at += k;
                 }
+                if l == 0 {
+                    // A call of nothing: still check that the peers make the same call.
+                    for r in self.peers() {
+                        self.posted(call, r, g, b, 0, off)?;
+                    }
+                }
                 self.finish(g);
-
                 continue;
             }
             // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.

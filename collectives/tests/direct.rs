@@ -283,3 +283,46 @@ both!(in_a_subgroup_errors_name_the_job_ranks, |kind| {
     assert!(e.contains("rank 1: timed out waiting for peer rank 2"), "{e}");
     assert!(t < Duration::from_secs(8), "{t:?}");
 });
+
+/// A peer that sent a message this rank has not asked for yet, then computes past the dead-peer
+/// limit before joining a direct call, is alive: its keep-alives queue behind that message, and
+/// the direct wait reads them, as a waiting receive would.
+#[test]
+fn a_busy_peer_behind_an_unread_message_is_not_called_dead() {
+    use std::sync::Arc;
+    use tutti_runtime::transport::{mem::MemTransport, LinkConfig};
+    let cfg = LinkConfig {
+        dead_after: Duration::from_millis(800),
+        keepalive_interval: Duration::from_millis(100),
+        ..LinkConfig::default()
+    };
+    let (shm, _store) = tutti_runtime::testing::shm_world(2, &cfg).unwrap();
+    let mems = MemTransport::world_with(2, &cfg);
+    for world in [
+        shm.into_iter()
+            .map(|t| Arc::new(t) as Arc<dyn tutti_runtime::Transport>)
+            .collect::<Vec<_>>(),
+        mems.into_iter().map(|t| Arc::new(t) as Arc<dyn tutti_runtime::Transport>).collect(),
+    ] {
+        std::thread::scope(|s| {
+            for t in world {
+                s.spawn(move || {
+                    let c = Comm::new(tutti_runtime::Group::new(t)).with_algo(Algo::Direct);
+                    let mut x = vec![1.0f32; 1 << 18];
+                    c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+                    if c.rank() == 1 {
+                        c.send(&[7u8; 100], 0, 5).unwrap();
+                        std::thread::sleep(Duration::from_millis(2500));
+                    }
+                    c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+                    assert!(x.iter().all(|v| *v == 4.0));
+                    if c.rank() == 0 {
+                        let mut m = [0u8; 100];
+                        c.recv(&mut m, 1, 5).unwrap();
+                        assert_eq!(m, [7u8; 100]);
+                    }
+                });
+            }
+        });
+    }
+}

@@ -739,9 +739,12 @@ impl Core {
     /// (direct reads wait on the peer's memory, not its messages): fail the link when nothing,
     /// not even a keep-alive, came from it for `dead_after` since the later of its last
     /// traffic and `since` — the rule [`Core::poll_wait`] applies, only once anything at all
-    /// came from it. Returns whether the link failed now.
+    /// came from it, and not while the link is parked. Returns whether the link failed now.
     pub(crate) fn check_silent(&mut self, peer: usize, since: Instant, now: Instant) -> bool {
-        let Some(l) = self.links.get(peer).filter(|l| l.up && peer != self.rank) else {
+        // A parked link holds a message nobody asked for yet in front of whatever came after
+        // it (keep-alives included): its silence says nothing.
+        let Some(l) = self.links.get(peer).filter(|l| l.up && peer != self.rank && !l.parked())
+        else {
             return false;
         };
         let quiet = now.saturating_duration_since(l.last_rx.max(since));

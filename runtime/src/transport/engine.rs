@@ -458,19 +458,33 @@ impl<D: Driver> Engine<D> {
 
     /// [`Transport::check_peer`]: the dead-peer rule for a wait on `peer` with nothing posted.
     pub(crate) fn check_peer(&self, peer: usize, since: Instant) -> Result<()> {
-        let mut g = self.lock();
-        if g.core.check_silent(peer, since, Instant::now()) {
-            g.flush_all(Instant::now());
-            drop(g);
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        let mut failed = false;
+        if peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
+            // Take in what the peer sent first (as a probe does): with no thread waiting, the
+            // background thread reads control frames only when they come first, and a data
+            // frame nobody has asked for yet would hide the keep-alives behind it.
+            let before = s.core.ops_ended();
+            s.driver.read(&mut s.core, peer, Instant::now());
+            s.settle();
+            self.wake_others(s, before);
+            let now = Instant::now();
+            failed = s.core.check_silent(peer, since, now);
+            if failed {
+                s.flush_all(now);
+            }
+        }
+        let r = match s.core.poisoned() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        };
+        drop(guard);
+        if failed {
             self.ended.notify_all();
             self.pipe.wake();
-        } else {
-            drop(g);
         }
-        match self.poisoned() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        r
     }
 
     pub(crate) fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
