@@ -398,12 +398,6 @@ impl Comm {
         self.ensure_measured()?;
         // The collective's `plan` refuses an algorithm that cannot run here (`Coll::supports`).
         let (coll, bytes, uniform) = (req.coll, req.bytes, req.uniform);
-        if self.sel.direct_on().is_none() {
-            // Whether direct reads may run: the setting, until the set-up (which every rank
-            // reaches at the same call, the first the table gives to direct reads) finds out
-            // whether every rank maps every other's memory, and tells all ranks alike.
-            self.sel.set_direct(self.size() >= 2 && self.sel.cfg.direct);
-        }
         let algo = self.sel.algo(coll, bytes, self.size(), uniform);
         let stats = self.execute(req, algo, plan)?;
         if let Some(key) = self.sel.tuning(coll, bytes, uniform) {
@@ -510,8 +504,10 @@ impl Comm {
                     Ok(v[0])
                 },
             )?;
+            // The set-up, which every rank reaches at the same call (the first the table or a
+            // forced algorithm gives to direct reads), told every rank the same.
             if !matches!(*st, crate::direct::State::Ready(_)) {
-                self.sel.set_direct(false);
+                self.sel.direct_failed();
             }
         }
         Ok(match &*st {

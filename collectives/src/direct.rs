@@ -9,9 +9,10 @@
 //!
 //! 1. **Free**: wait until every peer has *done* generation `g − 2` (it finished reading this
 //!    buffer the last time).
-//! 2. **Post**: copy this rank's contribution into its buffer, stamp it (the call's descriptor:
-//!    group, sequence number, op, dtype, count, root, settings; and `g`), publish *posted* = `g`.
-//! 3. **Read** what the collective needs from the peers' buffers once their *posted* reaches `g`,
+//! 2. **Post**: stamp the buffer (the call's descriptor: group, sequence number, op, dtype,
+//!    count, root, settings; and `g`), then copy this rank's contribution in, publishing
+//!    *posted* = `g`·2³² + the bytes written so far (every 64 KiB where each rank has a core).
+//! 3. **Read** what the collective needs from the peers' buffers once their *posted* covers it,
 //!    after checking their stamps (a different call is a named mismatch). An allreduce reduces
 //!    its own slice straight out of every buffer, in rank order, writes the result back into its
 //!    own buffer and publishes *reduced* = `g`; every rank then copies the other slices as their
@@ -21,9 +22,10 @@
 //!
 //! Per generation an allreduce moves `S` into the window, reads `S` to reduce `S/n` and copies
 //! `S` out: no byte crosses a socket or a ring, and no rank forwards another's data. Waits spin
-//! briefly and then sleep on the peer's counter; between sleeps they ask the transport whether
-//! the group failed (a lost or aborted peer, seen by its connection) and give up at the call's
-//! deadline with a timeout that names the peer and the step.
+//! briefly and then sleep on the peer's window; between sleeps they ask the transport whether
+//! the group failed and apply the dead-peer rule to the peer waited for
+//! (`Transport::check_peer`), and give up at the call's deadline with a timeout that names the
+//! peer and the generation.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,9 +61,7 @@ const ONE_PHASE: usize = 16 << 10;
 /// `n × (4 KiB + 2 × buffer)`: 8 MiB at 4 ranks, 128 MiB at 64, 256 MiB at most up to 2,048
 /// ranks. Only the pages a call touches are allocated.
 pub(crate) fn buffer_for(n: usize) -> usize {
-    let b = (128usize << 20) / n.max(1);
-    let b = if b.is_power_of_two() { b } else { b.next_power_of_two() / 2 };
-    b.clamp(64 << 10, 1 << 20)
+    (1usize << ((128usize << 20) / n.max(1)).max(1).ilog2()).clamp(64 << 10, 1 << 20)
 }
 
 /// What a group's direct reads hold: every rank's window (this rank's own at its rank) and the
@@ -245,7 +245,7 @@ impl Direct {
     /// it and publish that nothing is posted yet; [`Direct::progress`] publishes the bytes.
     fn begin(&self, call: &Call<'_>, g: u64, b: usize, done: usize) -> Result<()> {
         if g > 2 {
-            for r in (0..self.wins.len()).filter(|r| *r != self.me) {
+            for r in self.peers() {
                 self.wait(call, r, DONE, g - 2, done)?;
             }
         }
@@ -332,6 +332,24 @@ impl Direct {
         self.wins[self.me].publish(DONE, g);
     }
 
+    /// `out` = the `out.len()` bytes at `at` of buffer `b` of every window reduced with `op`,
+    /// rank 0's first and then every other rank's in rank order, so that whichever rank does it
+    /// gets the same bits.
+    ///
+    /// # Safety
+    /// Every window's bytes there are posted and not written before we publish *done*; `out`
+    /// does not overlap any window.
+    unsafe fn reduce_from(&self, b: usize, at: usize, out: &mut [u8], dtype: DType, op: ReduceOp) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.buf(0, b).add(at), out.as_mut_ptr(), out.len());
+            for r in 1..self.wins.len() {
+                let theirs = std::slice::from_raw_parts(self.buf(r, b).add(at), out.len());
+                kernel::reduce_into(dtype, op, out, theirs);
+            }
+        }
+    }
+
     /// The peers, in rank order.
     fn peers(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.wins.len()).filter(|r| *r != self.me)
@@ -369,15 +387,7 @@ impl Direct {
             // *done*; `dst` is the caller's, and its input is already in our buffer.
             unsafe {
                 let out = std::slice::from_raw_parts_mut(dst, len);
-                std::ptr::copy_nonoverlapping(self.buf(0, b), out.as_mut_ptr(), len);
-                for r in 1..n {
-                    kernel::reduce_into(
-                        dtype,
-                        op,
-                        out,
-                        std::slice::from_raw_parts(self.buf(r, b), len),
-                    );
-                }
+                self.reduce_from(b, 0, out, dtype, op);
                 if let Some(f) = finish {
                     kernel::finish_raw(dtype, f, out.as_mut_ptr(), len);
                 }
@@ -400,17 +410,13 @@ impl Direct {
             for r in self.peers() {
                 self.posted(call, r, g, b, so + sl, off)?;
             }
-            // Our slice: rank 0's, then every other rank's reduced in, in rank order.
+            // Our slice, reduced from every buffer.
             // SAFETY: `dst + off + so` is ours to write (inside the caller's range); every
             // buffer's slice `so` was posted by its owner and is not written before we publish
             // *done* (ours: only by us, below).
             unsafe {
                 let out = std::slice::from_raw_parts_mut(dst.add(off + so), sl);
-                std::ptr::copy_nonoverlapping(self.buf(0, b).add(so), out.as_mut_ptr(), sl);
-                for r in 1..n {
-                    let theirs = std::slice::from_raw_parts(self.buf(r, b).add(so), sl);
-                    kernel::reduce_into(dtype, op, out, theirs);
-                }
+                self.reduce_from(b, so, out, dtype, op);
                 if let Some(f) = finish {
                     kernel::finish_raw(dtype, f, out.as_mut_ptr(), sl);
                 }
@@ -587,13 +593,7 @@ impl Direct {
                     _ => {
                         let at = if in_place { me * block } else { 0 };
                         let out = std::slice::from_raw_parts_mut(dst.add(at + off), l);
-                        let first = self.buf(0, b).add(me * piece);
-                        std::ptr::copy_nonoverlapping(first, out.as_mut_ptr(), l);
-                        for r in 1..n {
-                            let theirs =
-                                std::slice::from_raw_parts(self.buf(r, b).add(me * piece), l);
-                            kernel::reduce_into(dtype, op, out, theirs);
-                        }
+                        self.reduce_from(b, me * piece, out, dtype, op);
                     }
                 }
             }

@@ -250,9 +250,9 @@ pub(crate) struct Selector {
     /// The links, once measured (see `Comm::link_scale`): the cost model on links at least
     /// 4 times slower than loopback, `None` otherwise.
     pub(crate) link: std::sync::Arc<std::sync::OnceLock<Option<crate::model::Model>>>,
-    /// Whether direct reads can run in this group: 0 not known yet, 1 yes, 2 no (a peer does
-    /// not share this rank's memory, or some rank could not map every window).
-    direct_on: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    /// The set-up found that this group cannot read directly (some rank does not share memory
+    /// with another, or could not map every window): every rank learned it at the same call.
+    direct_off: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// The group's windows, once set up (see `direct.rs`).
     pub(crate) direct: crate::direct::Shared,
 }
@@ -266,22 +266,21 @@ impl Selector {
             tuner: Default::default(),
             topo: Default::default(),
             link: Default::default(),
-            direct_on: Default::default(),
+            direct_off: Default::default(),
             direct: Default::default(),
         }
     }
 
-    /// Whether direct reads can run here: `None` before [`Selector::set_direct`].
-    pub(crate) fn direct_on(&self) -> Option<bool> {
-        match self.direct_on.load(std::sync::atomic::Ordering::Acquire) {
-            0 => None,
-            v => Some(v == 1),
-        }
+    /// Whether the automatic choice may take direct reads: the setting (`TUTTI_DIRECT`), until
+    /// the set-up finds the group cannot ([`Selector::direct_failed`]).
+    pub(crate) fn direct_on(&self) -> bool {
+        self.cfg.direct && !self.direct_off.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Record whether direct reads can run here.
-    pub(crate) fn set_direct(&self, on: bool) {
-        self.direct_on.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Release);
+    /// The set-up found this group cannot read directly: from now on every rank chooses
+    /// messages.
+    pub(crate) fn direct_failed(&self) {
+        self.direct_off.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether `coll`'s algorithm is forced (`Comm::with_algo` or `TUTTI_ALGO`).
@@ -324,8 +323,9 @@ impl Selector {
         let model = self.link_model();
         let auto = || {
             // Where every rank of the group maps every other's memory, direct reads from the
-            // sizes where they measured faster than messages through shared memory.
-            if self.direct_on() == Some(true) && direct_pays(coll, bytes, n, uniform) {
+            // sizes where they measured faster than messages through shared memory. Links the
+            // measurement found slow lead to other hosts: none to try there.
+            if model.is_none() && self.direct_on() && direct_pays(coll, bytes, n, uniform) {
                 return Algo::Direct;
             }
             // On links slower than loopback, the cost model, above MODEL_FROM; it covers the
@@ -351,7 +351,7 @@ impl Selector {
             let picked = self.tuner.pick(key, n, auto());
             // A class whose table choice was direct reads, in a group that turned out not to
             // share memory: messages.
-            if picked == Algo::Direct && self.direct_on() == Some(false) {
+            if picked == Algo::Direct && !self.direct_on() {
                 return auto();
             }
             return picked;
