@@ -183,6 +183,17 @@ impl Model {
                 (nf - 1.0) * (a + s / nf * br)
                     + if coll == Coll::ReduceScatter { s / nf * g } else { 0.0 }
             }
+            // Across hosts, L column rings share each host link: (h−1)/h·S over it; within
+            // each host, h ring phases in turn over (L−1)/L·S of memory.
+            (Coll::Allgather | Coll::ReduceScatter, Algo::TwoLevel) => {
+                let (h, l) = topo.two_level()?;
+                let (hf, lf) = (h as f64, l as f64);
+                (hf - 1.0) * a
+                    + (hf - 1.0) / hf * s * self.beta * SHARED_RINGS
+                    + hf * (lf - 1.0) * a
+                    + (lf - 1.0) / lf * s * self.beta_local
+                    + if coll == Coll::ReduceScatter { s / nf * g } else { 0.0 }
+            }
             (Coll::Allgather, Algo::RecursiveDoubling) if n == p => {
                 self.exchanges(topo, p, &doubles, s, |d| d as f64 / nf, false)
             }
@@ -280,5 +291,26 @@ mod tests {
         // Back to back, the chain's hops overlap: it wins small broadcasts across hosts too.
         let b = GBIT.best(Coll::Broadcast, [Algo::Tree, Algo::Chain], 1024.0, &t);
         assert_eq!(b, Some(Algo::Chain));
+    }
+
+    #[test]
+    fn two_level_gathers_and_scatters_where_hosts_share_a_link() {
+        // 2 hosts × 2 ranks: S/2 over each link in two column rings, against the ring's 3S/4.
+        let s = 16.0 * 1048576.0;
+        let t = Topology::from_hosts(&[0, 0, 1, 1]);
+        for coll in [Coll::Allgather, Coll::ReduceScatter] {
+            let all = coll.algos().iter().copied();
+            assert_eq!(GBIT.best(coll, all, s, &t), Some(Algo::TwoLevel), "{coll}");
+            // One rank per host, or uneven hosts: no two-level.
+            for hosts in [&[0, 1, 2, 3][..], &[0, 0, 0, 1]] {
+                let u = Topology::from_hosts(hosts);
+                assert_eq!(GBIT.cost(coll, Algo::TwoLevel, s, &u), None, "{coll} {hosts:?}");
+            }
+        }
+        // 4 hosts × 2: 0.75·S in rings sharing each link against the ring's 0.875·S in one:
+        // about even, and the ring keeps it.
+        let t = Topology::from_hosts(&[0, 0, 1, 1, 2, 2, 3, 3]);
+        let all = Coll::Allgather.algos().iter().copied();
+        assert_eq!(GBIT.best(Coll::Allgather, all, s, &t), Some(Algo::Ring));
     }
 }

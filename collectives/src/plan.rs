@@ -236,6 +236,32 @@ impl Plan {
         self
     }
 
+    /// Replace buffer `from` by `to` in every step from index `start` on: a phase built over
+    /// the user's buffers that runs on a scratch copy instead.
+    pub fn map_buf(&mut self, start: usize, from: Buf, to: Buf) {
+        let mv = |r: &mut Region| {
+            if r.buf == from {
+                r.buf = to;
+            }
+        };
+        for st in &mut self.steps[start..] {
+            match st {
+                Step::Send { region, .. } | Step::Recv { region, .. } => mv(region),
+                Step::Reduce { dst, a, b } => {
+                    mv(dst);
+                    mv(a);
+                    mv(b);
+                }
+                Step::Copy { dst, src, .. } => {
+                    mv(dst);
+                    mv(src);
+                }
+                Step::Finish(region) => mv(region),
+                Step::Wait(_) | Step::WaitAll => {}
+            }
+        }
+    }
+
     /// Total bytes this plan sends.
     pub fn bytes_sent(&self) -> u64 {
         self.steps

@@ -265,7 +265,8 @@ fn two_level_cost() {
 
 #[test]
 fn host_placements_match() {
-    // The ring and the chain reordered host by host, and two-level, on placements by host and
+    // The ring and the chain reordered host by host, and two-level (allreduce, allgather,
+    // reduce-scatter), on placements by host and
     // round-robin, even and uneven counts, tiny and whole segments.
     let placements: [&[usize]; 5] = [
         &[0, 0, 1, 1],
@@ -285,7 +286,9 @@ fn host_placements_match() {
                     (Coll::Allreduce, Algo::Ring),
                     (Coll::Allreduce, Algo::TwoLevel),
                     (Coll::Allgather, Algo::Ring),
+                    (Coll::Allgather, Algo::TwoLevel),
                     (Coll::ReduceScatter, Algo::Ring),
+                    (Coll::ReduceScatter, Algo::TwoLevel),
                     (Coll::Broadcast, Algo::Chain),
                     (Coll::Broadcast, Algo::ScatterAllgather),
                 ] {

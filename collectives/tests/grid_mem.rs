@@ -24,6 +24,11 @@ fn skip(coll: Coll, algo: Algo, n: usize, pof2_only: bool) -> bool {
     }
 }
 
+/// Two-level where the group's hosts do not allow it (a forced refusal aborts the group).
+fn no_two_level(c: &Comm, algo: Algo) -> bool {
+    algo == Algo::TwoLevel && c.topology().unwrap().two_level().is_none()
+}
+
 fn check_allreduce<T: Element>(
     c: &Comm,
     seed: u64,
@@ -151,7 +156,9 @@ fn allgather_grid(c: &Comm) {
         let want: Vec<i64> =
             (0..n).flat_map(|q| input::<i64>(5, q, count, ReduceOp::Sum)).collect();
         for &algo in Coll::Allgather.algos() {
-            if skip(Coll::Allgather, algo, n, algo == Algo::RecursiveDoubling) {
+            if skip(Coll::Allgather, algo, n, algo == Algo::RecursiveDoubling)
+                || no_two_level(c, algo)
+            {
                 continue;
             }
             let ca = c.with_algo(algo);
@@ -169,9 +176,16 @@ fn allgather_grid(c: &Comm) {
         let cnts: Vec<usize> = (0..n).map(|q| (q % 3) * count / 2 + q).collect();
         let want: Vec<u8> =
             (0..n).flat_map(|q| input::<u8>(6, q, cnts[q], ReduceOp::Sum)).collect();
-        let mut out = vec![0u8; want.len()];
-        c.allgatherv(&input(6, r, cnts[r], ReduceOp::Sum), &mut out, &cnts).unwrap();
-        assert_eq!(out, want, "allgatherv n={n} count={count}");
+        for algo in [Algo::Ring, Algo::TwoLevel] {
+            if no_two_level(c, algo) {
+                continue;
+            }
+            let mut out = vec![0u8; want.len()];
+            c.with_algo(algo)
+                .allgatherv(&input(6, r, cnts[r], ReduceOp::Sum), &mut out, &cnts)
+                .unwrap();
+            assert_eq!(out, want, "{algo} allgatherv n={n} count={count}");
+        }
     }
 }
 
@@ -183,7 +197,9 @@ fn reduce_scatter_grid(c: &Comm) {
         let want: Vec<f32> =
             (r * count..(r + 1) * count).map(|i| reduced(7, n, i, ReduceOp::Sum)).collect();
         for &algo in Coll::ReduceScatter.algos() {
-            if skip(Coll::ReduceScatter, algo, n, algo == Algo::RecursiveHalving) {
+            if skip(Coll::ReduceScatter, algo, n, algo == Algo::RecursiveHalving)
+                || no_two_level(c, algo)
+            {
                 continue;
             }
             let ca = c.with_algo(algo);
@@ -205,9 +221,14 @@ fn reduce_scatter_grid(c: &Comm) {
         let full = input::<i32>(8, r, total, ReduceOp::Sum);
         let want: Vec<i32> =
             (off..off + cnts[r]).map(|i| reduced(8, n, i, ReduceOp::Sum)).collect();
-        let mut out = vec![0i32; cnts[r]];
-        c.reduce_scatter_v(&full, &mut out, &cnts, ReduceOp::Sum).unwrap();
-        assert_eq!(out, want, "reduce_scatter_v n={n} counts={cnts:?}");
+        for algo in [Algo::Ring, Algo::TwoLevel] {
+            if no_two_level(c, algo) {
+                continue;
+            }
+            let mut out = vec![0i32; cnts[r]];
+            c.with_algo(algo).reduce_scatter_v(&full, &mut out, &cnts, ReduceOp::Sum).unwrap();
+            assert_eq!(out, want, "{algo} reduce_scatter_v n={n} counts={cnts:?}");
+        }
     }
 }
 

@@ -25,9 +25,14 @@ fn block_counts() -> [usize; 3] {
     [1, 1001, INTERLEAVE_MIN / 4 + 3]
 }
 
-/// The algorithms of `coll` that run on `n` ranks with equal counts.
+/// The algorithms of `coll` that run on `n` ranks of one host with equal counts (two-level
+/// needs several hosts).
 fn algos(coll: Coll, n: usize) -> Vec<Algo> {
-    coll.algos().iter().copied().filter(|&a| coll.supports(a, n, true).is_ok()).collect()
+    coll.algos()
+        .iter()
+        .copied()
+        .filter(|&a| coll.supports(a, n, true).is_ok() && a != Algo::TwoLevel)
+        .collect()
 }
 
 fn allgather_mixed(c: &Comm, pattern: usize) {

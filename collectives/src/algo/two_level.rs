@@ -1,6 +1,9 @@
-//! Two-level allreduce for groups spread over several hosts with the same number `L ≥ 2` of
-//! ranks on each (`h ≥ 2` hosts).
+//! Two-level schedules for groups spread over several hosts with the same number `L ≥ 2` of
+//! ranks on each (`h ≥ 2` hosts): the bytes that must cross host links go over them once, in
+//! `L` rings at once (one per local rank, the "columns": local rank `i` of every host), and
+//! everything else stays within each host, where it moves through memory.
 //!
+//! **Allreduce.**
 //! 1. Within each host, a ring reduce-scatter: local rank `i` ends with block `i` (of `L`)
 //!    reduced over its host.
 //! 2. Across hosts, `L` ring allreduces at once, one per local rank: local rank `i` of every
@@ -15,6 +18,22 @@
 //! the same as the ring at 4: the `L` rings share each host link and each runs at its slowest
 //! edge's momentary share (the cost model charges for it, see `model.rs`). Each block is reduced in one fixed order (along the host ring, then along the ring
 //! of hosts) and then copied, so every rank ends with the same bits.
+//!
+//! **Allgather** (blocks of any sizes; `S` is the whole output).
+//! 1. Across hosts, one ring allgather per column: local rank `i` of every host gathers the
+//!    blocks of the column's ranks. Each host's link carries `(h−1)/h · S` per direction,
+//!    against `(n−1)/n · S` for one ring over all ranks (`S/2` instead of `3S/4` at 2 hosts × 2).
+//! 2. Within each host, for each host `j` in turn, a ring allgather of host `j`'s blocks (local
+//!    rank `i` holds column `i`'s): every rank ends with every block.
+//!
+//! **Reduce-scatter**, the mirror image.
+//! 1. Within each host, for each host `j` in turn, a ring reduce-scatter of host `j`'s blocks:
+//!    local rank `i` ends with block `(j, i)` reduced over its own host, for every `j`.
+//! 2. Across hosts, one ring reduce-scatter per column over those partial sums: each rank ends
+//!    with its own block reduced over all ranks, having sent `(h−1)/h · S/L` across hosts.
+//!
+//! Out of place, reduce-scatter's first step reduces into a scratch copy of the whole input
+//! (`S` bytes), since the output holds only the own block.
 
 use super::ring::{self, Acc};
 use super::{tree, PlanCtx};
@@ -58,6 +77,103 @@ pub fn allreduce(sh: &PlanCtx, count: usize, topo: &Topology) -> Option<Plan> {
         0,
     );
     tree::append_shifted(&mut p, q.relabel(&hosts[j]), t1 + width);
+    Some(p)
+}
+
+/// The group's hosts (members ascending) and this rank's host and local index, when two-level
+/// schedules apply.
+fn layout(sh: &PlanCtx, topo: &Topology) -> Option<(Vec<Vec<usize>>, usize, usize)> {
+    let (h, _) = topo.two_level().filter(|_| topo.size() == sh.n)?;
+    let hosts: Vec<Vec<usize>> = (0..h).map(|j| topo.members(j)).collect();
+    let j = topo.host_of(sh.rank);
+    let i = hosts[j].iter().position(|r| *r == sh.rank)?;
+    Some((hosts, j, i))
+}
+
+/// Tag steps one ring phase over `k` ranks may use, for blocks of at most `stride` segments.
+fn phase_tags(k: usize, stride: u32) -> u32 {
+    (k as u32 - 1) * stride
+}
+
+/// The most segments any of `blocks` is cut into: with it every rank computes the same tag
+/// ranges for every phase, whichever blocks its own phases carry.
+fn stride(sh: &PlanCtx, blocks: &[(usize, usize)]) -> u32 {
+    blocks.iter().map(|b| segments(b.1, sh.seg, sh.esize).len()).max().unwrap_or(0).max(1) as u32
+}
+
+/// The two-level allgather of `blocks` (byte offset and length of each rank's block in the
+/// output) on `topo`, or `None` when the group is not spread over ≥ 2 hosts with the same
+/// number ≥ 2 of ranks on each. Out of place the own block is read from the input (offset 0).
+pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)], topo: &Topology) -> Option<Plan> {
+    let (hosts, j, i) = layout(sh, topo)?;
+    let (h, l) = (hosts.len(), hosts[j].len());
+    let stride = stride(sh, blocks);
+    let mut p = Plan::new();
+
+    // 1. Across hosts: column i gathers its ranks' blocks.
+    let column: Vec<usize> = hosts.iter().map(|m| m[i]).collect();
+    let cblocks: Vec<(usize, usize)> = column.iter().map(|r| blocks[*r]).collect();
+    let (off, len) = blocks[sh.rank];
+    let placed = Region::new(Buf::Data, off, len);
+    let (own, copy) =
+        if sh.in_place { (placed, None) } else { (Region::new(Buf::Input, 0, len), Some(placed)) };
+    let mut q = Plan::new();
+    let across = PlanCtx { rank: j, n: h, ..*sh };
+    ring::allgather_phase(&mut q, &across, &cblocks, own, copy.map(|d| (d, own)), 0);
+    tree::append_shifted(&mut p, q.relabel(&column), 0);
+    p.wait_all();
+
+    // 2. Within the host: host by host, the columns' blocks go round.
+    let local = PlanCtx { rank: i, n: l, in_place: true, ..*sh };
+    let mut tag = phase_tags(h, stride);
+    for members in &hosts {
+        let hb: Vec<(usize, usize)> = members.iter().map(|r| blocks[*r]).collect();
+        let mine = Region::new(Buf::Data, hb[i].0, hb[i].1);
+        let mut q = Plan::new();
+        ring::allgather_phase(&mut q, &local, &hb, mine, None, 0);
+        tree::append_shifted(&mut p, q.relabel(&hosts[j]), tag);
+        tag += phase_tags(l, stride);
+    }
+    Some(p)
+}
+
+/// The two-level reduce-scatter of `blocks` (byte offset and length of each rank's block in
+/// the input) on `topo`, or `None` as [`allgather`]. In place the own block ends at its own
+/// offset; out of place at offset 0 of the output.
+pub fn reduce_scatter(sh: &PlanCtx, blocks: &[(usize, usize)], topo: &Topology) -> Option<Plan> {
+    let (hosts, j, i) = layout(sh, topo)?;
+    let (h, l) = (hosts.len(), hosts[j].len());
+    let stride = stride(sh, blocks);
+    let mut p = Plan::new();
+    // Where the host's partial sums accumulate: the data buffer in place, else a scratch
+    // buffer laid out as the input.
+    let total = blocks.iter().map(|b| b.0 + b.1).max().unwrap_or(0);
+    let work = if sh.in_place { Buf::Data } else { p.scratch(total) };
+
+    // 1. Within the host: host by host, local rank k ends with block (host, k) summed here.
+    let local = PlanCtx { rank: i, n: l, ..*sh };
+    let mut tag = 0;
+    for members in &hosts {
+        let hb: Vec<(usize, usize)> = members.iter().map(|r| blocks[*r]).collect();
+        let mut q = Plan::new();
+        ring::reduce_scatter_phase(&mut q, &local, &hb, Acc::InPlace, false, 0);
+        let start = p.steps.len();
+        tree::append_shifted(&mut p, q.relabel(&hosts[j]), tag);
+        p.map_buf(start, Buf::Data, work);
+        tag += phase_tags(l, stride);
+    }
+    p.wait_all();
+
+    // 2. Across hosts: column i reduces its ranks' blocks over the hosts' partial sums.
+    let column: Vec<usize> = hosts.iter().map(|m| m[i]).collect();
+    let cblocks: Vec<(usize, usize)> = column.iter().map(|r| blocks[*r]).collect();
+    let across = PlanCtx { rank: j, n: h, ..*sh };
+    let acc = if sh.in_place { Acc::InPlace } else { Acc::Own };
+    let mut q = Plan::new();
+    ring::reduce_scatter_phase(&mut q, &across, &cblocks, acc, false, 0);
+    let start = p.steps.len();
+    tree::append_shifted(&mut p, q.relabel(&column), tag);
+    p.map_buf(start, Buf::Input, work);
     Some(p)
 }
 
@@ -113,5 +229,57 @@ mod tests {
                 assert!(out.abs_diff(want) <= 8 * n * h, "{hosts:?} host {host}: {out} vs {want}");
             }
         }
+    }
+
+    /// Bytes each host sends to other hosts, summed over its ranks' plans.
+    fn leaving(plans: &[Plan], topo: &Topology, host: usize) -> usize {
+        plans
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| topo.host_of(*r) == host)
+            .flat_map(|(_, p)| &p.steps)
+            .map(|st| match st {
+                crate::plan::Step::Send { peer, region, .. } if topo.host_of(*peer) != host => {
+                    region.len
+                }
+                _ => 0,
+            })
+            .sum()
+    }
+
+    #[test]
+    fn gathers_and_scatters_cross_each_link_once() {
+        for hosts in
+            [&[0, 0, 1, 1][..], &[0, 1, 0, 1], &[0, 0, 0, 1, 1, 1, 2, 2, 2], &[3, 3, 1, 1, 0, 0]]
+        {
+            let topo = Topology::from_hosts(hosts);
+            let n = hosts.len();
+            for (count, in_place) in [(1000usize, true), (7, false), (0, true), (4096, false)] {
+                let blocks = split(count * n, n, 4);
+                for gather in [true, false] {
+                    let plans: Vec<Plan> = (0..n)
+                        .map(|rank| {
+                            let sh = PlanCtx { rank, n, esize: 4, seg: 256, in_place };
+                            if gather {
+                                allgather(&sh, &blocks, &topo).unwrap()
+                            } else {
+                                reduce_scatter(&sh, &blocks, &topo).unwrap()
+                            }
+                        })
+                        .collect();
+                    simulate(&plans).unwrap_or_else(|e| panic!("{hosts:?} {gather}: {e}"));
+                    // (h−1)/h·S leaves each host, S = count·n elements of 4 bytes.
+                    let h = topo.hosts();
+                    for host in 0..h {
+                        let want = (h - 1) * count * n * 4 / h;
+                        assert_eq!(leaving(&plans, &topo, host), want, "{hosts:?} host {host}");
+                    }
+                }
+            }
+        }
+        let sh = PlanCtx { rank: 0, n: 4, esize: 4, seg: 64, in_place: true };
+        let b = split(400, 4, 4);
+        assert!(allgather(&sh, &b, &Topology::flat(4)).is_none());
+        assert!(reduce_scatter(&sh, &b, &Topology::from_hosts(&[0, 0, 0, 1])).is_none());
     }
 }

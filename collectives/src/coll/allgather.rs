@@ -118,7 +118,8 @@ impl Comm {
 }
 
 /// The algorithms that implement allgather.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveDoubling, Algo::Bruck, Algo::Direct];
+pub(crate) const ALGOS: &[Algo] =
+    &[Algo::Ring, Algo::RecursiveDoubling, Algo::Bruck, Algo::TwoLevel, Algo::Direct];
 
 /// The schedule `algo` runs for an allgather of `blocks` (byte offset and length per rank) on
 /// `topo` (the ring follows hosts).
@@ -132,6 +133,8 @@ pub(crate) fn plan(
     super::check(ctx, Coll::Allgather, algo, uniform)?;
     Ok(match algo {
         Algo::Ring => algo::on_ring(ctx, topo, blocks, |c, b, _| algo::ring::allgather(c, b)),
+        Algo::TwoLevel => algo::two_level::allgather(ctx, blocks, topo)
+            .ok_or_else(|| super::no_two_level(ctx, Coll::Allgather, topo))?,
         Algo::RecursiveDoubling => algo::recursive_doubling::allgather(ctx, blocks),
         Algo::Bruck => algo::bruck::allgather(ctx, blocks.first().map_or(0, |b| b.1)),
         Algo::Rabenseifner
@@ -142,7 +145,6 @@ pub(crate) fn plan(
         | Algo::PostAll
         | Algo::Linear
         | Algo::Dissemination
-        | Algo::TwoLevel
         | Algo::ScatterAllgather
         | Algo::Direct => return Err(super::refuse(ctx, Coll::Allgather, algo)),
     })

@@ -181,19 +181,8 @@ pub(crate) const ALGOS: &[Algo] = &[
 pub(crate) fn plan(ctx: &PlanCtx, algo: Algo, count: usize, topo: &Topology) -> Result<Plan> {
     Ok(match algo {
         Algo::Ring => algo::on_ring(ctx, topo, &[], |c, _, _| algo::ring::allreduce(c, count)),
-        Algo::TwoLevel => algo::two_level::allreduce(ctx, count, topo).ok_or_else(|| {
-            crate::Error::Unsupported {
-                rank: ctx.rank,
-                op: Coll::Allreduce.name(),
-                algo: algo.name(),
-                detail: format!(
-                    "twolevel needs at least 2 hosts with the same number (at least 2) of \
-                     ranks on each; this group has {} ranks on {} hosts",
-                    ctx.n,
-                    topo.hosts()
-                ),
-            }
-        })?,
+        Algo::TwoLevel => algo::two_level::allreduce(ctx, count, topo)
+            .ok_or_else(|| super::no_two_level(ctx, Coll::Allreduce, topo))?,
         Algo::RecursiveDoubling => algo::recursive_doubling::allreduce(ctx, count),
         Algo::Rabenseifner => algo::halving_doubling::allreduce(ctx, count),
         Algo::Tree => algo::tree::allreduce(ctx, count),

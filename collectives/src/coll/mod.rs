@@ -202,6 +202,21 @@ pub(crate) fn check(ctx: &PlanCtx, coll: Coll, algo: Algo, uniform: bool) -> Res
     })
 }
 
+/// The error of `plan` for two-level on a group it cannot split into hosts.
+pub(crate) fn no_two_level(ctx: &PlanCtx, coll: Coll, topo: &Topology) -> Error {
+    Error::Unsupported {
+        rank: ctx.rank,
+        op: coll.name(),
+        algo: Algo::TwoLevel.name(),
+        detail: format!(
+            "twolevel needs at least 2 hosts with the same number (at least 2) of ranks on \
+             each; this group has {} ranks on {} hosts",
+            ctx.n,
+            topo.hosts()
+        ),
+    }
+}
+
 /// The error of `plan` for an algorithm that does not implement the collective.
 pub(crate) fn refuse(ctx: &PlanCtx, coll: Coll, algo: Algo) -> Error {
     let detail = if algo == Algo::Direct && coll.algos().contains(&algo) {

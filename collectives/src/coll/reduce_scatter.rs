@@ -134,7 +134,8 @@ impl Comm {
 }
 
 /// The algorithms that implement reduce-scatter.
-pub(crate) const ALGOS: &[Algo] = &[Algo::Ring, Algo::RecursiveHalving, Algo::Direct];
+pub(crate) const ALGOS: &[Algo] =
+    &[Algo::Ring, Algo::RecursiveHalving, Algo::TwoLevel, Algo::Direct];
 
 /// The schedule `algo` runs for a reduce-scatter of `blocks` (byte offset and length per rank)
 /// on `topo` (the ring follows hosts).
@@ -147,6 +148,8 @@ pub(crate) fn plan(
     super::check(ctx, Coll::ReduceScatter, algo, true)?;
     Ok(match algo {
         Algo::Ring => algo::on_ring(ctx, topo, blocks, |c, b, _| algo::ring::reduce_scatter(c, b)),
+        Algo::TwoLevel => algo::two_level::reduce_scatter(ctx, blocks, topo)
+            .ok_or_else(|| super::no_two_level(ctx, Coll::ReduceScatter, topo))?,
         Algo::RecursiveHalving => algo::halving_doubling::reduce_scatter(ctx, blocks),
         Algo::RecursiveDoubling
         | Algo::Rabenseifner
@@ -157,7 +160,6 @@ pub(crate) fn plan(
         | Algo::PostAll
         | Algo::Linear
         | Algo::Dissemination
-        | Algo::TwoLevel
         | Algo::ScatterAllgather
         | Algo::Direct => return Err(super::refuse(ctx, Coll::ReduceScatter, algo)),
     })
