@@ -208,7 +208,8 @@ fn every_collective_across_hosts_over_tcp_and_quic() {
 
 /// Ranks sharing a host are found (3 hosts × 2 ranks), and on links much slower than loopback
 /// (shaped to 200 Mbit/s) the choice follows the cost model: a 4 MiB allreduce goes two-level
-/// (each host link carries 2(h−1)/h·S instead of the ring's 2(n−1)/n·S), exact on every rank.
+/// (each host link carries 2(h−1)/h·S instead of the ring's 2(n−1)/n·S), and so do 6 MiB
+/// all-gathers and reduce-scatters, exact on every rank.
 #[test]
 fn hosts_are_found_and_slow_links_choose_from_the_model() {
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
@@ -229,6 +230,15 @@ fn hosts_are_found_and_slow_links_choose_from_the_model() {
             .filter_map(|l| l.split_once(&format!("ALGO {r} ")).map(|(_, a)| a.trim()))
             .collect();
         assert_eq!(algos, ["twolevel", "twolevel"], "rank {r}:\n{t}");
+        // All-gather and reduce-scatter of 6 MiB: two-level too (each host link carries
+        // (h−1)/h·S instead of (n−1)/n·S), chosen and forced, exact.
+        for what in ["GATHER", "SCATTER"] {
+            let algos: Vec<&str> = t
+                .lines()
+                .filter_map(|l| l.split_once(&format!("{what} {r} ")).map(|(_, a)| a.trim()))
+                .collect();
+            assert_eq!(algos, ["twolevel", "twolevel"], "{what} rank {r}:\n{t}");
+        }
     }
 }
 

@@ -160,6 +160,28 @@ fn topology(comm: &Comm) -> Result<(), String> {
         }
         println!("ALGO {} {}", comm.rank(), st.algo);
     }
+    // All-gather and reduce-scatter of S = 6 MiB (at 6 ranks), chosen and forced two-level.
+    let (n, r) = (comm.size(), comm.rank());
+    let block = (1 << 20) / 4 * 6 / n;
+    let val = |q: usize, i: usize| ((i % 1000) * (q + 1)) as f32;
+    for forced in [None, Some(tutti_collectives::Algo::TwoLevel)] {
+        let c = forced.map_or_else(|| comm.clone(), |a| comm.with_algo(a));
+        let mine: Vec<f32> = (0..block).map(|i| val(r, r * block + i)).collect();
+        let mut all = vec![0f32; n * block];
+        let st = c.allgather(&mine, &mut all).map_err(e)?;
+        if let Some(i) = (0..n * block).find(|&i| all[i] != val(i / block, i)) {
+            return Err(format!("{} allgather: element {i} is {}", st.algo, all[i]));
+        }
+        println!("GATHER {r} {}", st.algo);
+        let full: Vec<f32> = (0..n * block).map(|i| val(r, i)).collect();
+        let mut out = vec![0f32; block];
+        let st = c.reduce_scatter(&full, &mut out, ReduceOp::Sum).map_err(e)?;
+        let k = (n * (n + 1) / 2) as f32;
+        if let Some(i) = (0..block).find(|&i| out[i] != ((r * block + i) % 1000) as f32 * k) {
+            return Err(format!("{} reduce_scatter: element {i} is {}", st.algo, out[i]));
+        }
+        println!("SCATTER {r} {}", st.algo);
+    }
     Ok(())
 }
 
