@@ -170,7 +170,7 @@ pub struct Args {
     #[arg(long)]
     pub isolated: bool,
     /// Force an algorithm (ring, rd, rabenseifner, halving, tree, chain, bruck, pairwise,
-    /// postall, linear, dissemination, scatter_allgather).
+    /// postall, linear, dissemination, scatter_allgather, twolevel, direct).
     #[arg(long)]
     pub algo: Option<String>,
     /// Write results as JSON to FILE.
