@@ -347,10 +347,13 @@ mod refused {
         };
         assert_eq!(other_job, Err(handshake::HsError::Refused(handshake::Status::WrongJob)));
         let wrong_token = {
+            // The key first: deriving it (slow on purpose, more so in a debug build) must not
+            // eat the server's handshake timeout.
+            let wrong = JobKey::from_token("wrong");
             let mut s = TcpStream::connect(addr0).unwrap();
             handshake::client(
                 &mut s,
-                &JobKey::from_token("wrong"),
+                &wrong,
                 hello(job, 1),
                 Instant::now() + T,
             )
@@ -559,3 +562,53 @@ transport_test!(recv_any_times_out_naming_the_tag_and_poisons, |kind| {
     assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
     assert!(g.check().is_err(), "the group must be poisoned");
 });
+
+/// Each connection joins its rank's engine as soon as its handshake completes, so the ranks
+/// already connected exchange keep-alives while the mesh still waits for a late rank (their
+/// dead-peer clocks run from the pair's connection), and the late rank is not called dead
+/// although it came 2.5 s after the others with a 1 s dead-peer limit.
+#[test]
+fn keep_alives_flow_while_the_mesh_is_still_connecting() {
+    use crate::transport::engine::Wired;
+    use crate::transport::tcp::TcpTransport;
+    use crate::transport::LinkConfig;
+    for shm in [false, true] {
+        let cfg = LinkConfig {
+            keepalive_interval: Duration::from_millis(100),
+            dead_after: Duration::from_secs(1),
+            shm,
+            ..LinkConfig::default()
+        };
+        let (ts, _server) = crate::testing::job(3, &cfg, |id, store, cfg| {
+            if id.rank == 2 {
+                std::thread::sleep(Duration::from_millis(2500));
+            }
+            TcpTransport::connect(id, store, cfg)
+        })
+        .unwrap();
+        // Rank 1 dialled rank 0 at once; both then waited 2.5 s for rank 2.
+        for (me, peer) in [(0, 1), (1, 0)] {
+            let heard = ts[me].engine().lock().core.heard_from(peer);
+            assert!(heard, "shm {shm}: rank {me} heard nothing from rank {peer} while connecting");
+        }
+        let ts: Vec<Arc<dyn Transport>> =
+            ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect();
+        run_ranks(ts, |t| {
+            let me = t.rank();
+            let data: Vec<Vec<u8>> = (0..3).map(|p| pattern(100, me, p, 9)).collect();
+            let mut bufs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; 100]).collect();
+            let mut ops: Vec<Op<'_>> = Vec::new();
+            for (p, d) in data.iter().enumerate().filter(|(p, _)| *p != me) {
+                ops.push(Op::Send { peer: p, desc: desc(0, 0, 0), data: d });
+            }
+            for (p, b) in bufs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+                ops.push(Op::Recv { peer: p, desc: desc(0, 0, 0), buf: b, received: 0 });
+            }
+            t.exchange(&mut ops, T).unwrap();
+            drop(ops);
+            for (p, b) in bufs.iter().enumerate().filter(|(p, _)| *p != me) {
+                assert!(*b == pattern(100, p, me, 9));
+            }
+        });
+    }
+}
