@@ -254,12 +254,6 @@ impl Core {
         }
     }
 
-    /// Whether anything (a keep-alive included) has come from `peer` since its link came up.
-    #[cfg(test)]
-    pub(crate) fn heard_from(&self, peer: usize) -> bool {
-        self.links[peer].heard_from
-    }
-
     /// The peers that are gone (closed, broken or silent), for the survivors' agreement; a
     /// peer counts as silent here when nothing, not even a keep-alive, came from it for
     /// `dead_after`, whether or not an operation waits on it.

@@ -440,17 +440,6 @@ impl<D: Driver> Engine<D> {
         true
     }
 
-    /// Change the driver and the core under the lock (a connection added while the engine
-    /// runs), then wake the thread asleep on the sockets so its next poll sees the change.
-    pub(crate) fn with_driver<T>(&self, f: impl FnOnce(&mut D, &mut Core) -> T) -> T {
-        let mut g = self.lock();
-        let s = &mut *g;
-        let out = f(&mut s.driver, &mut s.core);
-        drop(g);
-        self.pipe.wake();
-        out
-    }
-
     pub(crate) fn peer_died(&self, peer: usize, detail: &str) {
         if peer >= self.world || peer == self.rank {
             return;
@@ -650,11 +639,6 @@ impl<D: Driver> Running<D> {
 
     pub(crate) fn engine(&self) -> &Engine<D> {
         &self.engine
-    }
-
-    /// The engine, shared (for a thread that adds connections while the transport connects).
-    pub(crate) fn shared(&self) -> Arc<Engine<D>> {
-        self.engine.clone()
     }
 }
 

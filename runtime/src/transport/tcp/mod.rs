@@ -106,35 +106,21 @@ impl TcpTransport {
         )?;
         debug!(rank, %local, "listening");
 
-        // The engine runs from the start: each connection joins it as soon as its handshake
-        // completes (ours or the peer's), so keep-alives flow on every connected link while
-        // this rank is still connecting to the others, and a peer's dead-peer clock starts
-        // when the pair connects, not when the whole mesh has.
-        let core = Core::new(
-            rank,
-            world,
-            CoreConfig::from_link(cfg, driver::EAGER_MAX, true),
-            Instant::now(),
-        );
-        let engine =
-            Engine::new(core, TcpDriver::empty(world, cfg.tcp_congestion.clone()), cfg.spin)
-                .map_err(|e| Error::io(rank, "configuring connections", &e))?;
-        let wire = Running::start(engine, format!("tutti-tcp-{rank}"))
-            .map_err(|e| Error::io(rank, "spawning the background driver", &e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let connected: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; world]));
-        let (tx, rx) = mpsc::channel::<usize>();
+        let (tx, rx) = mpsc::channel::<(usize, TcpStream, Option<ShmLink>)>();
         let acceptor = {
             let (stop, connected, id, hs) =
                 (stop.clone(), connected.clone(), id.clone(), cfg.handshake_timeout);
-            let (shm, engine) = (cfg.shm, wire.shared());
+            let shm = cfg.shm;
             std::thread::Builder::new()
                 .name(format!("tutti-accept-{rank}"))
-                .spawn(move || accept_loop(listener, id, hs, shm, engine, connected, tx, stop))
+                .spawn(move || accept_loop(listener, id, hs, shm, connected, tx, stop))
                 .map_err(|e| Error::io(rank, "spawning the acceptor", &e))?
         };
 
-        let mut have = vec![false; world];
+        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
         let result = (|| {
             // Learn every lower rank's address first, so the store is not needed once connected.
             let mut addrs = Vec::with_capacity(rank);
@@ -158,12 +144,8 @@ impl TcpTransport {
             }
             for (j, addr) in addrs.into_iter().enumerate() {
                 let (s, link) = connect_one(id, j, addr, deadline, cfg, watch)?;
-                wire.engine()
-                    .with_driver(|d, core| d.attach(core, j, s, link, Instant::now()))
-                    .map_err(|e| {
-                        Error::io(rank, format!("configuring the connection to rank {j}"), &e)
-                    })?;
-                have[j] = true;
+                streams[j] = Some(s);
+                links[j] = link;
             }
             let higher = world - rank - 1;
             let mut got = 0;
@@ -171,13 +153,15 @@ impl TcpTransport {
                 watch.check(rank)?;
                 let left = deadline.saturating_duration_since(Instant::now());
                 match rx.recv_timeout(watch.slice(left)) {
-                    Ok(j) => {
-                        have[j] = true;
+                    Ok((j, s, link)) => {
+                        streams[j] = Some(s);
+                        links[j] = link;
                         got += 1;
                     }
                     Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
                     Err(_) => {
-                        let missing: Vec<usize> = (rank + 1..world).filter(|j| !have[*j]).collect();
+                        let missing: Vec<usize> =
+                            (rank + 1..world).filter(|j| streams[*j].is_none()).collect();
                         // Tell the dead from the merely waiting: a rank that published its
                         // address is alive (probably waiting on a third rank).
                         let silent: Vec<usize> = missing
@@ -203,12 +187,17 @@ impl TcpTransport {
         if let Err(e) = result {
             stop.store(true, Ordering::SeqCst);
             let _ = acceptor.join();
-            // The peers already connected learn why at once (and our shutdown does not wait
-            // for their close).
-            wire.engine().fail(e.clone(), "connecting the group failed");
             return Err(e);
         }
-        let shared = wire.engine().with_driver(|d, _| d.shared_links());
+        let shared = links.iter().flatten().count();
+        let now = Instant::now();
+        let mut core =
+            Core::new(rank, world, CoreConfig::from_link(cfg, driver::EAGER_MAX, true), now);
+        let engine = TcpDriver::new(streams, links, &mut core, now, cfg.tcp_congestion.as_deref())
+            .and_then(|d| Engine::new(core, d, cfg.spin))
+            .map_err(|e| Error::io(rank, "configuring connections", &e))?;
+        let wire = Running::start(engine, format!("tutti-tcp-{rank}"))
+            .map_err(|e| Error::io(rank, "spawning the background driver", &e))?;
         info!(rank, world, %local, shared, elapsed = ?start.elapsed(), "tcp transport connected");
         Ok(TcpTransport { rank, wire, local, stop, acceptor: Some(acceptor) })
     }
@@ -315,9 +304,8 @@ fn accept_loop(
     id: JobIdentity,
     hs_timeout: Duration,
     shm: bool,
-    engine: Arc<Engine<TcpDriver>>,
     connected: Arc<Mutex<Vec<bool>>>,
-    tx: mpsc::Sender<usize>,
+    tx: mpsc::Sender<(usize, TcpStream, Option<ShmLink>)>,
     stop: Arc<AtomicBool>,
 ) {
     let rank = id.rank;
@@ -341,8 +329,7 @@ fn accept_loop(
             drop(s);
             continue;
         };
-        let (id, connected, tx, engine) =
-            (id.clone(), connected.clone(), tx.clone(), engine.clone());
+        let (id, connected, tx) = (id.clone(), connected.clone(), tx.clone());
         let spawned =
             std::thread::Builder::new().name(format!("tutti-hs-{rank}")).spawn(move || {
                 let _slot = slot;
@@ -372,20 +359,12 @@ fn accept_loop(
                         Ok(link) => {
                             let _ = s.set_read_timeout(None);
                             let _ = s.set_write_timeout(None);
-                            let peer = h.from as usize;
-                            // Joins the engine at once (its keep-alives start); the connecting
-                            // thread only counts it. A rank connects once, so nothing arrives
-                            // here after start-up but refused duplicates.
-                            let now = Instant::now();
-                            match engine.with_driver(|d, core| d.attach(core, peer, s, link, now)) {
-                                Ok(()) => {
-                                    let _ = tx.send(peer);
-                                }
-                                Err(e) => {
-                                    warn!(rank, peer, "connection from {from} unusable: {e}");
-                                    let mut c = connected.lock().unwrap_or_else(|p| p.into_inner());
-                                    c[peer] = false;
-                                }
+                            if tx.send((h.from as usize, s, link)).is_err() {
+                                warn!(
+                                    rank,
+                                    peer = h.from,
+                                    "late connection after start-up; dropped"
+                                );
                             }
                         }
                         Err(e) => {
