@@ -124,3 +124,10 @@ impl Drop for Slot {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
+
+/// `d` scaled by a random factor in [0.5, 1.5): retries of many ranks at once spread out
+/// instead of arriving together again.
+pub(crate) fn jitter(d: Duration) -> Duration {
+    let r = crate::auth::random::<2>().map_or(32768, u16::from_le_bytes);
+    d.mul_f64(0.5 + f64::from(r) / 65536.0)
+}

@@ -65,7 +65,9 @@ impl TcpStore {
                     }
                 }
             }
-            std::thread::sleep(backoff);
+            // Exponential, with jitter: a whole job's ranks retrying a store that is not up yet
+            // (or whose backlog overflowed) spread out.
+            std::thread::sleep(crate::util::jitter(backoff));
             backoff = (backoff * 2).min(Duration::from_millis(200));
         }
     }
@@ -213,7 +215,58 @@ impl Store for TcpStore {
         }
     }
 
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        // In requests of at most GET_ALL_KEYS keys and 64 KiB of them, so that request and
+        // answer stay within one store message for values of rendezvous size.
+        let deadline = Instant::now() + timeout;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut rest = keys;
+        while !rest.is_empty() {
+            let mut take = 0;
+            let mut bytes = 0;
+            while take < rest.len() && take < GET_ALL_KEYS && bytes + rest[take].len() <= 64 << 10 {
+                bytes += rest[take].len();
+                take += 1;
+            }
+            let (chunk, tail) = rest.split_at(take.max(1));
+            out.extend(self.get_chunk(chunk, deadline.saturating_duration_since(Instant::now()))?);
+            rest = tail;
+        }
+        Ok(out)
+    }
+
     fn describe(&self) -> String {
         format!("tcp://{}", self.addr)
+    }
+}
+
+/// Most keys in one get-all request.
+const GET_ALL_KEYS: usize = 1024;
+
+impl TcpStore {
+    fn get_chunk(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let req = Request::GetAll {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            timeout_ms: timeout.as_millis() as u64,
+        };
+        match self.call(&req, timeout)? {
+            Response::Values(v) if v.len() == keys.len() => Ok(v),
+            Response::Timeout => {
+                // Name a key that is still missing (one more look, on the slow path only).
+                let mut missing = keys.first().copied().unwrap_or("");
+                for k in keys {
+                    if !self.check(&[k])? {
+                        missing = k;
+                        break;
+                    }
+                }
+                Err(Error::StoreTimeout {
+                    addr: self.addr.to_string(),
+                    key: missing.into(),
+                    after: timeout,
+                })
+            }
+            r => Err(unexpected(&self.addr, r)),
+        }
     }
 }

@@ -73,6 +73,18 @@ pub trait Store: Send + Sync {
         Ok(())
     }
 
+    /// Get every one of `keys`, in their order, waiting up to `timeout` for the last to be set
+    /// (one round trip where the store can: the TCP store answers it in one request).
+    ///
+    /// # Errors
+    /// [`Error::StoreTimeout`] naming a missing key on timeout; [`Error::Store`] on failure.
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let deadline = Instant::now() + timeout;
+        keys.iter()
+            .map(|k| self.get(k, deadline.saturating_duration_since(Instant::now())))
+            .collect()
+    }
+
     /// Where the store lives, for messages.
     fn describe(&self) -> String;
 }
@@ -96,6 +108,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         (**self).wait(keys, timeout)
+    }
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        (**self).get_all(keys, timeout)
     }
     fn describe(&self) -> String {
         (**self).describe()
@@ -161,6 +176,18 @@ impl<S: Store> SignedStore<S> {
     pub fn new(inner: S, key: crate::auth::JobKey) -> SignedStore<S> {
         SignedStore { inner, key }
     }
+
+    /// `raw`'s value, checked against the job secret.
+    fn open(&self, key: &str, raw: Vec<u8>) -> Result<Vec<u8>> {
+        unseal(&self.key, &[b"tutti-signed"], key, raw).ok_or_else(|| Error::Store {
+            addr: self.inner.describe(),
+            detail: format!(
+                "integrity check failed: the entry {key:?} fails its check against the job \
+                 secret; someone without the secret wrote or changed it (or a rank runs with \
+                 another TUTTI_TOKEN)"
+            ),
+        })
+    }
 }
 
 impl<S: Store> Store for SignedStore<S> {
@@ -170,14 +197,12 @@ impl<S: Store> Store for SignedStore<S> {
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let raw = self.inner.get(key, timeout)?;
-        unseal(&self.key, &[b"tutti-signed"], key, raw).ok_or_else(|| Error::Store {
-            addr: self.inner.describe(),
-            detail: format!(
-                "integrity check failed: the entry {key:?} fails its check against the job \
-                 secret; someone without the secret wrote or changed it (or a rank runs with \
-                 another TUTTI_TOKEN)"
-            ),
-        })
+        self.open(key, raw)
+    }
+
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let raws = self.inner.get_all(keys, timeout)?;
+        keys.iter().zip(raws).map(|(k, raw)| self.open(k, raw)).collect()
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
@@ -270,6 +295,11 @@ impl Store for PrefixStore {
         let keys: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         self.inner.check(&refs)
+    }
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let keys: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.inner.get_all(&refs, timeout)
     }
     fn describe(&self) -> String {
         format!("{} under {}", self.inner.describe(), self.prefix)

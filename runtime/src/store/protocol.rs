@@ -112,6 +112,13 @@ pub enum Request {
         /// Keys.
         keys: Vec<String>,
     },
+    /// Get several keys in one round, waiting up to `timeout_ms` for the last of them.
+    GetAll {
+        /// Keys.
+        keys: Vec<String>,
+        /// Wait limit.
+        timeout_ms: u64,
+    },
 }
 
 /// A store response.
@@ -132,6 +139,8 @@ pub enum Response {
     Err(String),
     /// The hello was accepted; the server's proof of the job key when the job has one.
     Welcome(Option<[u8; 32]>),
+    /// The values of a [`Request::GetAll`], in its keys' order.
+    Values(Vec<Vec<u8>>),
 }
 
 /// Decode one store message body. Never panics; this is the entry point fuzzing uses.
@@ -176,12 +185,8 @@ fn invalid(msg: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
 }
 
-/// Write one message (tagged when `seal` is given).
-pub(super) fn send(
-    s: &mut TcpStream,
-    seal: Option<&mut Seal>,
-    v: &impl Serialize,
-) -> std::io::Result<()> {
+/// One message as it goes on the wire: length, body, and its tag when `seal` is given.
+pub(super) fn frame(seal: Option<&mut Seal>, v: &impl Serialize) -> std::io::Result<Vec<u8>> {
     let mut body = postcard::to_stdvec(v).map_err(|e| invalid(e.to_string()))?;
     if let Some(seal) = seal {
         let tag = seal.tag(seal.side == Side::Client, seal.sent, &body);
@@ -191,7 +196,52 @@ pub(super) fn send(
     let mut buf = Vec::with_capacity(4 + body.len());
     buf.extend_from_slice(&(body.len() as u32).to_le_bytes());
     buf.extend_from_slice(&body);
-    s.write_all(&buf)
+    Ok(buf)
+}
+
+/// The length a message's first 4 bytes announce, checked against `max` (and against the tag's
+/// length when the connection is sealed) before anything is allocated for it.
+///
+/// # Errors
+/// `InvalidData` for a length outside the limits.
+pub(super) fn announced(len: [u8; 4], sealed: bool, max: usize) -> std::io::Result<usize> {
+    let len = u32::from_le_bytes(len) as usize;
+    let tag_len = if sealed { TAG } else { 0 };
+    if len > max || len < tag_len {
+        return Err(invalid(format!("message of {len} bytes is outside 0..={max}")));
+    }
+    Ok(len)
+}
+
+/// Check and strip the tag of a received message body (`seal` given), in order.
+///
+/// # Errors
+/// `InvalidData` ("integrity check failed") when the tag is wrong.
+pub(super) fn open(seal: Option<&mut Seal>, mut body: Vec<u8>) -> std::io::Result<Vec<u8>> {
+    if let Some(seal) = seal {
+        let len = body.len();
+        let (msg, tag) = body.split_at(len - TAG);
+        let want = seal.tag(seal.side == Side::Server, seal.received, msg);
+        if !crate::auth::ct_eq(&want, tag) {
+            return Err(invalid(format!(
+                "integrity check failed on message {} of this connection: it was changed \
+                 in transit or does not come from a holder of the job key",
+                seal.received
+            )));
+        }
+        seal.received += 1;
+        body.truncate(len - TAG);
+    }
+    Ok(body)
+}
+
+/// Write one message (tagged when `seal` is given).
+pub(super) fn send(
+    s: &mut TcpStream,
+    seal: Option<&mut Seal>,
+    v: &impl Serialize,
+) -> std::io::Result<()> {
+    s.write_all(&frame(seal, v)?)
 }
 
 /// Read one message: its length by `first_by`, the rest within [`MESSAGE_DEADLINE`] of that
@@ -211,25 +261,8 @@ pub(super) fn recv(
     read_exact_by(s, &mut len[..1], first_by)?;
     let rest_by = first_by.min(Instant::now() + MESSAGE_DEADLINE);
     read_exact_by(s, &mut len[1..], rest_by)?;
-    let len = u32::from_le_bytes(len) as usize;
-    let tag_len = if seal.is_some() { TAG } else { 0 };
-    if len > max || len < tag_len {
-        return Err(invalid(format!("message of {len} bytes is outside 0..={max}")));
-    }
+    let len = announced(len, seal.is_some(), max)?;
     let mut body = vec![0u8; len];
     read_exact_by(s, &mut body, rest_by)?;
-    if let Some(seal) = seal {
-        let (msg, tag) = body.split_at(len - TAG);
-        let want = seal.tag(seal.side == Side::Server, seal.received, msg);
-        if !crate::auth::ct_eq(&want, tag) {
-            return Err(invalid(format!(
-                "integrity check failed on message {} of this connection: it was changed \
-                 in transit or does not come from a holder of the job key",
-                seal.received
-            )));
-        }
-        seal.received += 1;
-        body.truncate(len - TAG);
-    }
-    Ok(body)
+    open(seal, body)
 }

@@ -1,28 +1,40 @@
-//! The TCP store server: one thread accepts, one thread per connection serves.
+//! The TCP store server: one thread runs an event loop (epoll) over the listener and every
+//! connection; no thread per connection.
 //!
-//! Bounded whatever clients do: at most [`MAX_UNAUTHENTICATED`] connections may be in their
-//! hello at once (more are closed at once), each must finish it within the handshake deadline,
-//! authenticated connections are capped by the world size, and the data held is capped per
-//! client and in total ([`Quota`]).
+//! Each connection is a small state machine: the server's nonce goes out on accept; the hello
+//! must arrive whole within [`HANDSHAKE_DEADLINE`]; then requests are answered one at a time in
+//! order (a client waits for each answer), a waiting get parks the connection until its key is
+//! set or its deadline passes. Bounded whatever clients do:
+//! - at most [`MAX_UNAUTHENTICATED`] connections may be in their hello at once (more are closed
+//!   as soon as they are accepted), and each must finish it within the handshake deadline;
+//! - authenticated connections are capped by the world size ([`max_clients`]);
+//! - a message must arrive whole within [`MESSAGE_DEADLINE`] of its first byte, and its length
+//!   is checked before anything is allocated for it; a connection holds at most one message in
+//!   and one answer out (the next request is not read until the answer is taken), and an answer
+//!   not taken within the message deadline closes the connection;
+//! - the data held is capped per client and in total ([`Quota`]).
+//!
+//! The listener's backlog is sized for the world (at least 1,024), so a start-up storm of
+//! connections waits in the kernel rather than being refused.
 
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
 use super::protocol::{
-    decode_request, hello_proof, recv, send, Request, Response, Seal, Side, StoreHello,
+    announced, decode_request, frame, hello_proof, open, Request, Response, Seal, Side, StoreHello,
     CLIENT_PROOF, HANDSHAKE_DEADLINE, MAX_HELLO, MAX_KEY, MAX_STORE_MESSAGE, MAX_VALUE,
     MESSAGE_DEADLINE, SERVER_PROOF, STORE_MAGIC, STORE_VERSION,
 };
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
-use crate::util::Slot;
 
 /// Connections allowed in their hello at once; more are closed as soon as they are accepted.
 pub const MAX_UNAUTHENTICATED: usize = 64;
@@ -31,6 +43,12 @@ pub const MAX_UNAUTHENTICATED: usize = 64;
 /// and the transports' (a rank holds one), with room for a launcher's and tools'.
 pub fn max_clients(world: usize) -> usize {
     world.saturating_mul(4).saturating_add(16)
+}
+
+/// The listen backlog for a job of `world` ranks: room for every rank's first connection at
+/// once (the kernel caps it at `net.core.somaxconn`).
+fn backlog(world: usize) -> i32 {
+    world.saturating_add(64).clamp(1024, 65_535) as i32
 }
 
 /// What the store holds at most.
@@ -64,19 +82,27 @@ struct Data {
     per_owner: HashMap<u64, usize>,
 }
 
-struct Shared {
-    data: Mutex<Data>,
-    cv: Condvar,
+/// What a request needs: an answer now, or a wait for keys not set yet.
+enum Applied {
+    Now(Response),
+    /// Wait for `keys` (one for a get, several for a get-all) until `deadline`.
+    Wait {
+        keys: Vec<String>,
+        all: bool,
+        deadline: Instant,
+    },
+}
+
+/// The store's contents and what they may grow to.
+struct Db {
+    data: Data,
     quota: Quota,
 }
 
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Data> {
-        self.data.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
+impl Db {
     /// Insert `key` = `value` for `owner`, within the quotas.
-    fn put(&self, d: &mut Data, key: String, value: Vec<u8>, owner: u64) -> Response {
+    fn put(&mut self, key: String, value: Vec<u8>, owner: u64) -> Response {
+        let d = &mut self.data;
         let size = key.len() + value.len();
         let old = d.map.get(&key).map(|e| (key.len() + e.value.len(), e.owner));
         let freed = old.map_or(0, |(n, _)| n);
@@ -102,64 +128,79 @@ impl Shared {
         *d.per_owner.entry(owner).or_insert(0) += size;
         d.bytes = d.bytes - freed + size;
         d.map.insert(key, Entry { value, owner });
-        self.cv.notify_all();
         Response::Ok
     }
 
-    fn serve(&self, req: Request, owner: u64) -> Response {
+    /// The answer to a wait on `keys` if it can be given now.
+    fn ready(&self, keys: &[String], all: bool) -> Option<Response> {
+        if all {
+            let vals: Option<Vec<Vec<u8>>> =
+                keys.iter().map(|k| self.data.map.get(k).map(|e| e.value.clone())).collect();
+            let vals = vals?;
+            // Each value costs its bytes and at most 10 of length in the answer.
+            let size: usize = vals.iter().map(|v| v.len() + 10).sum();
+            if size + 64 > MAX_STORE_MESSAGE {
+                return Some(Response::Err(format!(
+                    "the {} values asked for take {size} bytes, more than one store message \
+                     ({MAX_STORE_MESSAGE}); ask for fewer keys at once",
+                    keys.len()
+                )));
+            }
+            Some(Response::Values(vals))
+        } else {
+            keys.first()
+                .and_then(|k| self.data.map.get(k))
+                .map(|e| Response::Value(e.value.clone()))
+        }
+    }
+
+    /// Apply `req` from connection `owner`; the key it set, if it set one.
+    fn apply(&mut self, req: Request, owner: u64) -> (Applied, Option<String>) {
         let too_long = |k: &str| k.len() > MAX_KEY;
+        let now = |r| (Applied::Now(r), None);
         match req {
             Request::Set { key, value } => {
                 if too_long(&key) || value.len() > MAX_VALUE {
-                    return Response::Err(format!(
+                    return now(Response::Err(format!(
                         "key or value too large (limits {MAX_KEY} and {MAX_VALUE} bytes)"
-                    ));
+                    )));
                 }
-                let mut d = self.lock();
-                self.put(&mut d, key, value, owner)
+                let r = self.put(key.clone(), value, owner);
+                let set = matches!(r, Response::Ok).then_some(key);
+                (Applied::Now(r), set)
             }
-            Request::Get { key, timeout_ms } => {
-                let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(1 << 40));
-                let mut d = self.lock();
-                loop {
-                    if let Some(e) = d.map.get(&key) {
-                        return Response::Value(e.value.clone());
-                    }
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Response::Timeout;
-                    }
-                    d = self
-                        .cv
-                        .wait_timeout(d, deadline - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+            Request::Get { key, timeout_ms } => self.wait(vec![key], false, timeout_ms),
+            Request::GetAll { keys, timeout_ms } => {
+                if keys.iter().any(|k| too_long(k)) {
+                    return now(Response::Err(format!("key too long (limit {MAX_KEY} bytes)")));
                 }
+                self.wait(keys, true, timeout_ms)
             }
             Request::Add { key, delta } => {
                 if too_long(&key) {
-                    return Response::Err(format!("key too long (limit {MAX_KEY} bytes)"));
+                    return now(Response::Err(format!("key too long (limit {MAX_KEY} bytes)")));
                 }
-                let mut d = self.lock();
-                let cur = match d.map.get(&key) {
+                let cur = match self.data.map.get(&key) {
                     None => 0,
                     Some(e) => {
                         match std::str::from_utf8(&e.value).ok().and_then(|s| s.parse::<i64>().ok())
                         {
                             Some(n) => n,
-                            None => return Response::Err(format!("key {key:?} is not an integer")),
+                            None => {
+                                return now(Response::Err(format!("key {key:?} is not an integer")))
+                            }
                         }
                     }
                 };
                 let new = cur.wrapping_add(delta);
-                match self.put(&mut d, key, new.to_string().into_bytes(), owner) {
-                    Response::Ok => Response::Int(new),
-                    refused => refused,
+                match self.put(key.clone(), new.to_string().into_bytes(), owner) {
+                    Response::Ok => (Applied::Now(Response::Int(new)), Some(key)),
+                    refused => now(refused),
                 }
             }
             Request::Delete { key } => {
-                let mut d = self.lock();
-                match d.map.remove(&key) {
+                let d = &mut self.data;
+                now(match d.map.remove(&key) {
                     Some(e) => {
                         let n = key.len() + e.value.len();
                         d.bytes -= n;
@@ -169,12 +210,19 @@ impl Shared {
                         Response::Bool(true)
                     }
                     None => Response::Bool(false),
-                }
+                })
             }
             Request::Check { keys } => {
-                let d = self.lock();
-                Response::Bool(keys.iter().all(|k| d.map.contains_key(k)))
+                now(Response::Bool(keys.iter().all(|k| self.data.map.contains_key(k))))
             }
+        }
+    }
+
+    fn wait(&self, keys: Vec<String>, all: bool, timeout_ms: u64) -> (Applied, Option<String>) {
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(1 << 40));
+        match self.ready(&keys, all) {
+            Some(r) => (Applied::Now(r), None),
+            None => (Applied::Wait { keys, all, deadline }, None),
         }
     }
 }
@@ -219,7 +267,7 @@ impl StoreServer {
     /// Serve on an already bound listener, holding at most `quota`.
     ///
     /// # Errors
-    /// [`Error::Io`] when the listener cannot be configured.
+    /// [`Error::Io`] when the listener or the event loop cannot be set up.
     pub fn serve_with(
         listener: TcpListener,
         world: usize,
@@ -228,15 +276,34 @@ impl StoreServer {
     ) -> Result<StoreServer> {
         let addr = listener.local_addr().map_err(|e| Error::io(0, "store address", &e))?;
         listener.set_nonblocking(true).map_err(|e| Error::io(0, "store listener", &e))?;
+        // Listening again only resizes the queue of connections waiting to be accepted.
+        socket2::SockRef::from(&listener)
+            .listen(backlog(world))
+            .map_err(|e| Error::io(0, "store listener backlog", &e))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let shared =
-            Arc::new(Shared { data: Mutex::new(Data::default()), cv: Condvar::new(), quota });
+        let mut db = Db { data: Data::default(), quota };
         // This store tells who is connected (see `PRESENT`).
-        shared.serve(Request::Set { key: PRESENCE.into(), value: b"1".to_vec() }, u64::MAX);
+        db.put(PRESENCE.into(), b"1".to_vec(), u64::MAX);
+        let ev = Epoll::new().map_err(|e| Error::io(0, "store event loop", &e))?;
+        ev.add(listener.as_raw_fd(), LISTENER, libc::EPOLLIN as u32)
+            .map_err(|e| Error::io(0, "store event loop", &e))?;
+        let mut server = Server {
+            listener,
+            ev,
+            world,
+            key,
+            db,
+            conns: HashMap::new(),
+            waiters: HashMap::new(),
+            timers: BinaryHeap::new(),
+            in_hello: 0,
+            clients: 0,
+            next_id: 0,
+        };
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("tutti-store".into())
-            .spawn(move || accept_loop(listener, world, key, shared, stop2))
+            .spawn(move || server.run(&stop2))
             .map_err(|e| Error::io(0, "spawning the store thread", &e))?;
         debug!(%addr, world, "store serving");
         Ok(StoreServer { addr, stop, thread: Some(thread) })
@@ -257,128 +324,532 @@ impl Drop for StoreServer {
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    world: usize,
-    key: Option<JobKey>,
-    shared: Arc<Shared>,
-    stop: Arc<AtomicBool>,
-) {
-    let hello = Arc::new(AtomicUsize::new(0));
-    let clients = Arc::new(AtomicUsize::new(0));
-    let next_id = AtomicU64::new(0);
-    while !stop.load(Ordering::SeqCst) {
-        match listener.accept() {
-            Ok((s, peer)) => {
-                let Some(slot) = Slot::take(&hello, MAX_UNAUTHENTICATED) else {
-                    debug!(%peer, "store: {MAX_UNAUTHENTICATED} connections already in their hello; closed");
-                    drop(s);
-                    continue;
-                };
-                let (shared, key, stop, clients) =
-                    (shared.clone(), key.clone(), stop.clone(), clients.clone());
-                let id = next_id.fetch_add(1, Ordering::Relaxed);
-                let spawned =
-                    std::thread::Builder::new().name("tutti-store-conn".into()).spawn(move || {
-                        let conn = Conn { world, key: key.as_ref(), shared: &shared, stop: &stop };
-                        if let Err(e) = conn.serve(s, slot, &clients, id) {
-                            warn!(%peer, "store connection dropped: {e}");
-                        }
-                    });
-                if let Err(e) = spawned {
-                    warn!("store: cannot start a connection thread: {e}");
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                crate::util::wait_readable(listener.as_raw_fd(), Duration::from_millis(100));
-            }
-            Err(e) => {
-                warn!("store accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
+/// The epoll token of the listener (connections use their id, which starts at 0 and never
+/// reaches it).
+const LISTENER: u64 = u64::MAX;
+/// How often the loop looks at the stop flag when nothing happens.
+const STOP_SLICE: Duration = Duration::from_millis(100);
+
+/// A level-triggered epoll instance.
+struct Epoll(RawFd);
+
+impl Epoll {
+    fn new() -> std::io::Result<Epoll> {
+        // SAFETY: a plain system call; the descriptor is owned by the returned value.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
         }
+        Ok(Epoll(fd))
+    }
+
+    fn ctl(&self, op: i32, fd: RawFd, token: u64, events: u32) -> std::io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: `ev` lives across the call; the kernel copies it.
+        if unsafe { libc::epoll_ctl(self.0, op, fd, &mut ev) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn add(&self, fd: RawFd, token: u64, events: u32) -> std::io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd, token, events)
+    }
+
+    fn modify(&self, fd: RawFd, token: u64, events: u32) -> std::io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_MOD, fd, token, events)
+    }
+
+    fn wait(&self, evs: &mut [libc::epoll_event], timeout: Duration) -> usize {
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `evs` is valid for `evs.len()` entries, which the kernel fills.
+        let n = unsafe { libc::epoll_wait(self.0, evs.as_mut_ptr(), evs.len() as i32, ms) };
+        usize::try_from(n).unwrap_or(0)
     }
 }
 
-struct Conn<'a> {
-    world: usize,
-    key: Option<&'a JobKey>,
-    shared: &'a Shared,
-    stop: &'a AtomicBool,
+impl Drop for Epoll {
+    fn drop(&mut self) {
+        // SAFETY: we own the descriptor.
+        unsafe { libc::close(self.0) };
+    }
 }
 
-impl Conn<'_> {
-    fn serve(
-        &self,
-        mut s: TcpStream,
-        hello_slot: Slot,
-        clients: &Arc<AtomicUsize>,
-        id: u64,
-    ) -> std::result::Result<(), String> {
-        let deadline = Instant::now() + HANDSHAKE_DEADLINE;
-        s.set_nonblocking(false).map_err(|e| e.to_string())?;
-        s.set_nodelay(true).map_err(|e| e.to_string())?;
-        s.set_write_timeout(Some(HANDSHAKE_DEADLINE)).map_err(|e| e.to_string())?;
-        let nonce_s = auth::random::<16>()?;
-        std::io::Write::write_all(&mut s, &nonce_s).map_err(|e| e.to_string())?;
-        let body =
-            recv(&mut s, None, MAX_HELLO, deadline).map_err(|e| format!("no valid hello: {e}"))?;
-        let hello: StoreHello =
-            postcard::from_bytes(&body).map_err(|e| format!("malformed hello: {e}"))?;
-        let verdict = check_hello(&hello, self.world, self.key, &nonce_s);
-        let slot = match verdict {
-            Ok(()) => Slot::take(clients, max_clients(self.world)).ok_or_else(|| {
-                format!("more than {} store clients at once", max_clients(self.world))
-            }),
-            Err(e) => Err(e),
-        };
-        let slot = match slot {
-            Ok(slot) => slot,
+/// Where a connection is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Our nonce is out; the hello must arrive whole by the deadline.
+    Hello { by: Instant },
+    /// Authenticated: requests, one at a time.
+    Serving,
+    /// The last answer (a refusal) goes out, then the connection closes.
+    Closing,
+}
+
+/// A parked request: the connection waits for keys.
+struct Parked {
+    keys: Vec<String>,
+    all: bool,
+    deadline: Instant,
+    /// The key whose waiters list names this connection.
+    on: Option<String>,
+}
+
+struct Conn {
+    stream: TcpStream,
+    phase: Phase,
+    nonce_s: [u8; 16],
+    seal: Option<Seal>,
+    /// The client's rank once its hello was accepted.
+    rank: Option<u32>,
+    /// Bytes of the message being received (its 4-byte length first).
+    inbuf: Vec<u8>,
+    /// When the first byte of the message being received came.
+    msg_since: Option<Instant>,
+    /// The answer going out, and how much of it has.
+    out: Vec<u8>,
+    out_at: usize,
+    out_since: Option<Instant>,
+    parked: Option<Parked>,
+    /// The events asked of epoll now.
+    interest: u32,
+}
+
+struct Server {
+    listener: TcpListener,
+    ev: Epoll,
+    world: usize,
+    key: Option<JobKey>,
+    db: Db,
+    conns: HashMap<u64, Conn>,
+    /// Key → the parked connections that wait for it.
+    waiters: HashMap<String, Vec<u64>>,
+    /// (When, connection): a deadline to look at then (stale entries are skipped).
+    timers: BinaryHeap<std::cmp::Reverse<(Instant, u64)>>,
+    in_hello: usize,
+    clients: usize,
+    next_id: u64,
+}
+
+impl Server {
+    fn run(&mut self, stop: &AtomicBool) {
+        let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        while !stop.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            let mut timeout = STOP_SLICE;
+            if let Some(std::cmp::Reverse((t, _))) = self.timers.peek() {
+                timeout = timeout.min(t.saturating_duration_since(now));
+            }
+            let n = self.ev.wait(&mut evs, timeout);
+            for e in &evs[..n] {
+                let (token, flags) = (e.u64, e.events);
+                if token == LISTENER {
+                    self.accept_all();
+                } else {
+                    self.on_event(token, flags);
+                }
+            }
+            self.expire(Instant::now());
+        }
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            self.close(id, None);
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((s, peer)) => {
+                    if self.in_hello >= MAX_UNAUTHENTICATED {
+                        debug!(%peer, "store: {MAX_UNAUTHENTICATED} connections already in their hello; closed");
+                        continue;
+                    }
+                    if let Err(e) = self.admit(s) {
+                        warn!(%peer, "store connection dropped: {e}");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of descriptors, most likely: what is queued waits in the backlog.
+                    warn!("store accept failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn admit(&mut self, stream: TcpStream) -> std::io::Result<()> {
+        stream.set_nonblocking(true)?;
+        stream.set_nodelay(true)?;
+        let nonce_s = auth::random::<16>().map_err(std::io::Error::other)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        let now = Instant::now();
+        let by = now + HANDSHAKE_DEADLINE;
+        let interest = libc::EPOLLIN as u32 | libc::EPOLLRDHUP as u32;
+        self.ev.add(stream.as_raw_fd(), id, interest)?;
+        self.conns.insert(
+            id,
+            Conn {
+                stream,
+                phase: Phase::Hello { by },
+                nonce_s,
+                seal: None,
+                rank: None,
+                inbuf: Vec::new(),
+                msg_since: None,
+                out: Vec::new(),
+                out_at: 0,
+                out_since: None,
+                parked: None,
+                interest,
+            },
+        );
+        self.in_hello += 1;
+        self.timers.push(std::cmp::Reverse((by, id)));
+        self.queue(id, nonce_s.to_vec());
+        Ok(())
+    }
+
+    fn on_event(&mut self, id: u64, flags: u32) {
+        if !self.conns.contains_key(&id) {
+            return;
+        }
+        if flags & (libc::EPOLLHUP | libc::EPOLLERR) as u32 != 0 {
+            return self.close(id, None);
+        }
+        if flags & libc::EPOLLOUT as u32 != 0 {
+            self.flush(id);
+        }
+        let Some(c) = self.conns.get(&id) else { return };
+        let reading = c.parked.is_none() && c.out.is_empty() && c.phase != Phase::Closing;
+        if flags & libc::EPOLLRDHUP as u32 != 0 && !reading {
+            // The client shut its end while it waits for an answer or has not taken one: it
+            // is gone (no client of this protocol half-closes), and must not hold its slot.
+            return self.close(id, None);
+        }
+        if flags & (libc::EPOLLIN | libc::EPOLLRDHUP) as u32 != 0 {
+            self.read(id);
+        }
+    }
+
+    /// Read what the connection may send now: at most the rest of one message.
+    fn read(&mut self, id: u64) {
+        loop {
+            let Some(c) = self.conns.get_mut(&id) else { return };
+            if c.parked.is_some() || !c.out.is_empty() || c.phase == Phase::Closing {
+                // One request at a time: the next is read once this one's answer is out.
+                return;
+            }
+            let (max, sealed) = match c.phase {
+                Phase::Hello { .. } => (MAX_HELLO, false),
+                _ => (MAX_STORE_MESSAGE, c.seal.is_some()),
+            };
+            // How much this message still needs: its length first, then its body.
+            let want = if c.inbuf.len() < 4 {
+                4 - c.inbuf.len()
+            } else {
+                let mut len = [0u8; 4];
+                len.copy_from_slice(&c.inbuf[..4]);
+                match announced(len, sealed, max) {
+                    Ok(n) => 4 + n - c.inbuf.len(),
+                    Err(e) => return self.refuse(id, format!("bad message: {e}")),
+                }
+            };
+            if want == 0 {
+                let mut msg = std::mem::take(&mut c.inbuf);
+                c.msg_since = None;
+                msg.drain(..4);
+                self.message(id, msg);
+                continue;
+            }
+            let at = c.inbuf.len();
+            c.inbuf.resize(at + want, 0);
+            match c.stream.read(&mut c.inbuf[at..]) {
+                Ok(0) => {
+                    c.inbuf.truncate(at);
+                    let ended_cleanly = at == 0 && c.phase == Phase::Serving;
+                    let why = (!ended_cleanly).then(|| "the client closed mid-message".to_string());
+                    return self.close(id, why);
+                }
+                Ok(k) => {
+                    c.inbuf.truncate(at + k);
+                    if at == 0 {
+                        let since = Instant::now();
+                        c.msg_since = Some(since);
+                        self.timers.push(std::cmp::Reverse((since + MESSAGE_DEADLINE, id)));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    c.inbuf.truncate(at);
+                    return;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => c.inbuf.truncate(at),
+                Err(e) => {
+                    c.inbuf.truncate(at);
+                    return self.close(id, Some(e.to_string()));
+                }
+            }
+        }
+    }
+
+    /// A whole message arrived on `id`.
+    fn message(&mut self, id: u64, body: Vec<u8>) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        if matches!(c.phase, Phase::Hello { .. }) {
+            return self.hello(id, body);
+        }
+        let body = match open(c.seal.as_mut(), body) {
+            Ok(b) => b,
             Err(e) => {
-                let _ = send(&mut s, None, &Response::Err(e.clone()));
-                return Err(format!("refused a client: {e}"));
+                let rank = c.rank.unwrap_or(u32::MAX);
+                return self.close(id, Some(format!("bad request from rank {rank}: {e}")));
             }
         };
-        drop(hello_slot);
-        let proof = self.key.map(|k| hello_proof(k, SERVER_PROOF, &nonce_s, &hello));
-        send(&mut s, None, &Response::Welcome(proof)).map_err(|e| e.to_string())?;
-        let mut seal = self.key.map(|k| Seal::new(k.clone(), &nonce_s, &hello.nonce, Side::Server));
-        let _slot = slot;
+        let req = match decode_request(&body) {
+            Ok(r) => r,
+            Err(e) => return self.refuse(id, e),
+        };
+        let (applied, set) = self.db.apply(req, id);
+        match applied {
+            Applied::Now(r) => self.answer(id, &r),
+            Applied::Wait { keys, all, deadline } => {
+                self.timers.push(std::cmp::Reverse((deadline, id)));
+                let on = keys.iter().find(|k| !self.db.data.map.contains_key(*k)).cloned();
+                if let Some(k) = &on {
+                    self.waiters.entry(k.clone()).or_default().push(id);
+                }
+                if let Some(c) = self.conns.get_mut(&id) {
+                    c.parked = Some(Parked { keys, all, deadline, on });
+                }
+            }
+        }
+        if let Some(k) = set {
+            self.wake(&k);
+        }
+    }
+
+    fn hello(&mut self, id: u64, body: Vec<u8>) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        let hello: StoreHello = match postcard::from_bytes(&body) {
+            Ok(h) => h,
+            Err(e) => return self.close(id, Some(format!("malformed hello: {e}"))),
+        };
+        let verdict =
+            check_hello(&hello, self.world, self.key.as_ref(), &c.nonce_s).and_then(|()| {
+                if self.clients >= max_clients(self.world) {
+                    Err(format!("more than {} store clients at once", max_clients(self.world)))
+                } else {
+                    Ok(())
+                }
+            });
+        if let Err(e) = verdict {
+            debug!("store refused a client: {e}");
+            return self.refuse(id, e);
+        }
+        let proof = self.key.as_ref().map(|k| hello_proof(k, SERVER_PROOF, &c.nonce_s, &hello));
+        c.seal =
+            self.key.as_ref().map(|k| Seal::new(k.clone(), &c.nonce_s, &hello.nonce, Side::Server));
+        c.phase = Phase::Serving;
+        c.rank = Some(hello.rank);
+        self.in_hello -= 1;
+        self.clients += 1;
         // Count this rank's open connections while they last: a rank whose process died has
         // none (the kernel closes its sockets), which its survivors can read.
-        let present = format!("{PRESENT}{}", hello.rank);
-        self.shared.serve(Request::Add { key: present.clone(), delta: 1 }, id);
-        let _gone = Leave(|| {
-            self.shared.serve(Request::Add { key: present.clone(), delta: -1 }, id);
-        });
-        // Requests may legitimately wait long (a get with a long timeout), so wait for the next
-        // one in slices, checking for stop; a message, once begun, must arrive whole in time.
-        s.set_write_timeout(Some(MESSAGE_DEADLINE)).map_err(|e| e.to_string())?;
-        loop {
-            while !crate::util::wait_readable(s.as_raw_fd(), Duration::from_millis(200)) {
-                if self.stop.load(Ordering::SeqCst) {
-                    return Ok(());
+        self.present(hello.rank, 1, id);
+        self.queue(id, frame(None, &Response::Welcome(proof)).unwrap_or_default());
+    }
+
+    fn present(&mut self, rank: u32, delta: i64, id: u64) {
+        let key = format!("{PRESENT}{rank}");
+        let _ = self.db.apply(Request::Add { key: key.clone(), delta }, id);
+        self.wake(&key);
+    }
+
+    /// Answer the request of `id` (sealed when the connection is).
+    fn answer(&mut self, id: u64, r: &Response) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        match frame(c.seal.as_mut(), r) {
+            Ok(bytes) => self.queue(id, bytes),
+            Err(e) => self.close(id, Some(format!("cannot encode an answer: {e}"))),
+        }
+    }
+
+    /// Say why (unsealed in the hello, sealed after) and close once it is out.
+    fn refuse(&mut self, id: u64, why: String) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        let sealed = if c.phase == Phase::Serving { c.seal.as_mut() } else { None };
+        let bytes = frame(sealed, &Response::Err(why.clone())).unwrap_or_default();
+        if matches!(c.phase, Phase::Hello { .. }) {
+            self.in_hello -= 1;
+        } else if c.phase == Phase::Serving {
+            self.clients -= 1;
+            if let Some(r) = c.rank {
+                self.present(r, -1, id);
+            }
+        }
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.phase = Phase::Closing;
+            warn!(rank = ?c.rank, "store connection refused: {why}");
+        }
+        self.queue(id, bytes);
+    }
+
+    fn queue(&mut self, id: u64, bytes: Vec<u8>) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        c.out.extend_from_slice(&bytes);
+        if c.out_since.is_none() {
+            let now = Instant::now();
+            c.out_since = Some(now);
+            self.timers.push(std::cmp::Reverse((now + MESSAGE_DEADLINE, id)));
+        }
+        self.flush(id);
+    }
+
+    /// Write what is queued; when all is out, read on (or close a closing connection).
+    fn flush(&mut self, id: u64) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        while c.out_at < c.out.len() {
+            match c.stream.write(&c.out[c.out_at..]) {
+                Ok(0) => return self.close(id, Some("the client stopped reading".into())),
+                Ok(k) => c.out_at += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return self.close(id, Some(e.to_string())),
+            }
+        }
+        let done = c.out_at == c.out.len();
+        if done {
+            c.out.clear();
+            c.out_at = 0;
+            c.out_since = None;
+            if c.phase == Phase::Closing {
+                return self.close(id, None);
+            }
+        }
+        let want = libc::EPOLLRDHUP as u32
+            | if done { libc::EPOLLIN as u32 } else { libc::EPOLLOUT as u32 };
+        let want = if c.parked.is_some() { libc::EPOLLRDHUP as u32 } else { want };
+        if want != c.interest {
+            c.interest = want;
+            if let Err(e) = self.ev.modify(c.stream.as_raw_fd(), id, want) {
+                self.close(id, Some(e.to_string()));
+            }
+        }
+        // A request already waiting in the socket is reported by the next wait (level
+        // triggered), or read by the `read` loop this answer came from: never read from here,
+        // so a client that sends many requests at once cannot deepen the stack.
+    }
+
+    /// `key` was set: answer the connections parked on it that can be answered now.
+    fn wake(&mut self, key: &str) {
+        let Some(ids) = self.waiters.remove(key) else { return };
+        for id in ids {
+            let Some(c) = self.conns.get_mut(&id) else { continue };
+            let Some(p) = c.parked.as_mut() else { continue };
+            if p.on.as_deref() != Some(key) {
+                continue;
+            }
+            match self.db.ready(&p.keys, p.all) {
+                Some(r) => {
+                    c.parked = None;
+                    self.answer(id, &r);
+                }
+                None => {
+                    // A get-all still missing keys waits for the next of them.
+                    p.on = p.keys.iter().find(|k| !self.db.data.map.contains_key(*k)).cloned();
+                    if let Some(k) = &p.on {
+                        self.waiters.entry(k.clone()).or_default().push(id);
+                    }
                 }
             }
-            let body = match recv(
-                &mut s,
-                seal.as_mut(),
-                MAX_STORE_MESSAGE,
-                Instant::now() + MESSAGE_DEADLINE,
-            ) {
-                Ok(b) => b,
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                Err(e) => return Err(format!("bad request from rank {}: {e}", hello.rank)),
-            };
-            let resp = match decode_request(&body) {
-                Ok(req) => self.shared.serve(req, id),
-                Err(e) => {
-                    let _ = send(&mut s, seal.as_mut(), &Response::Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            send(&mut s, seal.as_mut(), &resp).map_err(|e| e.to_string())?;
         }
+    }
+
+    /// Deadlines that have passed by `now`: hellos and messages too slow, answers not taken,
+    /// waits out of time.
+    fn expire(&mut self, now: Instant) {
+        while let Some(std::cmp::Reverse((t, id))) = self.timers.peek().copied() {
+            if t > now {
+                return;
+            }
+            self.timers.pop();
+            let Some(c) = self.conns.get_mut(&id) else { continue };
+            if matches!(c.phase, Phase::Hello { by } if by <= now) {
+                self.close(id, Some("no valid hello in time".into()));
+                continue;
+            }
+            if c.msg_since.is_some_and(|s| s + MESSAGE_DEADLINE <= now) {
+                let rank = c.rank.unwrap_or(u32::MAX);
+                self.close(id, Some(format!("rank {rank}'s message did not arrive whole in time")));
+                continue;
+            }
+            if c.out_since.is_some_and(|s| s + MESSAGE_DEADLINE <= now) {
+                self.close(id, Some("the client did not take its answer in time".into()));
+                continue;
+            }
+            if c.parked.as_ref().is_some_and(|p| p.deadline <= now) {
+                let p = c.parked.take();
+                self.unwait(id, p);
+                self.answer(id, &Response::Timeout);
+            }
+        }
+        // Entries for deadlines already met (answered waits, messages that came whole) go
+        // stale; rebuild the heap from the live deadlines before they outnumber the
+        // connections by much.
+        if self.timers.len() > 1024 + 4 * self.conns.len() {
+            let mut live = BinaryHeap::new();
+            for (id, c) in &self.conns {
+                let mut push = |t: Instant| live.push(std::cmp::Reverse((t, *id)));
+                if let Phase::Hello { by } = c.phase {
+                    push(by);
+                }
+                if let Some(s) = c.msg_since {
+                    push(s + MESSAGE_DEADLINE);
+                }
+                if let Some(s) = c.out_since {
+                    push(s + MESSAGE_DEADLINE);
+                }
+                if let Some(p) = &c.parked {
+                    push(p.deadline);
+                }
+            }
+            self.timers = live;
+        }
+    }
+
+    /// Take connection `id` off the waiters list its parked request is on.
+    fn unwait(&mut self, id: u64, p: Option<Parked>) {
+        let Some(k) = p.and_then(|p| p.on) else { return };
+        if let Some(ids) = self.waiters.get_mut(&k) {
+            ids.retain(|x| *x != id);
+            if ids.is_empty() {
+                self.waiters.remove(&k);
+            }
+        }
+    }
+
+    /// Drop connection `id` (its slot and its presence count go with it).
+    fn close(&mut self, id: u64, why: Option<String>) {
+        let Some(mut c) = self.conns.remove(&id) else { return };
+        self.unwait(id, c.parked.take());
+        match c.phase {
+            Phase::Hello { .. } => self.in_hello -= 1,
+            Phase::Serving => {
+                self.clients -= 1;
+                if let Some(r) = c.rank {
+                    self.present(r, -1, id);
+                }
+            }
+            Phase::Closing => {}
+        }
+        if let Some(why) = why {
+            warn!(rank = ?c.rank, "store connection dropped: {why}");
+        }
+        // Closing the socket removes it from the epoll set.
+        drop(c);
     }
 }
 
@@ -386,15 +857,6 @@ impl Conn<'_> {
 pub const PRESENCE: &str = "tutti/presence";
 /// `PRESENT` + rank: how many connections that rank has open to this store now.
 pub const PRESENT: &str = "tutti/present/";
-
-/// Runs its closure when dropped (a connection's end, however it ends).
-struct Leave<F: FnMut()>(F);
-
-impl<F: FnMut()> Drop for Leave<F> {
-    fn drop(&mut self) {
-        (self.0)();
-    }
-}
 
 fn check_hello(
     h: &StoreHello,

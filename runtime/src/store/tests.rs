@@ -26,6 +26,7 @@ proptest! {
             Request::Add { key: key.clone(), delta },
             Request::Delete { key: key.clone() },
             Request::Check { keys: vec![key.clone(), key.clone()] },
+            Request::GetAll { keys: vec![key.clone(), key.clone()], timeout_ms: 5 },
         ] {
             let body = postcard::to_stdvec(&req).unwrap();
             prop_assert_eq!(decode_request(&body), Ok(req));
@@ -399,38 +400,26 @@ fn quotas_refuse_and_the_store_stays_healthy() {
     assert!(e.contains("100 keys"), "{e}");
 }
 
-/// The store's connection threads now alive in this process (named `tutti-store-conn`, which
-/// the kernel shortens to 15 bytes). Counting only these keeps the tests that run beside this
-/// one in the same process out of the count.
-fn store_conn_threads() -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return 0 };
-    dir.filter_map(|e| e.ok())
-        .filter(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| c.trim_end().starts_with("tutti-store-con"))
-        })
-        .count()
-}
-
 #[test]
 fn dripping_connections_are_bounded_and_closed_in_time() {
     // 300 connections that send a hello one byte per second: at most MAX_UNAUTHENTICATED of
-    // them get a thread, the rest are closed at once, the ones served are closed at the
-    // handshake deadline, and real clients keep working meanwhile.
+    // them are taken in (they get the server's nonce), the rest are closed at once, the ones
+    // taken in are closed at the handshake deadline, and real clients keep working meanwhile.
     let key = JobKey::from_token("drip-test-secret");
     let srv = server(2, Some(key.clone()));
-    let before = store_conn_threads();
     let start = Instant::now();
     let mut drips: Vec<TcpStream> =
         (0..300).filter_map(|_| TcpStream::connect(srv.addr()).ok()).collect();
     std::thread::sleep(Duration::from_millis(300));
-    let peak = store_conn_threads();
-    // Other store tests in this process may open a few connections meanwhile: 8 to spare,
-    // far below the 300 that an unbounded server would start.
-    assert!(
-        peak <= before + MAX_UNAUTHENTICATED + 8,
-        "{peak} threads with 300 drips (before {before})"
-    );
+    let mut taken_in = 0;
+    for d in &mut drips {
+        d.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut nonce = [0u8; 16];
+        if d.read_exact(&mut nonce).is_ok() {
+            taken_in += 1;
+        }
+    }
+    assert_eq!(taken_in, MAX_UNAUTHENTICATED, "of 300 drips");
     let c = TcpStore::connect(srv.addr(), 0, 2, Some(&key), Duration::from_secs(10)).unwrap();
     c.set("k", b"v").unwrap();
     // Drip one byte per connection per second until every one is closed.
@@ -499,4 +488,122 @@ fn file_store_is_private_authenticated_and_cleaned_up() {
     assert!(dir.exists(), "removed before the last rank left");
     drop(leavers.next());
     assert!(!dir.exists(), "left behind after a clean end");
+}
+
+#[test]
+fn get_all_waits_for_the_last_key_and_names_a_missing_one() {
+    let key = JobKey::from_token("t");
+    let srv = server(2, Some(key.clone()));
+    let a = TcpStore::connect(srv.addr(), 0, 2, Some(&key), Duration::from_secs(5)).unwrap();
+    let b = TcpStore::connect(srv.addr(), 1, 2, Some(&key), Duration::from_secs(5)).unwrap();
+    a.set("x/0", b"zero").unwrap();
+    a.set("x/1", b"one").unwrap();
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            b.set("x/2", b"two").unwrap();
+        });
+        let v = a.get_all(&["x/2", "x/0", "x/1"], Duration::from_secs(10)).unwrap();
+        assert_eq!(v, [b"two".to_vec(), b"zero".to_vec(), b"one".to_vec()]);
+    });
+    assert!(t.elapsed() >= Duration::from_millis(190), "answered before the last key was set");
+    match a.get_all(&["x/0", "x/9", "x/1"], Duration::from_millis(200)) {
+        Err(Error::StoreTimeout { key, .. }) => assert_eq!(key, "x/9"),
+        other => panic!("{other:?}"),
+    }
+    // More keys than one request carries: asked in several, answered in order.
+    let keys: Vec<String> = (0..3000).map(|i| format!("many/{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        b.set(k, i.to_string().as_bytes()).unwrap();
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let v = a.get_all(&refs, Duration::from_secs(5)).unwrap();
+    assert!(v.iter().enumerate().all(|(i, x)| *x == i.to_string().into_bytes()));
+    // The store still answers the waiting client's partner after all this.
+    assert_eq!(b.get("x/1", Duration::from_secs(1)).unwrap(), b"one");
+}
+
+/// Threads of this process now.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+}
+
+#[test]
+fn one_thread_serves_every_client() {
+    // As many clients as the descriptor limit allows (up to 1,000; the test raises its soft
+    // limit to the hard one), all connected at once: the server's thread count does not grow
+    // with them, and each is answered.
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain system calls on a local struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        lim.rlim_cur = lim.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+    }
+    let n = ((lim.rlim_cur as usize).saturating_sub(200) / 2).min(1000);
+    assert!(n >= 300, "descriptor limit {} too low for the test", lim.rlim_cur);
+    let key = JobKey::from_token("t");
+    let srv = server(n, Some(key.clone()));
+    let before = threads();
+    let clients: Vec<TcpStore> = (0..n)
+        .map(|r| TcpStore::connect(srv.addr(), r, n, Some(&key), Duration::from_secs(10)).unwrap())
+        .collect();
+    for (r, c) in clients.iter().enumerate() {
+        c.set(&format!("addr/{r}"), r.to_string().as_bytes()).unwrap();
+    }
+    // Tests beside this one in the same process may start a few threads: 8 to spare, far below
+    // the one per client a threaded server would need.
+    let after = threads();
+    assert!(after <= before + 8, "{after} threads with {n} clients (before {before})");
+    let keys: Vec<String> = (0..n).map(|r| format!("addr/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let v = clients[n - 1].get_all(&refs, Duration::from_secs(5)).unwrap();
+    assert!(v.iter().enumerate().all(|(r, x)| *x == r.to_string().into_bytes()));
+}
+
+#[test]
+fn many_requests_sent_at_once_are_answered_in_order() {
+    // A client that does not wait for its answers (20,000 adds in one write): answered one by
+    // one, in order, and the server stays healthy (no recursion or buffering per request).
+    let srv = server(1, None);
+    let mut s = TcpStream::connect(srv.addr()).unwrap();
+    let mut nonce = [0u8; 16];
+    s.read_exact(&mut nonce).unwrap();
+    let hello = StoreHello {
+        magic: *b"TUTTISTR",
+        version: 2,
+        rank: 0,
+        world: 1,
+        nonce: [1; 16],
+        mac: None,
+    };
+    let body = postcard::to_stdvec(&hello).unwrap();
+    let mut m = (body.len() as u32).to_le_bytes().to_vec();
+    m.extend_from_slice(&body);
+    s.write_all(&m).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut answer = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut answer).unwrap();
+    let n = 20_000;
+    let req = postcard::to_stdvec(&Request::Add { key: "n".into(), delta: 1 }).unwrap();
+    let mut all = Vec::new();
+    for _ in 0..n {
+        all.extend_from_slice(&(req.len() as u32).to_le_bytes());
+        all.extend_from_slice(&req);
+    }
+    let mut w = s.try_clone().unwrap();
+    let writer = std::thread::spawn(move || w.write_all(&all).unwrap());
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    for i in 1..=n {
+        s.read_exact(&mut len).unwrap();
+        let mut answer = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut answer).unwrap();
+        assert_eq!(postcard::from_bytes::<Response>(&answer).unwrap(), Response::Int(i));
+    }
+    writer.join().unwrap();
+    let c = TcpStore::connect(srv.addr(), 0, 1, None, Duration::from_secs(5)).unwrap();
+    assert_eq!(c.add("n", 0).unwrap(), n);
 }

@@ -186,22 +186,23 @@ impl<'a> Watch<'a> {
         }
     }
 
-    /// `store`'s value at `key`, waiting until `deadline` (then `on_timeout`'s error), and
-    /// looking between slices of the wait.
-    pub(crate) fn get(
+    /// `store`'s values at `keys`, in one round trip per slice of the wait
+    /// (`Store::get_all`), waiting until `deadline` (then `on_timeout`'s error, given the key
+    /// the store named as missing) and looking between slices.
+    pub(crate) fn get_all(
         &self,
         store: &dyn crate::store::Store,
         rank: usize,
-        key: &str,
+        keys: &[&str],
         deadline: Instant,
-        on_timeout: impl FnOnce() -> Error,
-    ) -> Result<Vec<u8>> {
+        on_timeout: impl FnOnce(&str) -> Error,
+    ) -> Result<Vec<Vec<u8>>> {
         loop {
             self.check(rank)?;
             let left = deadline.saturating_duration_since(Instant::now());
-            match store.get(key, self.slice(left)) {
+            match store.get_all(keys, self.slice(left)) {
                 Err(Error::StoreTimeout { .. }) if Instant::now() < deadline => continue,
-                Err(Error::StoreTimeout { .. }) => return Err(on_timeout()),
+                Err(Error::StoreTimeout { key, .. }) => return Err(on_timeout(&key)),
                 other => return other,
             }
         }

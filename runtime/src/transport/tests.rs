@@ -351,12 +351,7 @@ mod refused {
             // eat the server's handshake timeout.
             let wrong = JobKey::from_token("wrong");
             let mut s = TcpStream::connect(addr0).unwrap();
-            handshake::client(
-                &mut s,
-                &wrong,
-                hello(job, 1),
-                Instant::now() + T,
-            )
+            handshake::client(&mut s, &wrong, hello(job, 1), Instant::now() + T)
         };
         assert_eq!(wrong_token, Err(handshake::HsError::Proof));
         // Without the key, a wrong job id, world or rank is not revealed: the proof is checked

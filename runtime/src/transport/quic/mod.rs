@@ -213,19 +213,23 @@ impl QuicTransport {
         crate::store::set_signed(store, &id.key, id.job, &quic_key(rank), mine.as_bytes())?;
         // Everyone's address and fingerprint, from the authenticated store.
         let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
-        for (j, slot) in peers.iter_mut().enumerate().filter(|(j, _)| *j != rank) {
-            let raw = watch.get(store, rank, &quic_key(j), deadline, || {
-                rv(format!(
-                    "rank {j} did not publish its QUIC address within {:?}",
-                    cfg.connect_timeout
-                ))
-            })?;
+        let others: Vec<usize> = (0..world).filter(|j| *j != rank).collect();
+        let keys: Vec<String> = others.iter().map(|j| quic_key(*j)).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let raws = watch.get_all(store, rank, &refs, deadline, |missing| {
+            let j = missing.rsplit('/').next().unwrap_or(missing);
+            rv(format!(
+                "rank {j} did not publish its QUIC address within {:?}",
+                cfg.connect_timeout
+            ))
+        })?;
+        for (&j, raw) in others.iter().zip(raws) {
             let raw = crate::store::open_signed(&id.key, id.job, &quic_key(j), raw)
                 .ok_or_else(|| crate::store::forged(rank, j, "QUIC address and certificate"))?;
             let text = String::from_utf8_lossy(&raw).into_owned();
             let parsed =
                 text.split_once('|').and_then(|(a, f)| Some((a.parse().ok()?, tls::unhex(f)?)));
-            *slot = Some(parsed.ok_or_else(|| {
+            peers[j] = Some(parsed.ok_or_else(|| {
                 rv(format!("rank {j} published a malformed QUIC address {text:?}"))
             })?);
         }

@@ -122,17 +122,23 @@ impl TcpTransport {
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
         let result = (|| {
-            // Learn every lower rank's address first, so the store is not needed once connected.
-            let mut addrs = Vec::with_capacity(rank);
-            for j in 0..rank {
-                let raw = watch.get(store, rank, &addr_key(j), deadline, || Error::Rendezvous {
+            // Learn every lower rank's address first, in one round (so the store is not
+            // needed once connected).
+            let keys: Vec<String> = (0..rank).map(addr_key).collect();
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let raws = watch.get_all(store, rank, &refs, deadline, |missing| {
+                let j = missing.rsplit('/').next().unwrap_or(missing);
+                Error::Rendezvous {
                     rank,
                     detail: format!(
                         "rank {j} did not publish its address within {:?}: it never started, \
                          crashed before rendezvous, or uses another store",
                         cfg.connect_timeout
                     ),
-                })?;
+                }
+            })?;
+            let mut addrs = Vec::with_capacity(rank);
+            for (j, raw) in raws.into_iter().enumerate() {
                 let raw = crate::store::open_signed(&id.key, id.job, &addr_key(j), raw)
                     .ok_or_else(|| crate::store::forged(rank, j, "address"))?;
                 let text = String::from_utf8_lossy(&raw).into_owned();
@@ -252,7 +258,7 @@ fn connect_one(
                     });
                 }
                 debug!(rank, peer = j, %addr, "connect failed: {e}; retrying");
-                std::thread::sleep(backoff);
+                std::thread::sleep(crate::util::jitter(backoff));
                 backoff = (backoff * 2).min(Duration::from_millis(100));
                 continue;
             }
@@ -282,7 +288,7 @@ fn connect_one(
             // new ones at once): try again until the deadline.
             Err(handshake::HsError::Io(e)) if Instant::now() + backoff < deadline => {
                 debug!(rank, peer = j, %addr, "handshake i/o failed: {e}; retrying");
-                std::thread::sleep(backoff);
+                std::thread::sleep(crate::util::jitter(backoff));
                 backoff = (backoff * 2).min(Duration::from_millis(100));
             }
             Err(e) => {
