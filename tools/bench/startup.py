@@ -9,7 +9,10 @@ run interleaved with the default in every round, so their ratios come from the s
 the machine.
 
     python3 tools/bench/startup.py --sizes 16,32,64,128,256 --rounds 3 \\
-        [--variant TUTTI_SHM=0] [--bin target/release] [--timeout 300]
+        [--variant TUTTI_SHM=0] [--bin target/release [--bin OTHER_BUILD/release]] [--timeout 300]
+
+Several `--bin` directories (today's build and another) run interleaved too, each variant with
+each build, so old and new are compared in the same minutes.
 
 Prints one line per run (`round N variant rc wall fds threads`) and a markdown table of medians.
 Exit status 1 when any run failed (its output's last lines are printed).
@@ -64,12 +67,12 @@ def sample(root_pid, stop, peak):
         stop.wait(0.02)
 
 
-def run(n, env_extra, args):
+def run(n, env_extra, bindir, args):
     env = dict(os.environ)
     env.update(env_extra)
     cmd = [
-        os.path.join(args.bin, "tutti-run"), "--nproc", str(n), "--",
-        os.path.join(args.bin, "collbench"), "allreduce", "-b", "8", "-e", "64K", "-f", "8192",
+        os.path.join(bindir, "tutti-run"), "--nproc", str(n), "--",
+        os.path.join(bindir, "collbench"), "allreduce", "-b", "8", "-e", "64K", "-f", "8192",
         "-n", "5", "-w", "1", "-c", "1",
     ]
     peak = {"fds": 0, "threads": 0}
@@ -97,19 +100,26 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[],
                     help="KEY=VAL[,KEY=VAL] run interleaved with the default")
-    ap.add_argument("--bin", default="target/release")
+    ap.add_argument("--bin", action="append", default=[],
+                    help="directory with tutti-run and collbench (repeat to compare builds)")
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args()
-    variants = [("default", {})]
+    bins = args.bin or ["target/release"]
+    envs = [("default", {})]
     for v in args.variant:
-        variants.append((v, dict(kv.split("=", 1) for kv in v.split(","))))
+        envs.append((v, dict(kv.split("=", 1) for kv in v.split(","))))
+    variants = []
+    for b in bins:
+        for name, env in envs:
+            label = name if len(bins) == 1 else f"{b}:{name}"
+            variants.append((label, env, b))
     sizes = [int(s) for s in args.sizes.split(",")]
     res = {}
     failed = False
     for r in range(1, args.rounds + 1):
         for n in sizes:
-            for name, env in variants:
-                rc, wall, peak, out = run(n, env, args)
+            for name, env, bindir in variants:
+                rc, wall, peak, out = run(n, env, bindir, args)
                 print(f"round {r} N {n} {name} rc {rc} wall {wall:.2f} fds {peak['fds']} "
                       f"threads {peak['threads']}", flush=True)
                 if rc != 0:
@@ -120,7 +130,7 @@ def main():
     print("| N | variant | wall s (median) | rounds | failed | fds of one rank | threads of one rank |")
     print("|---|---|---:|---|---:|---:|---:|")
     for n in sizes:
-        for name, _ in variants:
+        for name, _, _ in variants:
             runs = res[(n, name)]
             walls = [w for _, w, _ in runs]
             bad = sum(1 for rc, _, _ in runs if rc != 0)

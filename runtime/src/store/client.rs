@@ -251,21 +251,11 @@ impl TcpStore {
         };
         match self.call(&req, timeout)? {
             Response::Values(v) if v.len() == keys.len() => Ok(v),
-            Response::Timeout => {
-                // Name a key that is still missing (one more look, on the slow path only).
-                let mut missing = keys.first().copied().unwrap_or("");
-                for k in keys {
-                    if !self.check(&[k])? {
-                        missing = k;
-                        break;
-                    }
-                }
-                Err(Error::StoreTimeout {
-                    addr: self.addr.to_string(),
-                    key: missing.into(),
-                    after: timeout,
-                })
-            }
+            Response::TimeoutOn(missing) => Err(Error::StoreTimeout {
+                addr: self.addr.to_string(),
+                key: missing,
+                after: timeout,
+            }),
             r => Err(unexpected(&self.addr, r)),
         }
     }

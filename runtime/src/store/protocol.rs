@@ -141,6 +141,8 @@ pub enum Response {
     Welcome(Option<[u8; 32]>),
     /// The values of a [`Request::GetAll`], in its keys' order.
     Values(Vec<Vec<u8>>),
+    /// A [`Request::GetAll`] ran out of time; the first of its keys still missing.
+    TimeoutOn(String),
 }
 
 /// Decode one store message body. Never panics; this is the entry point fuzzing uses.

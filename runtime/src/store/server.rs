@@ -792,8 +792,12 @@ impl Server {
             }
             if c.parked.as_ref().is_some_and(|p| p.deadline <= now) {
                 let p = c.parked.take();
+                let r = match p.as_ref() {
+                    Some(p) if p.all => Response::TimeoutOn(p.on.clone().unwrap_or_default()),
+                    _ => Response::Timeout,
+                };
                 self.unwait(id, p);
-                self.answer(id, &Response::Timeout);
+                self.answer(id, &r);
             }
         }
         // Entries for deadlines already met (answered waits, messages that came whole) go
