@@ -5,8 +5,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::protocol::{
-    hello_proof, recv, send, Request, Response, Seal, Side, StoreHello, CLIENT_PROOF,
+    hello_proof, recv, send, Request, Response, Seal, Side, StoreHello, CLIENT_PROOF, GET_ALL_KEYS,
     HANDSHAKE_DEADLINE, MAX_HELLO, MAX_STORE_MESSAGE, SERVER_PROOF, STORE_MAGIC, STORE_VERSION,
+    TOO_LARGE,
 };
 use super::Store;
 use crate::auth::{self, JobKey};
@@ -229,7 +230,7 @@ impl Store for TcpStore {
                 take += 1;
             }
             let (chunk, tail) = rest.split_at(take.max(1));
-            out.extend(self.get_chunk(chunk, deadline.saturating_duration_since(Instant::now()))?);
+            out.extend(self.get_chunk(chunk, deadline)?);
             rest = tail;
         }
         Ok(out)
@@ -240,17 +241,23 @@ impl Store for TcpStore {
     }
 }
 
-/// Most keys in one get-all request.
-const GET_ALL_KEYS: usize = 1024;
-
 impl TcpStore {
-    fn get_chunk(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+    /// One get-all request for `keys`; halved and asked again while the values are too large
+    /// for one answer.
+    fn get_chunk(&self, keys: &[&str], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+        let timeout = deadline.saturating_duration_since(Instant::now());
         let req = Request::GetAll {
             keys: keys.iter().map(|k| k.to_string()).collect(),
             timeout_ms: timeout.as_millis() as u64,
         };
         match self.call(&req, timeout)? {
             Response::Values(v) if v.len() == keys.len() => Ok(v),
+            Response::Err(e) if e.contains(TOO_LARGE) && keys.len() > 1 => {
+                let (a, b) = keys.split_at(keys.len() / 2);
+                let mut v = self.get_chunk(a, deadline)?;
+                v.extend(self.get_chunk(b, deadline)?);
+                Ok(v)
+            }
             Response::TimeoutOn(missing) => Err(Error::StoreTimeout {
                 addr: self.addr.to_string(),
                 key: missing,

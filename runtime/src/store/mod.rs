@@ -299,7 +299,15 @@ impl Store for PrefixStore {
     fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         let keys: Vec<String> = keys.iter().map(|k| format!("{}{k}", self.prefix)).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        self.inner.get_all(&refs, timeout)
+        self.inner.get_all(&refs, timeout).map_err(|e| match e {
+            // The missing key as the caller named it.
+            Error::StoreTimeout { addr, key, after } => Error::StoreTimeout {
+                addr,
+                key: key.strip_prefix(&self.prefix).map_or(key.clone(), str::to_string),
+                after,
+            },
+            other => other,
+        })
     }
     fn describe(&self) -> String {
         format!("{} under {}", self.inner.describe(), self.prefix)

@@ -38,7 +38,11 @@ pub const MAX_VALUE: usize = 128 << 10;
 /// Largest hello accepted.
 pub(super) const MAX_HELLO: usize = 256;
 pub(super) const STORE_MAGIC: [u8; 8] = *b"TUTTISTR";
-pub(super) const STORE_VERSION: u16 = 2;
+pub(super) const STORE_VERSION: u16 = 3;
+/// Most keys one [`Request::GetAll`] may name (the client splits longer lists).
+pub(super) const GET_ALL_KEYS: usize = 1024;
+/// Words of the server's refusal of a get-all whose values exceed one message.
+pub(super) const TOO_LARGE: &str = "ask for fewer keys at once";
 /// From accepting a connection to the end of the hello exchange.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(2);
 /// From a message's first byte to its last.

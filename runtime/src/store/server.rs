@@ -14,8 +14,9 @@
 //!   not taken within the message deadline closes the connection;
 //! - the data held is capped per client and in total ([`Quota`]).
 //!
-//! The listener's backlog is sized for the world (at least 1,024), so a start-up storm of
-//! connections waits in the kernel rather than being refused.
+//! The listener's backlog is sized for the world (at least 1,024), so the kernel does not refuse
+//! a start-up storm of connections before the loop accepts them; accepted ones beyond the
+//! connections in their hello are closed at once, and clients retry with backoff.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::io::{Read, Write};
@@ -30,8 +31,8 @@ use tracing::{debug, warn};
 
 use super::protocol::{
     announced, decode_request, frame, hello_proof, open, Request, Response, Seal, Side, StoreHello,
-    CLIENT_PROOF, HANDSHAKE_DEADLINE, MAX_HELLO, MAX_KEY, MAX_STORE_MESSAGE, MAX_VALUE,
-    MESSAGE_DEADLINE, SERVER_PROOF, STORE_MAGIC, STORE_VERSION,
+    CLIENT_PROOF, GET_ALL_KEYS, HANDSHAKE_DEADLINE, MAX_HELLO, MAX_KEY, MAX_STORE_MESSAGE,
+    MAX_VALUE, MESSAGE_DEADLINE, SERVER_PROOF, STORE_MAGIC, STORE_VERSION, TOO_LARGE,
 };
 use crate::auth::{self, JobKey};
 use crate::error::{Error, Result};
@@ -134,19 +135,21 @@ impl Db {
     /// The answer to a wait on `keys` if it can be given now.
     fn ready(&self, keys: &[String], all: bool) -> Option<Response> {
         if all {
-            let vals: Option<Vec<Vec<u8>>> =
-                keys.iter().map(|k| self.data.map.get(k).map(|e| e.value.clone())).collect();
-            let vals = vals?;
-            // Each value costs its bytes and at most 10 of length in the answer.
-            let size: usize = vals.iter().map(|v| v.len() + 10).sum();
-            if size + 64 > MAX_STORE_MESSAGE {
+            // Every key set, and the answer within one message, before anything is copied.
+            let mut size = 64;
+            for k in keys {
+                // Each value costs its bytes and at most 10 of length in the answer.
+                size += self.data.map.get(k)?.value.len() + 10;
+            }
+            if size > MAX_STORE_MESSAGE {
                 return Some(Response::Err(format!(
                     "the {} values asked for take {size} bytes, more than one store message \
-                     ({MAX_STORE_MESSAGE}); ask for fewer keys at once",
+                     ({MAX_STORE_MESSAGE}); {TOO_LARGE}",
                     keys.len()
                 )));
             }
-            Some(Response::Values(vals))
+            let vals = keys.iter().filter_map(|k| self.data.map.get(k)).map(|e| e.value.clone());
+            Some(Response::Values(vals.collect()))
         } else {
             keys.first()
                 .and_then(|k| self.data.map.get(k))
@@ -171,6 +174,12 @@ impl Db {
             }
             Request::Get { key, timeout_ms } => self.wait(vec![key], false, timeout_ms),
             Request::GetAll { keys, timeout_ms } => {
+                if keys.len() > GET_ALL_KEYS {
+                    return now(Response::Err(format!(
+                        "{} keys in one get-all; at most {GET_ALL_KEYS}",
+                        keys.len()
+                    )));
+                }
                 if keys.iter().any(|k| too_long(k)) {
                     return now(Response::Err(format!("key too long (limit {MAX_KEY} bytes)")));
                 }
@@ -299,6 +308,8 @@ impl StoreServer {
             in_hello: 0,
             clients: 0,
             next_id: 0,
+            accept_paused: None,
+            doomed: Vec::new(),
         };
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -329,6 +340,8 @@ impl Drop for StoreServer {
 const LISTENER: u64 = u64::MAX;
 /// How often the loop looks at the stop flag when nothing happens.
 const STOP_SLICE: Duration = Duration::from_millis(100);
+/// Messages taken from one connection per readiness event.
+const MESSAGES_PER_EVENT: usize = 16;
 
 /// A level-triggered epoll instance.
 struct Epoll(RawFd);
@@ -361,7 +374,8 @@ impl Epoll {
     }
 
     fn wait(&self, evs: &mut [libc::epoll_event], timeout: Duration) -> usize {
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // Rounded up: a wait shorter than a millisecond must not become a busy poll.
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
         // SAFETY: `evs` is valid for `evs.len()` entries, which the kernel fills.
         let n = unsafe { libc::epoll_wait(self.0, evs.as_mut_ptr(), evs.len() as i32, ms) };
         usize::try_from(n).unwrap_or(0)
@@ -413,6 +427,17 @@ struct Conn {
     parked: Option<Parked>,
     /// The events asked of epoll now.
     interest: u32,
+    /// What this connection counts against until it closes.
+    counted: Counted,
+}
+
+/// The limit a connection counts against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    /// The connections in their hello ([`MAX_UNAUTHENTICATED`]).
+    Hello,
+    /// The authenticated clients ([`max_clients`]), and its rank's presence.
+    Client,
 }
 
 struct Server {
@@ -429,6 +454,12 @@ struct Server {
     in_hello: usize,
     clients: usize,
     next_id: u64,
+    /// Accepting failed (out of descriptors, most likely): the listener is left alone until
+    /// then, and what waits stays in its backlog.
+    accept_paused: Option<Instant>,
+    /// Connections to close once the current event is handled (closing them in the middle of
+    /// answering others could recurse through the waiters).
+    doomed: Vec<(u64, String)>,
 }
 
 impl Server {
@@ -440,6 +471,17 @@ impl Server {
             if let Some(std::cmp::Reverse((t, _))) = self.timers.peek() {
                 timeout = timeout.min(t.saturating_duration_since(now));
             }
+            if let Some(t) = self.accept_paused {
+                if t <= now {
+                    self.accept_paused = None;
+                    let fd = self.listener.as_raw_fd();
+                    if let Err(e) = self.ev.modify(fd, LISTENER, libc::EPOLLIN as u32) {
+                        warn!("store listener: {e}");
+                    }
+                } else {
+                    timeout = timeout.min(t - now);
+                }
+            }
             let n = self.ev.wait(&mut evs, timeout);
             for e in &evs[..n] {
                 let (token, flags) = (e.u64, e.events);
@@ -448,8 +490,14 @@ impl Server {
                 } else {
                     self.on_event(token, flags);
                 }
+                while let Some((id, why)) = self.doomed.pop() {
+                    self.close(id, Some(why));
+                }
             }
             self.expire(Instant::now());
+            while let Some((id, why)) = self.doomed.pop() {
+                self.close(id, Some(why));
+            }
         }
         let ids: Vec<u64> = self.conns.keys().copied().collect();
         for id in ids {
@@ -471,9 +519,14 @@ impl Server {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => {}
                 Err(e) => {
-                    // Out of descriptors, most likely: what is queued waits in the backlog.
-                    warn!("store accept failed: {e}");
+                    // Out of descriptors, most likely: what is queued waits in the backlog
+                    // while the listener rests (it stays readable, so watching it would spin).
+                    warn!("store accept failed: {e}; accepting again in 50 ms");
+                    let fd = self.listener.as_raw_fd();
+                    let _ = self.ev.modify(fd, LISTENER, 0);
+                    self.accept_paused = Some(Instant::now() + Duration::from_millis(50));
                     return;
                 }
             }
@@ -505,6 +558,7 @@ impl Server {
                 out_since: None,
                 parked: None,
                 interest,
+                counted: Counted::Hello,
             },
         );
         self.in_hello += 1;
@@ -537,6 +591,9 @@ impl Server {
 
     /// Read what the connection may send now: at most the rest of one message.
     fn read(&mut self, id: u64) {
+        // A few messages per event, then the others' turn (level triggered: the rest is
+        // reported again), so a client sending back to back cannot hold the loop.
+        let mut messages = 0;
         loop {
             let Some(c) = self.conns.get_mut(&id) else { return };
             if c.parked.is_some() || !c.out.is_empty() || c.phase == Phase::Closing {
@@ -563,6 +620,10 @@ impl Server {
                 c.msg_since = None;
                 msg.drain(..4);
                 self.message(id, msg);
+                messages += 1;
+                if messages == MESSAGES_PER_EVENT {
+                    return;
+                }
                 continue;
             }
             let at = c.inbuf.len();
@@ -624,6 +685,7 @@ impl Server {
                 if let Some(c) = self.conns.get_mut(&id) {
                     c.parked = Some(Parked { keys, all, deadline, on });
                 }
+                self.rearm(id);
             }
         }
         if let Some(k) = set {
@@ -654,6 +716,7 @@ impl Server {
             self.key.as_ref().map(|k| Seal::new(k.clone(), &c.nonce_s, &hello.nonce, Side::Server));
         c.phase = Phase::Serving;
         c.rank = Some(hello.rank);
+        c.counted = Counted::Client;
         self.in_hello -= 1;
         self.clients += 1;
         // Count this rank's open connections while they last: a rank whose process died has
@@ -682,18 +745,9 @@ impl Server {
         let Some(c) = self.conns.get_mut(&id) else { return };
         let sealed = if c.phase == Phase::Serving { c.seal.as_mut() } else { None };
         let bytes = frame(sealed, &Response::Err(why.clone())).unwrap_or_default();
-        if matches!(c.phase, Phase::Hello { .. }) {
-            self.in_hello -= 1;
-        } else if c.phase == Phase::Serving {
-            self.clients -= 1;
-            if let Some(r) = c.rank {
-                self.present(r, -1, id);
-            }
-        }
-        if let Some(c) = self.conns.get_mut(&id) {
-            c.phase = Phase::Closing;
-            warn!(rank = ?c.rank, "store connection refused: {why}");
-        }
+        // Its slot stays taken until the socket is closed (`close`).
+        c.phase = Phase::Closing;
+        warn!(rank = ?c.rank, "store connection refused: {why}");
         self.queue(id, bytes);
     }
 
@@ -713,34 +767,48 @@ impl Server {
         let Some(c) = self.conns.get_mut(&id) else { return };
         while c.out_at < c.out.len() {
             match c.stream.write(&c.out[c.out_at..]) {
-                Ok(0) => return self.close(id, Some("the client stopped reading".into())),
+                Ok(0) => return self.doomed.push((id, "the client stopped reading".into())),
                 Ok(k) => c.out_at += k,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return self.close(id, Some(e.to_string())),
+                Err(e) => return self.doomed.push((id, e.to_string())),
             }
         }
-        let done = c.out_at == c.out.len();
-        if done {
+        if c.out_at == c.out.len() {
+            if c.out.capacity() > 64 << 10 {
+                c.out = Vec::new();
+            }
             c.out.clear();
             c.out_at = 0;
             c.out_since = None;
             if c.phase == Phase::Closing {
-                return self.close(id, None);
+                return self.doomed.push((id, "refused".into()));
             }
         }
-        let want = libc::EPOLLRDHUP as u32
-            | if done { libc::EPOLLIN as u32 } else { libc::EPOLLOUT as u32 };
-        let want = if c.parked.is_some() { libc::EPOLLRDHUP as u32 } else { want };
-        if want != c.interest {
-            c.interest = want;
-            if let Err(e) = self.ev.modify(c.stream.as_raw_fd(), id, want) {
-                self.close(id, Some(e.to_string()));
-            }
-        }
+        self.rearm(id);
         // A request already waiting in the socket is reported by the next wait (level
         // triggered), or read by the `read` loop this answer came from: never read from here,
         // so a client that sends many requests at once cannot deepen the stack.
+    }
+
+    /// Ask epoll for what connection `id` can take now: its answer going out, nothing but its
+    /// end while its request is parked, its next request otherwise.
+    fn rearm(&mut self, id: u64) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        let want = libc::EPOLLRDHUP as u32
+            | if !c.out.is_empty() {
+                libc::EPOLLOUT as u32
+            } else if c.parked.is_some() || c.phase == Phase::Closing {
+                0
+            } else {
+                libc::EPOLLIN as u32
+            };
+        if want != c.interest {
+            c.interest = want;
+            if let Err(e) = self.ev.modify(c.stream.as_raw_fd(), id, want) {
+                self.doomed.push((id, e.to_string()));
+            }
+        }
     }
 
     /// `key` was set: answer the connections parked on it that can be answered now.
@@ -839,15 +907,14 @@ impl Server {
     fn close(&mut self, id: u64, why: Option<String>) {
         let Some(mut c) = self.conns.remove(&id) else { return };
         self.unwait(id, c.parked.take());
-        match c.phase {
-            Phase::Hello { .. } => self.in_hello -= 1,
-            Phase::Serving => {
+        match c.counted {
+            Counted::Hello => self.in_hello -= 1,
+            Counted::Client => {
                 self.clients -= 1;
                 if let Some(r) = c.rank {
                     self.present(r, -1, id);
                 }
             }
-            Phase::Closing => {}
         }
         if let Some(why) = why {
             warn!(rank = ?c.rank, "store connection dropped: {why}");

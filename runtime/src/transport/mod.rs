@@ -197,13 +197,25 @@ impl<'a> Watch<'a> {
         deadline: Instant,
         on_timeout: impl FnOnce(&str) -> Error,
     ) -> Result<Vec<Vec<u8>>> {
+        // Keys before the one a timed-out slice named are set: later slices wait on the rest
+        // only, and the first ones are read once at the end.
+        let mut from = 0;
         loop {
             self.check(rank)?;
             let left = deadline.saturating_duration_since(Instant::now());
-            match store.get_all(keys, self.slice(left)) {
-                Err(Error::StoreTimeout { .. }) if Instant::now() < deadline => continue,
+            match store.get_all(&keys[from..], self.slice(left)) {
+                Ok(rest) if from == 0 => return Ok(rest),
+                Ok(rest) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let mut all = store.get_all(&keys[..from], left.max(Self::SLICE))?;
+                    all.extend(rest);
+                    return Ok(all);
+                }
+                Err(Error::StoreTimeout { key, .. }) if Instant::now() < deadline => {
+                    from += keys[from..].iter().position(|k| *k == key).unwrap_or(0);
+                }
                 Err(Error::StoreTimeout { key, .. }) => return Err(on_timeout(&key)),
-                other => return other,
+                Err(e) => return Err(e),
             }
         }
     }
