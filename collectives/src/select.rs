@@ -32,7 +32,9 @@ pub enum Algo {
     Linear,
     /// Dissemination.
     Dissemination,
-    /// Two-level: within each host, then across hosts, then within each host again.
+    /// Two-level: messages within each host and across hosts in separate phases (allreduce:
+    /// within, across, within again; all-gather: across, then within; reduce-scatter: within,
+    /// then across).
     TwoLevel,
     /// Binomial scatter then ring allgather (broadcast).
     ScatterAllgather,

@@ -32,8 +32,9 @@
 //! 2. Across hosts, one ring reduce-scatter per column over those partial sums: each rank ends
 //!    with its own block reduced over all ranks, having sent `(h−1)/h · S/L` across hosts.
 //!
-//! Out of place, reduce-scatter's first step reduces into a scratch copy of the whole input
-//! (`S` bytes), since the output holds only the own block.
+//! Out of place, reduce-scatter's first step reduces from the input into a scratch buffer laid
+//! out as the input (`S` bytes), since the output holds only the own block; its phases within
+//! the host share one set of receive slots.
 
 use super::ring::{self, Acc};
 use super::{tree, PlanCtx};
@@ -126,9 +127,11 @@ pub fn allgather(sh: &PlanCtx, blocks: &[(usize, usize)], topo: &Topology) -> Op
     // 2. Within the host: host by host, the columns' blocks go round.
     let local = PlanCtx { rank: i, n: l, in_place: true, ..*sh };
     let mut tag = phase_tags(h, stride);
-    for members in &hosts {
+    for (jj, members) in hosts.iter().enumerate() {
         let hb: Vec<(usize, usize)> = members.iter().map(|r| blocks[*r]).collect();
-        let mine = Region::new(Buf::Data, hb[i].0, hb[i].1);
+        // This rank's own block is sent from where it came in: out of place, its copy into
+        // place may have streamed past the cache.
+        let mine = if jj == j { own } else { Region::new(Buf::Data, hb[i].0, hb[i].1) };
         let mut q = Plan::new();
         ring::allgather_phase(&mut q, &local, &hb, mine, None, 0);
         tree::append_shifted(&mut p, q.relabel(&hosts[j]), tag);
@@ -153,13 +156,29 @@ pub fn reduce_scatter(sh: &PlanCtx, blocks: &[(usize, usize)], topo: &Topology) 
     // 1. Within the host: host by host, local rank k ends with block (host, k) summed here.
     let local = PlanCtx { rank: i, n: l, ..*sh };
     let mut tag = 0;
+    // The phases run one after another, each done with its receive slots when it ends: the
+    // first phase's slots serve them all (sized for the largest), so scratch does not grow
+    // with the number of hosts.
+    let mut slots: Vec<usize> = Vec::new();
     for members in &hosts {
         let hb: Vec<(usize, usize)> = members.iter().map(|r| blocks[*r]).collect();
         let mut q = Plan::new();
         ring::reduce_scatter_phase(&mut q, &local, &hb, Acc::InPlace, false, 0);
         let start = p.steps.len();
+        let first = p.scratch.len();
         tree::append_shifted(&mut p, q.relabel(&hosts[j]), tag);
         p.map_buf(start, Buf::Data, work);
+        let added: Vec<usize> = (first..p.scratch.len()).collect();
+        if slots.is_empty() {
+            slots = added;
+        } else {
+            for (k, &s) in added.iter().zip(&slots) {
+                p.scratch[s] = p.scratch[s].max(p.scratch[*k]);
+                p.map_buf(start, Buf::Scratch(*k as u16), Buf::Scratch(s as u16));
+            }
+            // Nothing refers to this phase's own slots any more.
+            p.scratch.truncate(first);
+        }
         tag += phase_tags(l, stride);
     }
     p.wait_all();
@@ -277,6 +296,14 @@ mod tests {
                 }
             }
         }
+        // Scratch does not grow with the hosts: the phases within a host share their receive
+        // slots (16 hosts × 2 ranks, out of place: the input-sized buffer, one set of slots for
+        // the host phases, the column ring's slots and accumulators).
+        let hosts: Vec<usize> = (0..32).map(|r| r / 2).collect();
+        let topo = Topology::from_hosts(&hosts);
+        let sh = PlanCtx { rank: 5, n: 32, esize: 4, seg: 64, in_place: false };
+        let p = reduce_scatter(&sh, &split(32 * 1000, 32, 4), &topo).unwrap();
+        assert!(p.scratch.len() <= 1 + 2 * super::super::LOOKAHEAD + 2, "{:?}", p.scratch);
         let sh = PlanCtx { rank: 0, n: 4, esize: 4, seg: 64, in_place: true };
         let b = split(400, 4, 4);
         assert!(allgather(&sh, &b, &Topology::flat(4)).is_none());

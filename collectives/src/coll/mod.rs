@@ -152,7 +152,7 @@ impl Coll {
     }
 
     /// [`Coll::plan`] on a group whose ranks sit on hosts as `topo` says: the ring and chain
-    /// follow hosts, and two-level allreduce applies.
+    /// follow hosts, and two-level allreduce, all-gather and reduce-scatter apply.
     ///
     /// # Errors
     /// As [`Coll::plan`]; [`Error::Unsupported`] for two-level on a topology without at least

@@ -532,9 +532,16 @@ fn get_all_waits_for_the_last_key_and_names_a_missing_one() {
     assert_eq!(b.get("x/1", Duration::from_secs(1)).unwrap(), b"one");
 }
 
-/// Threads of this process now.
+/// The store's threads alive in this process now (named `tutti-store…`; tests running beside
+/// this one in the same process have their own threads, which this leaves out).
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    dir.filter_map(|e| e.ok())
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.trim_end().starts_with("tutti-store"))
+        })
+        .count()
 }
 
 #[test]
@@ -561,8 +568,8 @@ fn one_thread_serves_every_client() {
     for (r, c) in clients.iter().enumerate() {
         c.set(&format!("addr/{r}"), r.to_string().as_bytes()).unwrap();
     }
-    // Tests beside this one in the same process may start a few threads: 8 to spare, far below
-    // the one per client a threaded server would need.
+    // Store tests beside this one in the same process may start a few servers: 8 to spare, far
+    // below the one thread per client a threaded server would need.
     let after = threads();
     assert!(after <= before + 8, "{after} threads with {n} clients (before {before})");
     let keys: Vec<String> = (0..n).map(|r| format!("addr/{r}")).collect();
