@@ -209,57 +209,45 @@ impl Plan {
         self
     }
 
-    /// The plan with every region of the data buffer moved `off` bytes on: a plan over
-    /// `[off, off + len)` of the data buffer built as if that range were the whole buffer.
-    pub fn shift_data(mut self, off: usize) -> Plan {
-        let mv = |r: &mut Region| {
-            if r.buf == Buf::Data {
-                r.off += off;
-            }
-        };
-        for st in &mut self.steps {
+    /// Apply `f` to every region the steps from index `start` on name.
+    fn regions_from(&mut self, start: usize, mut f: impl FnMut(&mut Region)) {
+        for st in &mut self.steps[start..] {
             match st {
-                Step::Send { region, .. } | Step::Recv { region, .. } => mv(region),
+                Step::Send { region, .. } | Step::Recv { region, .. } => f(region),
                 Step::Reduce { dst, a, b } => {
-                    mv(dst);
-                    mv(a);
-                    mv(b);
+                    f(dst);
+                    f(a);
+                    f(b);
                 }
                 Step::Copy { dst, src, .. } => {
-                    mv(dst);
-                    mv(src);
+                    f(dst);
+                    f(src);
                 }
-                Step::Finish(region) => mv(region),
+                Step::Finish(region) => f(region),
                 Step::Wait(_) | Step::WaitAll => {}
             }
         }
+    }
+
+    /// The plan with every region of the data buffer moved `off` bytes on: a plan over
+    /// `[off, off + len)` of the data buffer built as if that range were the whole buffer.
+    pub fn shift_data(mut self, off: usize) -> Plan {
+        self.regions_from(0, |r| {
+            if r.buf == Buf::Data {
+                r.off += off;
+            }
+        });
         self
     }
 
     /// Replace buffer `from` by `to` in every step from index `start` on: a phase built over
-    /// the user's buffers that runs on a scratch copy instead.
+    /// the user's buffers that runs on a scratch buffer instead.
     pub fn map_buf(&mut self, start: usize, from: Buf, to: Buf) {
-        let mv = |r: &mut Region| {
+        self.regions_from(start, |r| {
             if r.buf == from {
                 r.buf = to;
             }
-        };
-        for st in &mut self.steps[start..] {
-            match st {
-                Step::Send { region, .. } | Step::Recv { region, .. } => mv(region),
-                Step::Reduce { dst, a, b } => {
-                    mv(dst);
-                    mv(a);
-                    mv(b);
-                }
-                Step::Copy { dst, src, .. } => {
-                    mv(dst);
-                    mv(src);
-                }
-                Step::Finish(region) => mv(region),
-                Step::Wait(_) | Step::WaitAll => {}
-            }
-        }
+        });
     }
 
     /// Total bytes this plan sends.

@@ -322,12 +322,9 @@ fn a_stranger_learns_nothing() {
     }
 }
 
-#[test]
-fn a_message_split_across_pauses_is_read_whole() {
-    // The length prefix and body in pieces 300 ms apart (beyond the old 200 ms slice that
-    // desynchronised the framing): answered correctly.
-    let srv = server(1, None);
-    let mut s = TcpStream::connect(srv.addr()).unwrap();
+/// A connection to a store without a secret, through its hello by hand (rank 0 of 1).
+fn raw_client(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
     let mut nonce = [0u8; 16];
     s.read_exact(&mut nonce).unwrap();
     let hello = StoreHello {
@@ -347,6 +344,16 @@ fn a_message_split_across_pauses_is_read_whole() {
     let mut answer = vec![0u8; u32::from_le_bytes(len) as usize];
     s.read_exact(&mut answer).unwrap();
     assert_eq!(postcard::from_bytes::<Response>(&answer).unwrap(), Response::Welcome(None));
+    s
+}
+
+#[test]
+fn a_message_split_across_pauses_is_read_whole() {
+    // The length prefix and body in pieces 300 ms apart (beyond the old 200 ms slice that
+    // desynchronised the framing): answered correctly.
+    let srv = server(1, None);
+    let mut s = raw_client(srv.addr());
+    let mut len = [0u8; 4];
     let req = postcard::to_stdvec(&Request::Add { key: "n".into(), delta: 5 }).unwrap();
     let mut m = (req.len() as u32).to_le_bytes().to_vec();
     m.extend_from_slice(&req);
@@ -583,25 +590,8 @@ fn many_requests_sent_at_once_are_answered_in_order() {
     // A client that does not wait for its answers (20,000 adds in one write): answered one by
     // one, in order, and the server stays healthy (no recursion or buffering per request).
     let srv = server(1, None);
-    let mut s = TcpStream::connect(srv.addr()).unwrap();
-    let mut nonce = [0u8; 16];
-    s.read_exact(&mut nonce).unwrap();
-    let hello = StoreHello {
-        magic: *b"TUTTISTR",
-        version: 3,
-        rank: 0,
-        world: 1,
-        nonce: [1; 16],
-        mac: None,
-    };
-    let body = postcard::to_stdvec(&hello).unwrap();
-    let mut m = (body.len() as u32).to_le_bytes().to_vec();
-    m.extend_from_slice(&body);
-    s.write_all(&m).unwrap();
+    let mut s = raw_client(srv.addr());
     let mut len = [0u8; 4];
-    s.read_exact(&mut len).unwrap();
-    let mut answer = vec![0u8; u32::from_le_bytes(len) as usize];
-    s.read_exact(&mut answer).unwrap();
     let n = 20_000;
     let req = postcard::to_stdvec(&Request::Add { key: "n".into(), delta: 1 }).unwrap();
     let mut all = Vec::new();
