@@ -132,6 +132,11 @@ impl Db {
         Response::Ok
     }
 
+    /// The first of `keys` not set: what a wait on them is woken by next.
+    fn first_missing(&self, keys: &[String]) -> Option<String> {
+        keys.iter().find(|k| !self.data.map.contains_key(*k)).cloned()
+    }
+
     /// The answer to a wait on `keys` if it can be given now.
     fn ready(&self, keys: &[String], all: bool) -> Option<Response> {
         if all {
@@ -678,7 +683,7 @@ impl Server {
             Applied::Now(r) => self.answer(id, &r),
             Applied::Wait { keys, all, deadline } => {
                 self.timers.push(std::cmp::Reverse((deadline, id)));
-                let on = keys.iter().find(|k| !self.db.data.map.contains_key(*k)).cloned();
+                let on = self.db.first_missing(&keys);
                 if let Some(k) = &on {
                     self.waiters.entry(k.clone()).or_default().push(id);
                 }
@@ -827,7 +832,7 @@ impl Server {
                 }
                 None => {
                     // A get-all still missing keys waits for the next of them.
-                    p.on = p.keys.iter().find(|k| !self.db.data.map.contains_key(*k)).cloned();
+                    p.on = self.db.first_missing(&p.keys);
                     if let Some(k) = &p.on {
                         self.waiters.entry(k.clone()).or_default().push(id);
                     }

@@ -217,7 +217,7 @@ impl QuicTransport {
         let keys: Vec<String> = others.iter().map(|j| quic_key(*j)).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let raws = watch.get_all(store, rank, &refs, deadline, |missing| {
-            let j = missing.rsplit('/').next().unwrap_or(missing);
+            let j = refs.iter().position(|k| *k == missing).map_or(0, |i| others[i]);
             rv(format!(
                 "rank {j} did not publish its QUIC address within {:?}",
                 cfg.connect_timeout

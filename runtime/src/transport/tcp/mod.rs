@@ -127,7 +127,7 @@ impl TcpTransport {
             let keys: Vec<String> = (0..rank).map(addr_key).collect();
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             let raws = watch.get_all(store, rank, &refs, deadline, |missing| {
-                let j = missing.rsplit('/').next().unwrap_or(missing);
+                let j = refs.iter().position(|k| *k == missing).unwrap_or(0);
                 Error::Rendezvous {
                     rank,
                     detail: format!(
