@@ -134,6 +134,10 @@ impl Direct {
     ) -> Result<State> {
         let (n, me) = (group.size(), group.rank());
         let t = group.transport();
+        // Every rank reads every other's window: connect the links that were not needed yet
+        // (a transport that connects on first use), so each link says how it travels.
+        let globals: Vec<usize> = (0..n).map(|r| group.global_rank(r)).collect();
+        t.connect_peers(&globals, group.timeout())?;
         let apart = (0..n)
             .map(|r| group.global_rank(r))
             .find(|&g| g != t.rank() && !t.shares_memory_with(g));

@@ -74,6 +74,9 @@ pub(crate) fn connect(
         Purpose::StartUp => opts.timeout,
         Purpose::Rebuild { wait } => {
             opts.link.connect_timeout = opts.link.connect_timeout.min(wait).min(REBUILD_CONNECT);
+            // The survivors' agreement needs to know now who came: a rebuilt world connects
+            // its full mesh (watched), whatever `TUTTI_CONNECT` says.
+            opts.link.lazy = false;
             wait
         }
     };
@@ -95,7 +98,7 @@ pub(crate) fn connect(
         ids.len(),
         cur.epoch_job(epoch),
         &cur.token,
-        store.as_ref(),
+        store,
         cur.master_ip,
         &opts,
         watch,
@@ -141,14 +144,15 @@ pub(crate) fn gone_members(cur: &Membership, ids: &[u64]) -> Vec<usize> {
 }
 
 /// Connect this rank's transport of kind `opts.transport` to the `world` ranks of `job`
-/// through `store`, under `watch`.
+/// through `store` (which a TCP transport keeps, to look up the peers it connects on first
+/// use), under `watch`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn open_transport(
     rank: usize,
     world: usize,
     job: u64,
     token: &str,
-    store: &dyn Store,
+    store: Arc<dyn Store>,
     master_ip: Option<IpAddr>,
     opts: &Options,
     watch: Watch<'_>,
@@ -158,14 +162,15 @@ pub(crate) fn open_transport(
     let id = JobIdentity { rank, world, job, key: JobKey::from_token(token) };
     Ok(match opts.transport {
         TransportKind::Tcp => {
+            let describe = store.describe();
             let t = TcpTransport::connect_watched(&id, store, &link, watch)?;
-            info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (tcp)");
+            info!(rank, world, local = %t.local_addr(), store = %describe, "rendezvous complete (tcp)");
             Arc::new(t)
         }
         #[cfg(feature = "quic")]
         TransportKind::Quic => {
             let t = crate::transport::quic::QuicTransport::connect_as(
-                &id, store, &link, &opts.quic, None, watch,
+                &id, store.as_ref(), &link, &opts.quic, None, watch,
             )?;
             info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (quic)");
             Arc::new(t)

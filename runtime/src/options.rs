@@ -38,7 +38,7 @@ pub struct Options {
     pub transport: TransportKind,
     /// Settings of both transports (`TUTTI_CONNECT_TIMEOUT`, `TUTTI_KEEPALIVE` and
     /// `TUTTI_DEAD_AFTER` in seconds, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`,
-    /// `TUTTI_TCP_CONGESTION`, `TUTTI_SHM`).
+    /// `TUTTI_TCP_CONGESTION`, `TUTTI_SHM`, `TUTTI_CONNECT`).
     pub link: LinkConfig,
     /// QUIC-only settings (`TUTTI_QUIC_MTU`, `TUTTI_QUIC_GSO`).
     pub quic: QuicConfig,
@@ -93,7 +93,7 @@ impl std::fmt::Debug for Options {
 impl Options {
     /// Read `TUTTI_TOKEN` or `TUTTI_TOKEN_FILE`, `TUTTI_INSECURE`, `TUTTI_SOCKET_IFNAME`, `TUTTI_TIMEOUT`, `TUTTI_CONNECT_TIMEOUT`,
     /// `TUTTI_TRANSPORT`, `TUTTI_KEEPALIVE`, `TUTTI_DEAD_AFTER`, `TUTTI_QUIC_MTU`,
-    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`, `TUTTI_TCP_CONGESTION` and `TUTTI_SHM`; an
+    /// `TUTTI_QUIC_GSO`, `TUTTI_SPIN_US`, `TUTTI_WINDOW_BYTES`, `TUTTI_TCP_CONGESTION`, `TUTTI_SHM` and `TUTTI_CONNECT`; an
     /// empty variable counts as unset.
     ///
     /// # Errors
@@ -198,6 +198,18 @@ impl Options {
                 "1" => true,
                 "0" => false,
                 _ => return Err(Error::Config(format!("TUTTI_SHM={v:?}: expected 1 or 0"))),
+            };
+        }
+        if let Some(v) = get("TUTTI_CONNECT") {
+            o.link.lazy = match v.trim() {
+                "lazy" => true,
+                "eager" => false,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "TUTTI_CONNECT={v:?}: expected `lazy` (connect each pair on first use) \
+                         or `eager` (the full mesh at start-up)"
+                    )))
+                }
             };
         }
         if let Some(v) = get("TUTTI_SPIN_US") {

@@ -24,6 +24,9 @@ pub enum Kind {
     /// TCP connections over 127.0.0.1 whose frames go through shared memory (all ranks share
     /// this host).
     Shm,
+    /// As [`Kind::Shm`], with the full mesh connected at start-up (`LinkConfig::lazy` off);
+    /// the other TCP kinds connect each pair on first use.
+    Eager,
     /// QUIC over 127.0.0.1.
     #[cfg(feature = "quic")]
     Quic,
@@ -38,21 +41,23 @@ pub enum Kind {
 pub fn job<T: Send>(
     n: usize,
     cfg: &LinkConfig,
-    connect: impl Fn(&JobIdentity, &dyn Store, &LinkConfig) -> Result<T> + Sync,
-) -> Result<(Vec<T>, StoreServer)> {
+    connect: impl Fn(&JobIdentity, Arc<dyn Store>, &LinkConfig) -> Result<T> + Sync,
+) -> Result<(Vec<T>, Arc<StoreServer>)> {
     let key = JobKey::from_token("tutti-test");
-    let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), n, Some(key.clone()))?;
+    let server =
+        Arc::new(StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), n, Some(key.clone()))?);
     let addr = server.addr();
     let job = 0x7475_7474_6900_0000 ^ addr.port() as u64;
     let connect = &connect;
     let results: Vec<Result<T>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|rank| {
-                let (key, cfg) = (key.clone(), cfg.clone());
+                let (key, cfg, server) = (key.clone(), cfg.clone(), server.clone());
                 s.spawn(move || {
                     let store = TcpStore::connect(addr, rank, n, Some(&key), cfg.connect_timeout)?;
                     let id = JobIdentity { rank, world: n, job, key };
-                    connect(&id, &store as &dyn Store, &cfg)
+                    // The server lives while a transport may still look up an address.
+                    connect(&id, Arc::new(Served { store, _server: server }), &cfg)
                 })
             })
             .collect();
@@ -72,7 +77,7 @@ pub fn job<T: Send>(
 ///
 /// # Errors
 /// Any rendezvous failure.
-pub fn tcp_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
+pub fn tcp_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, Arc<StoreServer>)> {
     job(n, &LinkConfig { shm: false, ..cfg.clone() }, TcpTransport::connect)
 }
 
@@ -81,7 +86,7 @@ pub fn tcp_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, Store
 ///
 /// # Errors
 /// Any rendezvous failure.
-pub fn shm_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, StoreServer)> {
+pub fn shm_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, Arc<StoreServer>)> {
     job(n, &LinkConfig { shm: true, ..cfg.clone() }, TcpTransport::connect)
 }
 
@@ -96,9 +101,43 @@ pub fn quic_world(
 ) -> Result<Vec<crate::transport::quic::QuicTransport>> {
     let quic = crate::transport::QuicConfig::default();
     Ok(job(n, cfg, |id, store, cfg| {
-        crate::transport::quic::QuicTransport::connect(id, store, cfg, &quic)
+        crate::transport::quic::QuicTransport::connect(id, store.as_ref(), cfg, &quic)
     })?
     .0)
+}
+
+/// A test job's store client that keeps the job's store server alive: transports that connect
+/// on first use look addresses up after start-up.
+struct Served {
+    store: TcpStore,
+    _server: Arc<StoreServer>,
+}
+
+impl Store for Served {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.store.set(key, value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.store.get(key, timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.store.add(key, delta)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.store.delete(key)
+    }
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        self.store.check(keys)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.store.wait(keys, timeout)
+    }
+    fn get_all(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.store.get_all(keys, timeout)
+    }
+    fn describe(&self) -> String {
+        self.store.describe()
+    }
 }
 
 /// Transports of a job of `n` ranks of the given kind, in rank order.
@@ -116,9 +155,12 @@ pub fn world(kind: Kind, n: usize) -> Result<Vec<Arc<dyn Transport>>> {
             let (ts, _server) = tcp_world(n, &cfg)?;
             ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
-        Kind::Shm => {
-            let cfg =
-                LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
+        Kind::Shm | Kind::Eager => {
+            let cfg = LinkConfig {
+                connect_timeout: Duration::from_secs(60),
+                lazy: kind == Kind::Shm,
+                ..LinkConfig::default()
+            };
             let (ts, _server) = shm_world(n, &cfg)?;
             ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
@@ -159,6 +201,7 @@ pub fn ranks_here<T: Send>(
         Kind::Mem => "memory",
         Kind::Tcp => "TCP",
         Kind::Shm => "shared memory",
+        Kind::Eager => "shared memory (full mesh)",
         #[cfg(feature = "quic")]
         Kind::Quic => "QUIC",
     };

@@ -131,3 +131,12 @@ pub(crate) fn jitter(d: Duration) -> Duration {
     let r = crate::auth::random::<2>().map_or(32768, u16::from_le_bytes);
     d.mul_f64(0.5 + f64::from(r) / 65536.0)
 }
+
+/// Ranks for an error message: all of them up to 16, then the first 16 and how many more.
+pub(crate) fn list_ranks(ranks: &[usize]) -> String {
+    const SHOWN: usize = 16;
+    if ranks.len() <= SHOWN {
+        return format!("{ranks:?}");
+    }
+    format!("{:?} and {} more", &ranks[..SHOWN], ranks.len() - SHOWN)
+}

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+use std::time::Duration;
+
 use tutti_collectives::{Algo, Coll, Comm, Config, Element};
 
 #[allow(unused_imports)]
@@ -24,6 +26,13 @@ pub(crate) fn world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
 pub(crate) fn shm_world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
     let groups = tutti_runtime::testing::groups(tutti_runtime::testing::Kind::Shm, n)
         .expect("a shared-memory world of threads");
+    let everyone: Vec<usize> = (0..n).collect();
+    std::thread::scope(|s| {
+        for g in &groups {
+            let everyone = &everyone;
+            s.spawn(move || g.transport().connect_peers(everyone, Duration::from_secs(60)).unwrap());
+        }
+    });
     for g in &groups {
         let t = g.transport();
         for p in (0..n).filter(|p| *p != g.rank()) {
@@ -39,7 +48,7 @@ fn on_groups(groups: Vec<tutti_runtime::Group>, seg: usize, f: impl Fn(Comm) + S
         let hs: Vec<_> = groups
             .into_iter()
             .map(|g| {
-                g.set_timeout(std::time::Duration::from_secs(60));
+                g.set_timeout(Duration::from_secs(60));
                 let c = Comm::with_config(g, Config { segment: seg, ..Config::default() });
                 s.spawn(move || f(c))
             })

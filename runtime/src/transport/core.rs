@@ -61,6 +61,10 @@ pub(crate) struct CoreConfig {
     /// Send a keep-alive on a link idle this long; `None`: the driver's protocol keeps the
     /// link alive itself (QUIC).
     pub(crate) keepalive: Option<Duration>,
+    /// Links start pending and are connected on first use: the first send to or receive from
+    /// a pending peer asks the driver to connect it ([`Core::take_dial`]), and its frames wait
+    /// in the link's queue until [`Core::link_up`].
+    pub(crate) lazy: bool,
 }
 
 impl CoreConfig {
@@ -79,6 +83,7 @@ impl CoreConfig {
             probe_after: cfg.probe_after,
             dead_after: cfg.dead_after,
             keepalive: keepalive.then_some(cfg.keepalive_interval),
+            lazy: false,
         }
     }
 }
@@ -110,6 +115,11 @@ struct Link {
     want: usize,
     /// The driver has a working connection and no failure was seen.
     up: bool,
+    /// Not connected yet, connected on first use (a lazy core): operations queue here and
+    /// ask the driver to connect; no dead-peer rule applies until the link is up.
+    pending: bool,
+    /// The driver was asked to connect this pending link.
+    dialing: bool,
     /// The peer said it is shutting down cleanly (a close frame arrived).
     peer_closed: bool,
     /// Our own close frame is queued (it is the last frame we send).
@@ -119,9 +129,8 @@ struct Link {
     gone: bool,
     /// When bytes last arrived from the peer (data, control, or the driver's own traffic).
     last_rx: Instant,
-    /// Anything at all arrived from the peer on this link. Until then the peer may still be
-    /// connecting to others (its engine, which sends its keep-alives, starts only once its
-    /// whole world is connected): the dead-peer rule does not apply to it yet.
+    /// Anything at all arrived from the peer on this link. Until then the peer's side may not
+    /// be serving it yet: the dead-peer rule does not apply to it yet.
     heard_from: bool,
     /// When the driver last handed bytes of ours to its wire.
     last_tx: Instant,
@@ -140,6 +149,8 @@ impl Link {
             cur: None,
             want: 0,
             up: false,
+            pending: false,
+            dialing: false,
             peer_closed: false,
             close_sent: false,
             gone: false,
@@ -193,14 +204,21 @@ pub(crate) struct Core {
     down: Vec<usize>,
     /// Poisoned since the driver last asked: it writes the abort frames out.
     fresh_poison: bool,
+    /// Pending links to connect, for the driver ([`Core::take_dial`]).
+    dial: Vec<usize>,
+    /// A clean shutdown began: a link that comes up now gets its close frame at once.
+    closing: bool,
 }
 
 impl Core {
     /// A core for `rank` of `world`; no link is up until the driver says so.
     pub(crate) fn new(rank: usize, world: usize, cfg: CoreConfig, now: Instant) -> Core {
+        let lazy = cfg.lazy;
         Core {
             rank,
-            links: (0..world).map(|_| Link::new(now)).collect(),
+            links: (0..world)
+                .map(|p| Link { pending: lazy && p != rank, ..Link::new(now) })
+                .collect(),
             queues: (0..world).map(|_| PeerQueues::default()).collect(),
             ops: Ops::default(),
             poisoned: None,
@@ -208,6 +226,8 @@ impl Core {
             cfg,
             down: Vec::new(),
             fresh_poison: false,
+            dial: Vec::new(),
+            closing: false,
         }
     }
 
@@ -228,18 +248,53 @@ impl Core {
         self.ops.ended()
     }
 
-    /// The driver connected `peer`: its link carries frames from now on.
+    /// The driver connected `peer`: its link carries frames from now on (those queued while
+    /// it was pending first). A link that comes up after a failure carries the abort frame;
+    /// one that comes up during a clean shutdown, the close frame.
     pub(crate) fn link_up(&mut self, peer: usize, now: Instant) {
-        if let Some(l) = self.links.get_mut(peer).filter(|_| peer != self.rank) {
-            l.up = true;
-            l.last_rx = now;
-            l.last_tx = now;
+        let rank = self.rank;
+        let Some(l) = self.links.get_mut(peer).filter(|_| peer != rank) else { return };
+        l.up = true;
+        l.pending = false;
+        l.dialing = false;
+        l.last_rx = now;
+        l.last_tx = now;
+        if let Some(err) = &self.poisoned {
+            // `poison` left the abort frame on a link pending then; a link that had nothing
+            // queued gets its own.
+            if l.sendq.is_empty() {
+                let reason = err.to_string();
+                let reason = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON as usize)];
+                queue::abort_queue(&mut l.sendq, rank, reason);
+            }
+        }
+        if self.closing {
+            self.queue_close(peer);
         }
     }
 
     /// Whether `peer`'s link is up (not failed, not finished).
     pub(crate) fn is_up(&self, peer: usize) -> bool {
         self.links.get(peer).is_some_and(|l| l.up)
+    }
+
+    /// Whether `peer`'s link is still to be connected (a lazy core's, before first use or
+    /// while the driver connects it).
+    pub(crate) fn is_pending(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(|l| l.pending)
+    }
+
+    /// Ask the driver to connect `peer`'s link now if it is pending and not asked for yet.
+    pub(crate) fn want_link(&mut self, peer: usize) {
+        if let Some(l) = self.links.get_mut(peer).filter(|l| l.pending && !l.dialing) {
+            l.dialing = true;
+            self.dial.push(peer);
+        }
+    }
+
+    /// A pending link the driver should start connecting (asked for since the last call).
+    pub(crate) fn take_dial(&mut self) -> Option<usize> {
+        self.dial.pop()
     }
 
     /// Whether a message with `tag` from `peer` has arrived (whole, or its header) and waits
@@ -311,12 +366,13 @@ impl Core {
             return Ok(id);
         }
         let l = &mut self.links[peer];
-        if !l.up || l.peer_closed {
+        if !l.pending && (!l.up || l.peer_closed) {
             self.ops.forget(id);
             return Err(matcher::closed_peer(self.rank, peer, &desc, len));
         }
         let hdr = Header::data(desc, self.rank, len).encode();
         l.sendq.push_back(SendItem::data(id, hdr, data, len));
+        self.want_link(peer);
         Ok(id)
     }
 
@@ -341,6 +397,11 @@ impl Core {
             return Ok((id, false));
         }
         let l = &mut self.links[peer];
+        if l.pending {
+            l.want += 1;
+            self.want_link(peer);
+            return Ok((id, false));
+        }
         if !l.up || l.peer_closed {
             self.queues[peer].remove(id);
             self.ops.forget(id);
@@ -386,9 +447,9 @@ impl Core {
         &self.links[peer].sendq
     }
 
-    /// Whether `peer` has frames to write.
+    /// Whether `peer` has frames to write (on a link that is connected).
     pub(crate) fn wants_tx(&self, peer: usize) -> bool {
-        self.links.get(peer).is_some_and(|l| !l.sendq.is_empty())
+        self.links.get(peer).is_some_and(|l| !l.pending && !l.sendq.is_empty())
     }
 
     /// The driver handed `n` more bytes of `peer`'s queue to its wire: completes the sends
@@ -418,8 +479,10 @@ impl Core {
         self.links.get(peer).is_some_and(|l| l.close_sent && l.sendq.is_empty())
     }
 
-    /// Clean shutdown: queue a close frame on every link that is up.
+    /// Clean shutdown: queue a close frame on every link that is up (and on each that comes
+    /// up from now on).
     pub(crate) fn close_all(&mut self) {
+        self.closing = true;
         for peer in 0..self.links.len() {
             self.queue_close(peer);
         }
@@ -446,6 +509,7 @@ impl Core {
     #[cfg(test)]
     pub(crate) fn send_raw(&mut self, peer: usize, hdr: [u8; HEADER_LEN], payload: Vec<u8>) {
         self.links[peer].sendq.push_back(SendItem::control(hdr, payload));
+        self.want_link(peer);
     }
 
     // ---- the receive side ----------------------------------------------------------------
@@ -869,6 +933,10 @@ impl Core {
             l.want = 0;
             if l.up && !l.peer_closed {
                 queue::abort_queue(&mut l.sendq, rank, reason);
+            } else if l.pending && !l.sendq.is_empty() {
+                // The failed operations' frames go; the abort waits for the link (a peer
+                // that dials us learns why at once).
+                queue::abort_queue(&mut l.sendq, rank, reason);
             }
         }
     }
@@ -894,9 +962,13 @@ impl Core {
     /// otherwise every operation with the peer fails naming it and the transport is poisoned.
     pub(crate) fn link_failed(&mut self, peer: usize, f: LinkFail) {
         let l = &mut self.links[peer];
-        if !l.up {
+        if !l.up && !l.pending {
             return;
         }
+        // A pending link fails when connecting it failed, or when its peer is known gone
+        // (the launcher's notice) before the pair ever connected.
+        l.pending = false;
+        l.dialing = false;
         l.up = false;
         l.want = 0;
         l.cur = None;
@@ -960,6 +1032,7 @@ pub(crate) fn fuzz_stream(data: &[u8]) {
         probe_after: Duration::from_secs(1),
         dead_after: Duration::from_secs(5),
         keepalive: Some(Duration::from_secs(1)),
+        lazy: false,
     };
     let mut c = Core::new(0, 3, cfg, t0);
     c.link_up(1, t0);

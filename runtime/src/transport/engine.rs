@@ -81,6 +81,10 @@ pub(crate) trait Driver: Send + 'static {
     fn link_kind(&self, _peer: usize) -> Option<&'static str> {
         None
     }
+    /// Start connecting `peer`, whose link the core holds pending (a lazy core's first use of
+    /// it); the connection joins through [`Engine::with_driver`], or the core hears that it
+    /// failed. Drivers that connect every link up front never see this.
+    fn dial(&mut self, _core: &mut Core, _peer: usize) {}
     /// Write what the core queued for `peer` (eagerly, right after a post).
     fn flush(&mut self, core: &mut Core, peer: usize, now: Instant);
     /// `peer`'s frame in progress got a destination (a receive was posted for a parked
@@ -121,6 +125,9 @@ impl<D: Driver> State<D> {
     /// is there to see it; a failed call records its own error, with the operation, through
     /// `Group::fail`, and a plain local abort (a shrink, the user's `abort`) records nothing.
     fn settle(&mut self) {
+        while let Some(peer) = self.core.take_dial() {
+            self.driver.dial(&mut self.core, peer);
+        }
         loop {
             while let Some(peer) = self.core.take_down() {
                 self.driver.link_down(&mut self.core, peer);
@@ -440,6 +447,59 @@ impl<D: Driver> Engine<D> {
         true
     }
 
+    /// Change the driver and the core under the lock (a connection that joins while the
+    /// engine runs), then wake the thread asleep on the descriptors so its next poll sees it.
+    pub(crate) fn with_driver<T>(&self, f: impl FnOnce(&mut D, &mut Core) -> T) -> T {
+        let mut g = self.lock();
+        let s = &mut *g;
+        let before = s.core.ops_ended();
+        let out = f(&mut s.driver, &mut s.core);
+        s.flush_all(Instant::now());
+        self.wake_others(s, before);
+        drop(g);
+        self.ended.notify_all();
+        self.pipe.wake();
+        out
+    }
+
+    /// [`Transport::connect_peers`]: ask for every pending link among `peers`, then wait until
+    /// none of them is pending.
+    pub(crate) fn connect_peers(&self, peers: &[usize], deadline: Instant) -> Result<()> {
+        {
+            let mut g = self.lock();
+            for &p in peers {
+                g.core.want_link(p);
+            }
+            g.settle();
+        }
+        let mut nap = Duration::from_micros(100);
+        loop {
+            {
+                let g = self.lock();
+                if let Some(e) = g.core.poisoned() {
+                    return Err(e.poisoned());
+                }
+                let waiting: Vec<usize> =
+                    peers.iter().copied().filter(|p| g.core.is_pending(*p)).collect();
+                if waiting.is_empty() {
+                    return Ok(());
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Rendezvous {
+                        rank: self.rank,
+                        detail: format!(
+                            "ranks {waiting:?} were not connected in time (connecting on \
+                             first use): they may be overloaded, or unreachable at the \
+                             addresses they published"
+                        ),
+                    });
+                }
+            }
+            std::thread::sleep(nap.min(deadline.saturating_duration_since(Instant::now())));
+            nap = (nap * 2).min(Duration::from_millis(5));
+        }
+    }
+
     pub(crate) fn peer_died(&self, peer: usize, detail: &str) {
         if peer >= self.world || peer == self.rank {
             return;
@@ -640,6 +700,11 @@ impl<D: Driver> Running<D> {
     pub(crate) fn engine(&self) -> &Engine<D> {
         &self.engine
     }
+
+    /// The engine, shared (with the threads that connect links while it runs).
+    pub(crate) fn shared(&self) -> Arc<Engine<D>> {
+        self.engine.clone()
+    }
 }
 
 impl<D: Driver> Drop for Running<D> {
@@ -680,6 +745,15 @@ impl<T: Wired> Transport for T {
 
     fn link_kind(&self, peer: usize) -> &'static str {
         self.engine().lock().driver.link_kind(peer).unwrap_or(T::NAME)
+    }
+
+    fn connect_peers(&self, peers: &[usize], timeout: Duration) -> Result<()> {
+        self.engine().connect_peers(peers, Instant::now() + timeout)
+    }
+
+    fn is_connected(&self, peer: usize) -> bool {
+        let g = self.engine().lock();
+        peer == self.rank() || g.core.is_up(peer)
     }
 
     fn name(&self) -> &'static str {

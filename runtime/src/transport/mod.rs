@@ -74,6 +74,14 @@ pub struct LinkConfig {
     /// memory (`TUTTI_SHM`, default on; `0` keeps every byte on the sockets). Both ranks of a
     /// pair must offer it; a pair that cannot set it up stays on TCP. QUIC ignores it.
     pub shm: bool,
+    /// Whether TCP connects a pair of ranks when one of them first sends to or posts a receive
+    /// from the other (`TUTTI_CONNECT=lazy`, the default) instead of connecting the full mesh
+    /// at start-up (`TUTTI_CONNECT=eager`). Lazy: a ring or tree job holds the few connections
+    /// it uses, and start-up costs O(1) store requests per rank; a rank that never started is
+    /// still found at start-up (every rank waits until all published their addresses). Eager:
+    /// `world - 1` connections per rank before the first call, and no call pays a connect.
+    /// QUIC always connects the full mesh.
+    pub lazy: bool,
 }
 
 impl Default for LinkConfig {
@@ -91,6 +99,7 @@ impl Default for LinkConfig {
             probe_after: Duration::from_secs(1),
             tcp_congestion: Some("cubic".to_string()),
             shm: true,
+            lazy: true,
         }
     }
 }
@@ -172,11 +181,6 @@ impl<'a> Watch<'a> {
         }
     }
 
-    /// Whether this watch looks at all ([`Watch::NONE`] does not).
-    pub(crate) fn is_watching(&self) -> bool {
-        self.gone.is_some()
-    }
-
     /// How long one wait may last before the watch looks again: all of `left` without a watch.
     pub(crate) fn slice(&self, left: Duration) -> Duration {
         if self.gone.is_some() {
@@ -245,6 +249,26 @@ pub trait Transport: Send + Sync {
     fn link_kind(&self, peer: usize) -> &'static str {
         let _ = peer;
         self.name()
+    }
+
+    /// Connect the links to `peers` that are not connected yet (a transport that connects on
+    /// first use, `LinkConfig::lazy`), and wait until they are. Transports that connect every
+    /// link up front return at once. A peer that cannot be reached fails the transport, as a
+    /// lost link does.
+    ///
+    /// # Errors
+    /// The failure that poisoned the transport (a peer that refused or could not be reached,
+    /// named), or [`Error::Rendezvous`] naming the peers still unconnected after `timeout`.
+    fn connect_peers(&self, peers: &[usize], timeout: Duration) -> Result<()> {
+        let _ = (peers, timeout);
+        Ok(())
+    }
+
+    /// Whether the link to `peer` is connected now (always, for transports that connect
+    /// every link up front; one that connects on first use says false until it did).
+    fn is_connected(&self, peer: usize) -> bool {
+        let _ = peer;
+        true
     }
 
     /// Whether this rank can map `peer`'s [windows](crate::window::Window): the peer runs in

@@ -205,6 +205,11 @@ fn tcp_world() -> Vec<crate::transport::tcp::TcpTransport> {
 
 fn shm_world() -> Vec<crate::transport::tcp::TcpTransport> {
     let ts = testing::shm_world(3, &cfg()).unwrap().0;
+    std::thread::scope(|s| {
+        for t in &ts {
+            s.spawn(move || t.connect_peers(&[0, 1, 2], Duration::from_secs(30)).unwrap());
+        }
+    });
     for t in &ts {
         for p in (0..3).filter(|p| *p != t.rank()) {
             assert_eq!(t.link_kind(p), "shm", "rank {}'s link to {p}", t.rank());

@@ -69,6 +69,10 @@ macro_rules! transport_test {
             fn shm() {
                 ($body)(Kind::Shm)
             }
+            #[test]
+            fn eager() {
+                ($body)(Kind::Eager)
+            }
             #[cfg(feature = "quic")]
             #[test]
             fn quic() {
@@ -403,7 +407,7 @@ mod refused {
     fn missing_rank_is_named() {
         // World of 3, rank 2 never starts: ranks 0 and 1 fail within the connect timeout,
         // naming rank 2.
-        use crate::store::{Store, StoreServer, TcpStore};
+        use crate::store::{StoreServer, TcpStore};
         let key = JobKey::from_token("k");
         let server =
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
@@ -418,7 +422,7 @@ mod refused {
                     s.spawn(move || {
                         let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
                         let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 1, key };
-                        TcpTransport::connect(&id, &store as &dyn Store, &cfg)
+                        TcpTransport::connect(&id, Arc::new(store), &cfg)
                             .unwrap_err()
                             .to_string()
                     })
@@ -443,7 +447,12 @@ mod refused {
         let server =
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
                 .unwrap();
-        let cfg = LinkConfig { connect_timeout: Duration::from_secs(30), ..LinkConfig::default() };
+        // Watched connects are rebuilds, which connect the full mesh.
+        let cfg = LinkConfig {
+            connect_timeout: Duration::from_secs(30),
+            lazy: false,
+            ..LinkConfig::default()
+        };
         // Rank 2 never comes; after 200 ms the watch says it is gone.
         let start = Instant::now();
         let gone = || {
@@ -458,7 +467,7 @@ mod refused {
                         let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 2, key };
                         let e = TcpTransport::connect_watched(
                             &id,
-                            &store as &dyn Store,
+                            Arc::new(store),
                             &cfg,
                             Watch::new(gone),
                         )
@@ -476,8 +485,12 @@ mod refused {
             assert!(*at < Duration::from_secs(5), "took {at:?}: {e}");
         }
         // Rank 0 published an address whose listener is closed now (its process ended): the
-        // watched rank 1 says so at once.
+        // watched rank 1 says so at once. (Every rank had arrived: a fresh store.)
+        let server =
+            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
+                .unwrap();
         let store = TcpStore::connect(server.addr(), 1, 3, Some(&key), T).unwrap();
+        store.add(crate::transport::tcp::UP_KEY, 1).unwrap();
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         crate::store::set_signed(
             &store,
@@ -490,7 +503,7 @@ mod refused {
         let id = crate::transport::tcp::JobIdentity { rank: 1, world: 2, job: 3, key: key.clone() };
         let never = || None;
         let start = Instant::now();
-        let e = TcpTransport::connect_watched(&id, &store as &dyn Store, &cfg, Watch::new(&never))
+        let e = TcpTransport::connect_watched(&id, Arc::new(store), &cfg, Watch::new(&never))
             .unwrap_err()
             .to_string();
         assert!(e.contains("rank 0 refuses connections") && e.contains("ended"), "{e}");

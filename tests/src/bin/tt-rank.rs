@@ -267,6 +267,12 @@ fn main() {
             let n: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
             // How this rank's links move their bytes, for the tests that check the choice.
             let t = comm.group().transport();
+            // Links connect on first use: connect them all, so each says how it travels.
+            let everyone: Vec<usize> = (0..comm.size()).collect();
+            if let Err(e) = t.connect_peers(&everyone, Duration::from_secs(60)) {
+                println!("ERR {e}");
+                std::process::exit(1);
+            }
             let kinds: Vec<&str> = (0..comm.size())
                 .map(|p| if p == comm.rank() { "-" } else { t.link_kind(p) })
                 .collect();

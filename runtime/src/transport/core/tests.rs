@@ -14,6 +14,7 @@ fn cfg() -> CoreConfig {
         probe_after: SEC,
         dead_after: 5 * SEC,
         keepalive: Some(SEC),
+        lazy: false,
     }
 }
 

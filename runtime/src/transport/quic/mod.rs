@@ -346,7 +346,7 @@ mod tests {
         let (ts, _server) = crate::testing::job(2, &LinkConfig::default(), |id, store, cfg| {
             QuicTransport::connect_as(
                 id,
-                store,
+                store.as_ref(),
                 cfg,
                 &QuicConfig::default(),
                 Some(false),
@@ -511,8 +511,13 @@ mod tests {
             e.contains("rank 1's published QUIC address") && e.contains("fails its check"),
             "{e}"
         );
+        // Over TCP, rank 0 has arrived (the forger counted it in), and the full mesh looks up
+        // every address at start-up (connecting on first use would find it at the first call).
+        store.add(crate::transport::tcp::UP_KEY, 1).unwrap();
         let id = JobIdentity { rank: 1, world: 2, job: 7, key };
-        let e = crate::transport::tcp::TcpTransport::connect(&id, &store as &dyn Store, &cfg)
+        let cfg = LinkConfig { lazy: false, ..cfg };
+        let store: Arc<dyn Store> = Arc::new(store);
+        let e = crate::transport::tcp::TcpTransport::connect(&id, store, &cfg)
             .unwrap_err()
             .to_string();
         assert!(e.contains("rank 0's published address") && e.contains("fails its check"), "{e}");

@@ -13,9 +13,11 @@
 
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::shm::{self, ShmLink};
+use super::Connector;
 use crate::transport::core::{Core, LinkFail};
 use crate::transport::engine::{Driver, Mode};
 use crate::wire::{FrameKind, Header, HEADER_LEN};
@@ -53,6 +55,10 @@ pub(crate) struct TcpDriver {
     /// Some connection goes through shared memory and this host has a CPU for each of the
     /// ranks this one shares memory with (itself included): a wait may spin without yielding.
     hot: bool,
+    /// The congestion control set on each connection (`LinkConfig::tcp_congestion`).
+    congestion: Option<String>,
+    /// Dials the links the core asks for (`None`: nothing connects after start, in tests).
+    connector: Option<Arc<Connector>>,
 }
 
 /// Choose the socket's congestion control (`LinkConfig::tcp_congestion`); the system's default
@@ -83,44 +89,64 @@ fn io_fail(e: &std::io::Error) -> LinkFail {
 }
 
 impl TcpDriver {
-    /// A driver over connected streams (`None` at our own index), each with its shared-memory
-    /// link where the set-up after its handshake made one; brings their links up.
-    pub(crate) fn new(
-        streams: Vec<Option<TcpStream>>,
-        mut links: Vec<Option<ShmLink>>,
-        core: &mut Core,
-        now: Instant,
-        congestion: Option<&str>,
-    ) -> std::io::Result<TcpDriver> {
-        let mut conns = Vec::with_capacity(streams.len());
-        links.resize_with(streams.len(), || None);
-        for ((peer, s), link) in streams.into_iter().enumerate().zip(links) {
-            conns.push(match s {
-                None => None,
-                Some(stream) => {
-                    stream.set_nonblocking(true)?;
-                    stream.set_nodelay(true)?;
-                    if let Some(cc) = congestion {
-                        set_congestion(&stream, cc, peer);
-                    }
-                    core.link_up(peer, now);
-                    Some(Conn {
-                        fd: stream.as_raw_fd(),
-                        stream,
-                        stage: vec![0u8; STAGE].into_boxed_slice(),
-                        start: 0,
-                        end: 0,
-                        shut: false,
-                        shm: link,
-                    })
-                }
-            });
+    /// A driver for `world` ranks with no connection yet: [`TcpDriver::attach`] adds each as
+    /// its handshake completes, so the engine (and its keep-alives) runs while links are still
+    /// connecting; `connector` dials the links the core asks for.
+    pub(crate) fn empty(
+        world: usize,
+        congestion: Option<String>,
+        connector: Option<Arc<Connector>>,
+    ) -> TcpDriver {
+        TcpDriver {
+            conns: (0..world).map(|_| None).collect(),
+            sink: Vec::new(),
+            any_socket: false,
+            any_shm: false,
+            hot: false,
+            congestion,
+            connector,
         }
-        let any_socket = conns.iter().flatten().any(|c| c.shm.is_none());
-        let local = conns.iter().flatten().filter(|c| c.shm.is_some()).count();
+    }
+
+    /// Add `peer`'s connected stream (and its shared-memory link, where the set-up after its
+    /// handshake made one) and bring its link up in `core`.
+    ///
+    /// # Errors
+    /// When the socket cannot be made non-blocking.
+    pub(crate) fn attach(
+        &mut self,
+        core: &mut Core,
+        peer: usize,
+        stream: TcpStream,
+        link: Option<ShmLink>,
+        now: Instant,
+    ) -> std::io::Result<()> {
+        stream.set_nonblocking(true)?;
+        stream.set_nodelay(true)?;
+        if let Some(cc) = &self.congestion {
+            set_congestion(&stream, cc, peer);
+        }
+        self.conns[peer] = Some(Conn {
+            fd: stream.as_raw_fd(),
+            stream,
+            stage: vec![0u8; STAGE].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            shut: false,
+            shm: link,
+        });
+        core.link_up(peer, now);
+        self.any_socket = self.conns.iter().flatten().any(|c| c.shm.is_none());
+        let local = self.conns.iter().flatten().filter(|c| c.shm.is_some()).count();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let hot = local > 0 && local < cpus;
-        Ok(TcpDriver { conns, sink: Vec::new(), any_socket, any_shm: local > 0, hot })
+        self.hot = local > 0 && local < cpus;
+        self.any_shm = local > 0;
+        Ok(())
+    }
+
+    /// Connections that go through shared memory.
+    pub(crate) fn shared_links(&self) -> usize {
+        self.conns.iter().flatten().filter(|c| c.shm.is_some()).count()
     }
 
     /// `peer`'s shared-memory link, if its connection has one.
@@ -275,8 +301,19 @@ impl Driver for TcpDriver {
         self.any_socket
     }
 
+    fn dial(&mut self, core: &mut Core, peer: usize) {
+        let why = match &self.connector {
+            Some(c) => c.request(peer).err(),
+            None => Some("this transport connects no links after start-up".to_string()),
+        };
+        if let Some(why) = why {
+            core.link_failed(peer, LinkFail::Lost(why));
+        }
+    }
+
     fn link_kind(&self, peer: usize) -> Option<&'static str> {
-        let c = self.conns.get(peer)?.as_ref()?;
+        // Not connected (yet: links connect on first use; or no more).
+        let Some(c) = self.conns.get(peer)?.as_ref() else { return Some("unconnected") };
         Some(if c.shm.is_some() { "shm" } else { "tcp" })
     }
 

@@ -1,7 +1,7 @@
 //! The rank-to-rank connection handshake: who is calling, for which job, and proof of the key.
 //!
 //! ```text
-//! client (higher rank)                          server (lower rank)
+//! client (the rank that dials)                  server (the rank dialled)
 //!   Hello  48 B  magic "TUTTIHS1", version, world, from, to, job id, client nonce  ──►
 //!   ◄── Challenge 49 B  status, server nonce, HMAC(key, "srv" ‖ hello ‖ server nonce)
 //!   Proof  32 B  HMAC(key, "cli" ‖ hello ‖ server nonce)                          ──►
@@ -11,7 +11,9 @@
 //! ```
 //!
 //! The last two messages decide whether the connection's frames go through shared memory
-//! (ranks of one host) and are part of the handshake's one deadline; version 2 has them.
+//! (ranks of one host) and are part of the handshake's one deadline; version 2 has them. Either
+//! rank of a pair may dial (links connect on first use); version 3 adds `Crossed`, the refusal
+//! of a dial that crossed the lower rank's own.
 //!
 //! Both sides prove they know the job key without sending it; the nonces make every proof
 //! single-use. The server checks the client's proof before it looks at the job id, world size
@@ -31,7 +33,7 @@ use crate::util::read_exact_by;
 /// Magic at the start of a handshake.
 pub(crate) const HS_MAGIC: &[u8; 8] = b"TUTTIHS1";
 /// Handshake protocol version.
-pub(crate) const HS_VERSION: u16 = 2;
+pub(crate) const HS_VERSION: u16 = 3;
 /// Length of a hello.
 pub(crate) const HELLO_LEN: usize = 48;
 
@@ -57,12 +59,15 @@ pub(crate) enum Status {
     Duplicate = 4,
     BadVersion = 5,
     BadProof = 6,
+    /// Both ranks dialled each other at once and the server (the lower rank) keeps its own
+    /// dial: the client's is refused and it waits for the server's connection instead.
+    Crossed = 7,
 }
 
 impl Status {
     fn from_u8(v: u8) -> Option<Status> {
         use Status::*;
-        [Ok, WrongJob, WrongWorld, WrongRank, Duplicate, BadVersion, BadProof]
+        [Ok, WrongJob, WrongWorld, WrongRank, Duplicate, BadVersion, BadProof, Crossed]
             .into_iter()
             .find(|s| *s as u8 == v)
     }
@@ -76,6 +81,7 @@ impl Status {
             Status::Duplicate => "that rank is already connected (duplicate rank?)",
             Status::BadVersion => "the protocol version differs",
             Status::BadProof => "authentication failed (different TUTTI_TOKEN?)",
+            Status::Crossed => "the peer is dialling us too, and its connection is kept",
         }
     }
 }
@@ -185,12 +191,12 @@ pub(crate) struct Expect<'a> {
 }
 
 /// Server side: returns the authenticated client's hello, by `deadline`. `accept_rank` decides
-/// whether a client rank is welcome (not yet connected, higher than ours).
+/// whether a client rank is welcome ([`Status::Ok`]: not yet connected) or why not.
 pub(crate) fn server(
     s: &mut TcpStream,
     expect: &Expect<'_>,
     nonce_s: [u8; 16],
-    accept_rank: impl FnOnce(u32) -> bool,
+    accept_rank: impl FnOnce(u32) -> Status,
     deadline: Instant,
 ) -> Result<Hello, HsError> {
     write_timeout(s, deadline)?;
@@ -225,11 +231,12 @@ pub(crate) fn server(
     if hello.world != expect.world {
         return refuse(s, Status::WrongWorld);
     }
-    if hello.to != expect.me || hello.from >= expect.world || hello.from <= expect.me {
+    if hello.to != expect.me || hello.from >= expect.world || hello.from == expect.me {
         return refuse(s, Status::WrongRank);
     }
-    if !accept_rank(hello.from) {
-        return refuse(s, Status::Duplicate);
+    match accept_rank(hello.from) {
+        Status::Ok => {}
+        st => return refuse(s, st),
     }
     s.write_all(&[Status::Ok as u8]).map_err(io)?;
     Ok(hello)

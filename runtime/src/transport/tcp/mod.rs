@@ -1,18 +1,29 @@
-//! TCP transport: one connection per peer pair, made eagerly at start-up.
+//! TCP transport: one connection per peer pair, made on first use (or for the whole mesh at
+//! start-up, `LinkConfig::lazy` off).
 //!
 //! Rank `i` listens on one address (port chosen by the OS unless told otherwise), publishes it in
-//! the store, connects to every lower rank and accepts every higher one. Each connection is
-//! authenticated by the job key (see `handshake.rs`). Eager set-up costs `world - 1` connections per
-//! rank up front but means a dead or missing rank is found at start-up, not in the middle of the
-//! first collective, and no collective ever pays a connect. Right after its handshake, a
-//! connection between two ranks of one host sets up shared memory for its frames (`shm.rs`). The
-//! data path is the shared engine and connection core (`../engine.rs`, `../core.rs`) over this
-//! transport's driver (`driver.rs`).
+//! the store, and waits until every rank of the job has published its own (one counter and one
+//! key in the store: O(1) store requests per rank). Then it returns: the engine runs from the
+//! start, and a link is connected when this rank first sends to or posts a receive from its
+//! peer (`Core::want_link` → [`TcpDriver`]'s `dial` → [`Connector`]). Either side may dial; when
+//! both dial at once, the connection the lower rank dialled is kept and the higher rank's is
+//! refused with `Status::Crossed` (`accept_from`), so a pair always ends with exactly one
+//! connection. Every connection is authenticated by the job key (see `handshake.rs`); right after
+//! its handshake, a connection between two ranks of one host sets up shared memory for its
+//! frames (`shm.rs`). A connection joins the running engine the moment its handshake completes,
+//! so keep-alives flow on it while the rank connects others, and a peer's dead-peer clock starts
+//! when the pair connects.
+//!
+//! With `lazy` off, each rank also dials every lower rank at once and waits until every link is
+//! up (the full mesh, `world - 1` connections per rank), so a missing rank is found at start-up.
+//! The data path is the shared engine and connection core (`../engine.rs`, `../core.rs`) over
+//! this transport's driver (`driver.rs`).
 
+use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -26,7 +37,7 @@ pub(crate) mod driver;
 pub(crate) mod handshake;
 pub(crate) mod shm;
 
-use crate::transport::core::{Core, CoreConfig};
+use crate::transport::core::{Core, CoreConfig, LinkFail};
 use crate::transport::engine::{Engine, Running, Wired};
 use crate::transport::{LinkConfig, Watch};
 use crate::util::Slot;
@@ -52,8 +63,8 @@ pub struct TcpTransport {
     /// The engine; dropping it shuts the connections down cleanly.
     wire: Running<TcpDriver>,
     local: SocketAddr,
-    /// Stops the acceptor.
-    stop: Arc<AtomicBool>,
+    /// Dials peers on first use; stopped before the engine shuts down.
+    connector: Arc<Connector>,
     acceptor: Option<JoinHandle<()>>,
 }
 
@@ -71,22 +82,36 @@ pub fn addr_key(r: usize) -> String {
     format!("tutti/addr/{r}")
 }
 
+/// Store counter every rank adds one to once its address is published.
+pub(crate) const UP_KEY: &str = "tutti/tcp/up";
+/// Store key the rank that brings [`UP_KEY`] to the world size sets: every address is there.
+const ALL_UP_KEY: &str = "tutti/tcp/all-up";
+
 impl TcpTransport {
-    /// Connect this rank to every other rank of the job, using `store` to exchange addresses.
+    /// Connect this rank to the job, using `store` to exchange addresses: publish this rank's
+    /// address and wait until every rank published its own; then links connect on first use
+    /// (`cfg.lazy`), or the whole mesh connects before this returns.
+    ///
+    /// The transport keeps `store` to look up the addresses of the peers it connects later.
     ///
     /// # Errors
     /// [`Error::Io`] when the listener cannot be bound; [`Error::Rendezvous`] naming the ranks
-    /// that did not publish an address or connect within `connect_timeout`, or that refused us
-    /// (different job, world size, token, or a duplicate rank).
-    pub fn connect(id: &JobIdentity, store: &dyn Store, cfg: &LinkConfig) -> Result<TcpTransport> {
+    /// that did not publish an address (or, with `lazy` off, connect) within
+    /// `connect_timeout`, or that refused us (different job, world size, token, or a duplicate
+    /// rank).
+    pub fn connect(
+        id: &JobIdentity,
+        store: Arc<dyn Store>,
+        cfg: &LinkConfig,
+    ) -> Result<TcpTransport> {
         Self::connect_watched(id, store, cfg, Watch::NONE)
     }
 
-    /// [`TcpTransport::connect`], failing at once when `watch` says a peer has ended or a peer's
-    /// published address refuses connections (its process is gone).
+    /// [`TcpTransport::connect`], failing at once when `watch` says a peer has ended (a peer
+    /// whose published address refuses connections has ended too, watched or not).
     pub(crate) fn connect_watched(
         id: &JobIdentity,
-        store: &dyn Store,
+        store: Arc<dyn Store>,
         cfg: &LinkConfig,
         watch: Watch<'_>,
     ) -> Result<TcpTransport> {
@@ -97,115 +122,114 @@ impl TcpTransport {
             .map_err(|e| Error::io(rank, format!("binding {}:{}", cfg.bind_ip, cfg.port), &e))?;
         let local = listener.local_addr().map_err(|e| Error::io(rank, "listener address", &e))?;
         listener.set_nonblocking(true).map_err(|e| Error::io(rank, "listener", &e))?;
-        crate::store::set_signed(
-            store,
-            &id.key,
-            id.job,
-            &addr_key(rank),
-            local.to_string().as_bytes(),
-        )?;
-        debug!(rank, %local, "listening");
 
-        let stop = Arc::new(AtomicBool::new(false));
-        let connected: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; world]));
-        let (tx, rx) = mpsc::channel::<(usize, TcpStream, Option<ShmLink>)>();
+        // The engine runs from the start: each connection joins it as soon as its handshake
+        // completes (ours or the peer's).
+        let connector = Arc::new(Connector {
+            id: id.clone(),
+            cfg: cfg.clone(),
+            store: store.clone(),
+            state: Mutex::new(vec![PeerConn::Idle; world]),
+            addrs: Mutex::new(vec![None; world]),
+            engine: OnceLock::new(),
+            stop: AtomicBool::new(false),
+            queue: Mutex::new(VecDeque::new()),
+            workers: AtomicUsize::new(0),
+            failure: Mutex::new(None),
+        });
+        let mut core_cfg = CoreConfig::from_link(cfg, driver::EAGER_MAX, true);
+        core_cfg.lazy = true;
+        let core = Core::new(rank, world, core_cfg, Instant::now());
+        let engine = Engine::new(
+            core,
+            TcpDriver::empty(world, cfg.tcp_congestion.clone(), Some(connector.clone())),
+            cfg.spin,
+        )
+        .map_err(|e| Error::io(rank, "configuring connections", &e))?;
+        let wire = Running::start(engine, format!("tutti-tcp-{rank}"))
+            .map_err(|e| Error::io(rank, "spawning the background driver", &e))?;
+        let _ = connector.engine.set(Arc::downgrade(&wire.shared()));
         let acceptor = {
-            let (stop, connected, id, hs) =
-                (stop.clone(), connected.clone(), id.clone(), cfg.handshake_timeout);
-            let shm = cfg.shm;
+            let c = connector.clone();
             std::thread::Builder::new()
                 .name(format!("tutti-accept-{rank}"))
-                .spawn(move || accept_loop(listener, id, hs, shm, connected, tx, stop))
+                .spawn(move || accept_loop(listener, c))
                 .map_err(|e| Error::io(rank, "spawning the acceptor", &e))?
         };
+        let t = TcpTransport { rank, wire, local, connector, acceptor: Some(acceptor) };
 
-        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        let mut links: Vec<Option<ShmLink>> = (0..world).map(|_| None).collect();
-        let result = (|| {
-            // Learn every lower rank's address first, in one round (so the store is not
-            // needed once connected).
-            let keys: Vec<String> = (0..rank).map(addr_key).collect();
-            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let raws = watch.get_all(store, rank, &refs, deadline, |missing| {
-                let j = refs.iter().position(|k| *k == missing).unwrap_or(0);
-                Error::Rendezvous {
-                    rank,
-                    detail: format!(
-                        "rank {j} did not publish its address within {:?}: it never started, \
-                         crashed before rendezvous, or uses another store",
-                        cfg.connect_timeout
-                    ),
-                }
-            })?;
-            let mut addrs = Vec::with_capacity(rank);
-            for (j, raw) in raws.into_iter().enumerate() {
-                let raw = crate::store::open_signed(&id.key, id.job, &addr_key(j), raw)
-                    .ok_or_else(|| crate::store::forged(rank, j, "address"))?;
-                let text = String::from_utf8_lossy(&raw).into_owned();
-                let addr: SocketAddr = text.parse().map_err(|_| Error::Rendezvous {
-                    rank,
-                    detail: format!("rank {j} published an unparsable address {text:?}"),
-                })?;
-                addrs.push(addr);
-            }
-            for (j, addr) in addrs.into_iter().enumerate() {
-                let (s, link) = connect_one(id, j, addr, deadline, cfg, watch)?;
-                streams[j] = Some(s);
-                links[j] = link;
-            }
-            let higher = world - rank - 1;
-            let mut got = 0;
-            while got < higher {
-                watch.check(rank)?;
-                let left = deadline.saturating_duration_since(Instant::now());
-                match rx.recv_timeout(watch.slice(left)) {
-                    Ok((j, s, link)) => {
-                        streams[j] = Some(s);
-                        links[j] = link;
-                        got += 1;
-                    }
-                    Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
-                    Err(_) => {
-                        let missing: Vec<usize> =
-                            (rank + 1..world).filter(|j| streams[*j].is_none()).collect();
-                        // Tell the dead from the merely waiting: a rank that published its
-                        // address is alive (probably waiting on a third rank).
-                        let silent: Vec<usize> = missing
-                            .iter()
-                            .copied()
-                            .filter(|j| !store.check(&[addr_key(*j).as_str()]).unwrap_or(false))
-                            .collect();
-                        return Err(Error::Rendezvous {
-                            rank,
-                            detail: format!(
-                                "ranks {missing:?} did not connect within {:?}; ranks {silent:?} \
-                                 never published an address (never started, or died before \
-                                 rendezvous); the others may be waiting for them or cannot \
-                                 reach {local}",
-                                cfg.connect_timeout
-                            ),
-                        });
-                    }
-                }
+        let result = (|| -> Result<()> {
+            crate::store::set_signed(
+                store.as_ref(),
+                &id.key,
+                id.job,
+                &addr_key(rank),
+                local.to_string().as_bytes(),
+            )?;
+            debug!(rank, %local, "listening");
+            arrive(store.as_ref(), id, deadline, cfg.connect_timeout, watch)?;
+            if !cfg.lazy {
+                t.connect_mesh(deadline, watch)?;
             }
             Ok(())
         })();
         if let Err(e) = result {
-            stop.store(true, Ordering::SeqCst);
-            let _ = acceptor.join();
+            // The peers already connected learn why at once (and our shutdown does not wait
+            // for their close).
+            t.wire.engine().fail(e.clone(), "connecting the group failed");
             return Err(e);
         }
-        let shared = links.iter().flatten().count();
-        let now = Instant::now();
-        let mut core =
-            Core::new(rank, world, CoreConfig::from_link(cfg, driver::EAGER_MAX, true), now);
-        let engine = TcpDriver::new(streams, links, &mut core, now, cfg.tcp_congestion.as_deref())
-            .and_then(|d| Engine::new(core, d, cfg.spin))
-            .map_err(|e| Error::io(rank, "configuring connections", &e))?;
-        let wire = Running::start(engine, format!("tutti-tcp-{rank}"))
-            .map_err(|e| Error::io(rank, "spawning the background driver", &e))?;
-        info!(rank, world, %local, shared, elapsed = ?start.elapsed(), "tcp transport connected");
-        Ok(TcpTransport { rank, wire, local, stop, acceptor: Some(acceptor) })
+        let shared = t.wire.engine().with_driver(|d, _| d.shared_links());
+        info!(
+            rank, world, %local, shared, lazy = cfg.lazy, elapsed = ?start.elapsed(),
+            "tcp transport connected"
+        );
+        Ok(t)
+    }
+
+    /// The full mesh up front: dial every lower rank (learning their addresses in one round)
+    /// and wait until every higher rank dialled us.
+    fn connect_mesh(&self, deadline: Instant, watch: Watch<'_>) -> Result<()> {
+        let (rank, world) = (self.rank, self.connector.id.world);
+        let keys: Vec<String> = (0..rank).map(addr_key).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let raws = watch.get_all(self.connector.store.as_ref(), rank, &refs, deadline, |_| {
+            Error::Rendezvous { rank, detail: "the addresses vanished from the store".into() }
+        })?;
+        for (j, raw) in raws.into_iter().enumerate() {
+            let addr = self.connector.parse_addr(j, raw)?;
+            self.connector.addrs.lock().unwrap_or_else(|p| p.into_inner())[j] = Some(addr);
+        }
+        self.wire.engine().with_driver(|_, core| (0..rank).for_each(|j| core.want_link(j)));
+        let mut nap = Duration::from_micros(200);
+        loop {
+            watch.check(rank)?;
+            let missing: Vec<usize> = {
+                let g = self.wire.engine().lock();
+                if let Some(e) = g.core.poisoned() {
+                    let first = self.connector.failure.lock().unwrap_or_else(|p| p.into_inner());
+                    return Err(first.clone().unwrap_or_else(|| e.clone()));
+                }
+                (0..world).filter(|p| g.core.is_pending(*p)).collect()
+            };
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Rendezvous {
+                    rank,
+                    detail: format!(
+                        "ranks {} did not connect within {:?}; they may be waiting for others, \
+                         or cannot reach {}",
+                        crate::util::list_ranks(&missing),
+                        self.connector.cfg.connect_timeout,
+                        self.local
+                    ),
+                });
+            }
+            std::thread::sleep(watch.slice(nap.min(deadline - Instant::now())));
+            nap = (nap * 2).min(Duration::from_millis(20));
+        }
     }
 
     /// The address this rank listens on.
@@ -214,26 +238,286 @@ impl TcpTransport {
     }
 }
 
-/// Refusals in a row after which a watched connect takes a peer's published address for a
-/// closed listener (with the backoff between them, about 15 ms).
+/// Count this rank in and wait until every rank of the job has published its address: one
+/// `add` per rank, one `set` by the last, one (parked) `get` per rank — O(1) store requests
+/// per rank, whatever the world. On timeout, names the ranks that never published.
+fn arrive(
+    store: &dyn Store,
+    id: &JobIdentity,
+    deadline: Instant,
+    limit: Duration,
+    watch: Watch<'_>,
+) -> Result<()> {
+    let (rank, world) = (id.rank, id.world);
+    let n = store.add(UP_KEY, 1)?;
+    if n == world as i64 {
+        return store.set(ALL_UP_KEY, b"1");
+    }
+    watch
+        .get_all(store, rank, &[ALL_UP_KEY], deadline, |_| {
+            let silent: Vec<usize> = (0..world)
+                .filter(|j| !store.check(&[addr_key(*j).as_str()]).unwrap_or(false))
+                .collect();
+            Error::Rendezvous {
+                rank,
+                detail: format!(
+                    "ranks {} did not publish an address within {limit:?}: they never \
+                     started, died before rendezvous, or use another store",
+                    crate::util::list_ranks(&silent)
+                ),
+            }
+        })
+        .map(|_| ())
+}
+
+/// Where one pair's connection stands, as this rank sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PeerConn {
+    /// Not connected, and this rank is not dialling.
+    Idle,
+    /// This rank is dialling the peer.
+    Dialing,
+    /// Connected (by either side), or its handshake is completing.
+    Connected,
+}
+
+/// Most dials one rank runs at once; more wait their turn.
+const MAX_DIALS: usize = 16;
+
+/// Connects pairs on demand: dial threads (at most [`MAX_DIALS`]) take the peers the engine
+/// asks for, and the acceptor decides which incoming connections to keep. Both attach the
+/// connections they make to the engine.
+pub(crate) struct Connector {
+    id: JobIdentity,
+    cfg: LinkConfig,
+    store: Arc<dyn Store>,
+    state: Mutex<Vec<PeerConn>>,
+    /// Peers' addresses, once looked up.
+    addrs: Mutex<Vec<Option<SocketAddr>>>,
+    engine: OnceLock<Weak<Engine<TcpDriver>>>,
+    stop: AtomicBool,
+    queue: Mutex<VecDeque<usize>>,
+    workers: AtomicUsize,
+    /// The first dial that failed, with its own error (the core holds the poisoning).
+    failure: Mutex<Option<Error>>,
+}
+
+impl Connector {
+    /// Start connecting `peer` (called under the engine lock; never blocks on the network).
+    ///
+    /// # Errors
+    /// Why no thread could be started to connect it.
+    pub(crate) fn request(self: &Arc<Self>, peer: usize) -> std::result::Result<(), String> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).push_back(peer);
+        let mut cur = self.workers.load(Ordering::SeqCst);
+        loop {
+            if cur >= MAX_DIALS {
+                return Ok(()); // the running workers take it
+            }
+            match self.workers.compare_exchange(cur, cur + 1, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("tutti-dial-{}", self.id.rank))
+            .spawn(move || me.work());
+        spawned.map(|_| ()).map_err(|e| {
+            self.workers.fetch_sub(1, Ordering::SeqCst);
+            self.queue.lock().unwrap_or_else(|p| p.into_inner()).retain(|p| *p != peer);
+            format!("no thread could be started to connect to it: {e}")
+        })
+    }
+
+    fn work(&self) {
+        loop {
+            let next = {
+                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                let next = q.pop_front();
+                if next.is_none() {
+                    // Leave under the queue's lock: a request made after this sees the slot
+                    // free and starts a worker.
+                    self.workers.fetch_sub(1, Ordering::SeqCst);
+                }
+                next
+            };
+            let Some(peer) = next else { return };
+            if let Err(e) = self.dial(peer) {
+                self.fail(peer, e);
+            }
+        }
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Dial `peer` until connected (by us, or by the peer's dial crossing ours), the
+    /// transport stops, or connecting fails.
+    fn dial(&self, peer: usize) -> Result<()> {
+        let rank = self.id.rank;
+        let deadline = Instant::now() + self.cfg.connect_timeout;
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            if self.stopped() {
+                return Ok(());
+            }
+            {
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                match st[peer] {
+                    PeerConn::Connected => return Ok(()),
+                    PeerConn::Idle => st[peer] = PeerConn::Dialing,
+                    PeerConn::Dialing => {}
+                }
+            }
+            let addr = self.addr(peer, deadline)?;
+            match connect_one(&self.id, peer, addr, deadline, &self.cfg, &|| self.stopped())? {
+                Some((s, link)) => {
+                    let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                    if st[peer] == PeerConn::Connected {
+                        // Cannot happen by the crossing rule; keep the connection we have.
+                        warn!(rank, peer, "a second connection to rank {peer}; dropped");
+                        return Ok(());
+                    }
+                    st[peer] = PeerConn::Connected;
+                    drop(st);
+                    return self.attach(peer, s, link);
+                }
+                None => {
+                    // Crossed: the peer (a lower rank) dials us too and its connection is
+                    // kept. Look again shortly; until then our acceptor takes its dial.
+                    if Instant::now() >= deadline {
+                        return Err(Error::Rendezvous {
+                            rank,
+                            detail: format!(
+                                "rank {peer} said it was dialling us, but its connection \
+                                 never came within {:?}",
+                                self.cfg.connect_timeout
+                            ),
+                        });
+                    }
+                    std::thread::sleep(crate::util::jitter(backoff));
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    /// `peer`'s published address, looked up once.
+    fn addr(&self, peer: usize, deadline: Instant) -> Result<SocketAddr> {
+        if let Some(a) = self.addrs.lock().unwrap_or_else(|p| p.into_inner())[peer] {
+            return Ok(a);
+        }
+        let rank = self.id.rank;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let raw = crate::store::get_or(self.store.as_ref(), &addr_key(peer), left, || {
+            Error::Rendezvous {
+                rank,
+                detail: format!(
+                    "rank {peer}'s address is not in the store ({}): the store is gone (its \
+                     server ended with the rank or launcher serving it) or the rank never \
+                     published",
+                    self.store.describe()
+                ),
+            }
+        })?;
+        let a = self.parse_addr(peer, raw)?;
+        self.addrs.lock().unwrap_or_else(|p| p.into_inner())[peer] = Some(a);
+        Ok(a)
+    }
+
+    fn parse_addr(&self, j: usize, raw: Vec<u8>) -> Result<SocketAddr> {
+        let rank = self.id.rank;
+        let raw = crate::store::open_signed(&self.id.key, self.id.job, &addr_key(j), raw)
+            .ok_or_else(|| crate::store::forged(rank, j, "address"))?;
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        text.parse().map_err(|_| Error::Rendezvous {
+            rank,
+            detail: format!("rank {j} published an unparsable address {text:?}"),
+        })
+    }
+
+    /// Hand a connected stream to the engine (its link comes up there).
+    fn attach(&self, peer: usize, s: TcpStream, link: Option<ShmLink>) -> Result<()> {
+        let Some(engine) = self.engine.get().and_then(Weak::upgrade) else {
+            return Ok(()); // the transport is gone
+        };
+        let now = Instant::now();
+        engine.with_driver(|d, core| d.attach(core, peer, s, link, now)).map_err(|e| {
+            Error::io(self.id.rank, format!("configuring the connection to rank {peer}"), &e)
+        })
+    }
+
+    /// Connecting `peer` failed: the link fails in the core (naming the peer, poisoning the
+    /// transport as a lost link does).
+    fn fail(&self, peer: usize, e: Error) {
+        if self.stopped() {
+            return;
+        }
+        warn!(rank = self.id.rank, peer, "connecting to rank {peer} failed: {e}");
+        {
+            let mut first = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            first.get_or_insert_with(|| e.clone());
+        }
+        if let Some(engine) = self.engine.get().and_then(Weak::upgrade) {
+            let detail = match &e {
+                Error::PeerLost { detail, .. } => detail.clone(),
+                other => format!("connecting to it failed: {other}"),
+            };
+            engine.with_driver(|_, core| core.link_failed(peer, LinkFail::Lost(detail)));
+        }
+    }
+
+    /// Whether to keep an authenticated incoming connection from `from`: yes when the pair
+    /// is not connected and we are not dialling it, or when we dial it too and it is the lower
+    /// rank (its dial wins); `Crossed` when we are the lower rank dialling it (ours wins);
+    /// `Duplicate` when the pair is connected already.
+    fn accept_from(&self, from: usize) -> handshake::Status {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match st[from] {
+            PeerConn::Connected => handshake::Status::Duplicate,
+            PeerConn::Dialing if from > self.id.rank => handshake::Status::Crossed,
+            PeerConn::Idle | PeerConn::Dialing => {
+                st[from] = PeerConn::Connected;
+                handshake::Status::Ok
+            }
+        }
+    }
+
+    /// An accepted connection broke before it joined: the pair is unconnected again.
+    fn release(&self, from: usize) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st[from] == PeerConn::Connected {
+            st[from] = PeerConn::Idle;
+        }
+    }
+}
+
+/// Refusals in a row after which a dial takes a peer's published address for a closed
+/// listener (with the backoff between them, about 15 ms): every address was published by a
+/// rank already listening, so its process (or at least its transport) has ended.
 const REFUSED_GONE: u32 = 4;
 
+/// Dial `j` at `addr` and run the handshake: the stream and its shared-memory link, or `None`
+/// when `j` dials us too and its connection wins (`Status::Crossed`).
 fn connect_one(
     id: &JobIdentity,
     j: usize,
     addr: SocketAddr,
     deadline: Instant,
     cfg: &LinkConfig,
-    watch: Watch<'_>,
-) -> Result<(TcpStream, Option<ShmLink>)> {
+    cancelled: &dyn Fn() -> bool,
+) -> Result<Option<(TcpStream, Option<ShmLink>)>> {
     let rank = id.rank;
     let mut backoff = Duration::from_millis(2);
-    // Refusals in a row at an address the peer published after it was listening: its listener
-    // is closed, so (when watched) the peer has ended.
     let mut refused = 0;
     loop {
-        watch.check(rank)?;
         let left = deadline.saturating_duration_since(Instant::now());
+        if cancelled() {
+            return Err(Error::Aborted { rank, reason: "the transport was dropped".into() });
+        }
         if left.is_zero() {
             return Err(Error::Rendezvous {
                 rank,
@@ -246,7 +530,7 @@ fn connect_one(
             Err(e) => {
                 refused =
                     if e.kind() == std::io::ErrorKind::ConnectionRefused { refused + 1 } else { 0 };
-                if refused >= REFUSED_GONE && watch.is_watching() {
+                if refused >= REFUSED_GONE {
                     return Err(Error::PeerLost {
                         rank,
                         peer: j,
@@ -282,8 +566,9 @@ fn connect_one(
                 let _ = s.set_read_timeout(None);
                 let _ = s.set_write_timeout(None);
                 debug!(rank, peer = j, %addr, shm = link.is_some(), "connected");
-                return Ok((s, link));
+                return Ok(Some((s, link)));
             }
+            Err(handshake::HsError::Refused(handshake::Status::Crossed)) => return Ok(None),
             // The connection broke or timed out (a listener busy with other handshakes closes
             // new ones at once): try again until the deadline.
             Err(handshake::HsError::Io(e)) if Instant::now() + backoff < deadline => {
@@ -305,19 +590,10 @@ fn connect_one(
 /// accepted (a dialling peer tries again until its connect deadline).
 pub const MAX_HANDSHAKES: usize = 64;
 
-fn accept_loop(
-    listener: TcpListener,
-    id: JobIdentity,
-    hs_timeout: Duration,
-    shm: bool,
-    connected: Arc<Mutex<Vec<bool>>>,
-    tx: mpsc::Sender<(usize, TcpStream, Option<ShmLink>)>,
-    stop: Arc<AtomicBool>,
-) {
-    let rank = id.rank;
-    let id = Arc::new(id);
+fn accept_loop(listener: TcpListener, c: Arc<Connector>) {
+    let rank = c.id.rank;
     let in_handshake = Arc::new(AtomicUsize::new(0));
-    while !stop.load(Ordering::SeqCst) {
+    while !c.stopped() {
         let (mut s, from) = match listener.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -335,11 +611,11 @@ fn accept_loop(
             drop(s);
             continue;
         };
-        let (id, connected, tx) = (id.clone(), connected.clone(), tx.clone());
+        let c = c.clone();
         let spawned =
             std::thread::Builder::new().name(format!("tutti-hs-{rank}")).spawn(move || {
                 let _slot = slot;
-                let deadline = Instant::now() + hs_timeout;
+                let deadline = Instant::now() + c.cfg.handshake_timeout;
                 let _ = s.set_nonblocking(false);
                 // The handshake's last answer and the shared-memory offer leave back to back:
                 // without this, Nagle holds the offer until the client's delayed ack (40 ms a
@@ -350,37 +626,35 @@ fn accept_loop(
                     Err(e) => return warn!(rank, "refused connection from {from}: {e}"),
                 };
                 let expect = handshake::Expect {
-                    key: &id.key,
-                    job: id.job,
-                    world: id.world as u32,
-                    me: id.rank as u32,
+                    key: &c.id.key,
+                    job: c.id.job,
+                    world: c.id.world as u32,
+                    me: rank as u32,
                 };
-                let accept = |r: u32| {
-                    let mut c = connected.lock().unwrap_or_else(|p| p.into_inner());
-                    let slot = &mut c[r as usize];
-                    !std::mem::replace(slot, true)
-                };
+                let accept = |r: u32| c.accept_from(r as usize);
                 match handshake::server(&mut s, &expect, nonce, accept, deadline) {
-                    Ok(h) => match shm::server_side(&mut s, shm, id.world, deadline) {
-                        Ok(link) => {
-                            let _ = s.set_read_timeout(None);
-                            let _ = s.set_write_timeout(None);
-                            if tx.send((h.from as usize, s, link)).is_err() {
-                                warn!(
-                                    rank,
-                                    peer = h.from,
-                                    "late connection after start-up; dropped"
-                                );
+                    Ok(h) => {
+                        let peer = h.from as usize;
+                        match shm::server_side(&mut s, c.cfg.shm, c.id.world, deadline) {
+                            Ok(link) => {
+                                let _ = s.set_read_timeout(None);
+                                let _ = s.set_write_timeout(None);
+                                if let Err(e) = c.attach(peer, s, link) {
+                                    warn!(rank, peer, "connection from {from} unusable: {e}");
+                                    c.release(peer);
+                                }
+                            }
+                            Err(e) => {
+                                // The peer dials again (or is gone): the pair is free again.
+                                debug!(rank, peer, "connection from {from} broke: {e}");
+                                c.release(peer);
+                                let _ = s.shutdown(std::net::Shutdown::Both);
                             }
                         }
-                        Err(e) => {
-                            // The peer dials again (or is gone): its rank is free once more.
-                            debug!(rank, peer = h.from, "connection from {from} broke: {e}");
-                            let mut c = connected.lock().unwrap_or_else(|p| p.into_inner());
-                            c[h.from as usize] = false;
-                            let _ = s.shutdown(std::net::Shutdown::Both);
-                        }
-                    },
+                    }
+                    Err(handshake::HsError::Refused(handshake::Status::Crossed)) => {
+                        debug!(rank, "crossed dials with {from}: ours is kept");
+                    }
                     Err(e) => {
                         warn!(rank, "refused connection from {from}: {e}");
                         let _ = s.shutdown(std::net::Shutdown::Both);
@@ -408,8 +682,9 @@ impl Wired for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        // The connections shut down when `wire` drops, after this.
-        self.stop.store(true, Ordering::SeqCst);
+        // The connections shut down when `wire` drops, after this. Dials under way stop at
+        // their next look (they never attach to a transport that is gone).
+        self.connector.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.acceptor.take() {
             let _ = t.join();
         }
