@@ -170,7 +170,12 @@ pub(crate) fn open_transport(
         #[cfg(feature = "quic")]
         TransportKind::Quic => {
             let t = crate::transport::quic::QuicTransport::connect_as(
-                &id, store.as_ref(), &link, &opts.quic, None, watch,
+                &id,
+                store.as_ref(),
+                &link,
+                &opts.quic,
+                None,
+                watch,
             )?;
             info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (quic)");
             Arc::new(t)

@@ -30,7 +30,9 @@ pub(crate) fn shm_world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
     std::thread::scope(|s| {
         for g in &groups {
             let everyone = &everyone;
-            s.spawn(move || g.transport().connect_peers(everyone, Duration::from_secs(60)).unwrap());
+            s.spawn(move || {
+                g.transport().connect_peers(everyone, Duration::from_secs(60)).unwrap()
+            });
         }
     });
     for g in &groups {

@@ -371,7 +371,9 @@ mod refused {
             s.read_exact(&mut ack).unwrap();
             assert_eq!(ack[0], handshake::Status::BadProof as u8, "{h:?}");
         }
-        // Right token, but rank 1 is already connected: a duplicate.
+        // Right token, but rank 1 is already connected: a duplicate. (Links connect on first
+        // use: connect this one first.)
+        ts[1].connect_peers(&[0], T).unwrap();
         let dup = {
             let mut s = TcpStream::connect(addr0).unwrap();
             handshake::client(
@@ -422,9 +424,7 @@ mod refused {
                     s.spawn(move || {
                         let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
                         let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 1, key };
-                        TcpTransport::connect(&id, Arc::new(store), &cfg)
-                            .unwrap_err()
-                            .to_string()
+                        TcpTransport::connect(&id, Arc::new(store), &cfg).unwrap_err().to_string()
                     })
                 })
                 .collect();
@@ -570,3 +570,133 @@ transport_test!(recv_any_times_out_naming_the_tag_and_poisons, |kind| {
     assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
     assert!(g.check().is_err(), "the group must be poisoned");
 });
+
+/// Connecting on first use: a ring opens exactly the two links each rank uses (both sides of a
+/// pair may dial at once; one connection is kept), and the rest stay unconnected.
+#[test]
+fn a_ring_connects_only_its_neighbours() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        let n = 6;
+        let ts = world(kind, n).unwrap();
+        let ts2 = ts.clone();
+        run_ranks(ts, |t| {
+            let (me, next, prev) = (t.rank(), (t.rank() + 1) % n, (t.rank() + n - 1) % n);
+            let mine = pattern(1000, me, next, 5);
+            let mut got = vec![0u8; 1000];
+            let mut ops = vec![
+                Op::Send { peer: next, desc: desc(0, 0, 0), data: &mine },
+                Op::Recv { peer: prev, desc: desc(0, 0, 0), buf: &mut got, received: 0 },
+            ];
+            t.exchange(&mut ops, T).unwrap();
+            drop(ops);
+            assert!(got == pattern(1000, prev, me, 5));
+        });
+        for t in &ts2 {
+            let me = t.rank();
+            let linked: Vec<usize> = (0..n).filter(|p| *p != me && t.is_connected(*p)).collect();
+            let mut want = vec![(me + 1) % n, (me + n - 1) % n];
+            want.sort_unstable();
+            assert_eq!(linked, want, "{kind:?}: rank {me}'s links");
+            let far = (me + 3) % n;
+            assert_eq!(t.link_kind(far), "unconnected", "{kind:?}: rank {me} to {far}");
+        }
+    }
+}
+
+/// A rank that left before any pair reached it is named by the first rank that needs it, at
+/// once: its published address refuses connections.
+#[test]
+fn a_peer_gone_before_its_first_use_is_named_at_once() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        let mut ts = world(kind, 3).unwrap();
+        drop(ts.pop()); // rank 2 ends, connected to no one
+        let start = Instant::now();
+        let e = ts[0].send(2, desc(0, 0, 0), b"hello", T).unwrap_err();
+        let took = start.elapsed();
+        let msg = e.to_string();
+        assert!(msg.contains("rank 2") && msg.contains("ended"), "{kind:?}: {msg}");
+        assert!(took < Duration::from_secs(2), "{kind:?}: named after {took:?}");
+        // The transport is poisoned, as after any lost peer.
+        assert!(ts[0].poisoned().is_some(), "{kind:?}");
+    }
+}
+
+/// An abort reaches ranks that never connected to the rank that aborted: each poisoned rank
+/// passes the abort on over the links it has (0 → 1 → 2 here; 2 never talked to 0).
+#[test]
+fn an_abort_crosses_ranks_that_never_connected() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        let ts = world(kind, 3).unwrap();
+        run_ranks(ts, |t| {
+            let mut b = [0u8; 4];
+            match t.rank() {
+                0 => {
+                    // Connect 0 → 1 first, then give up.
+                    t.send(1, desc(0, 0, 0), b"ping", T).unwrap();
+                    std::thread::sleep(Duration::from_millis(200));
+                    t.abort("rank 0 gives up on purpose");
+                }
+                1 => {
+                    t.recv(0, desc(0, 0, 0), &mut b, T).unwrap();
+                    t.send(2, desc(1, 0, 0), b"pong", T).unwrap();
+                    let e = t.recv(0, desc(2, 0, 0), &mut b, T).unwrap_err().to_string();
+                    assert!(e.contains("gives up on purpose"), "{kind:?}: {e}");
+                }
+                _ => {
+                    t.recv(1, desc(1, 0, 0), &mut b, T).unwrap();
+                    let start = Instant::now();
+                    // Waits on rank 1, which will never send: rank 0's abort ends it.
+                    let e = t.recv(1, desc(3, 0, 0), &mut b, T).unwrap_err().to_string();
+                    assert!(e.contains("gives up on purpose"), "{kind:?}: {e}");
+                    assert!(start.elapsed() < Duration::from_secs(3), "{kind:?}");
+                    assert!(!t.is_connected(0), "{kind:?}: rank 2 never needed rank 0");
+                }
+            }
+        });
+    }
+}
+
+/// A rank that starts 2.5 s after the others, with a 1 s dead-peer limit, is waited for (the
+/// start-up waits until every rank published its address, up to the connect timeout) and not
+/// called dead: no link exists before every rank arrived, and a pair's dead-peer clock starts
+/// when it connects. With the full mesh up front or connecting on first use alike.
+#[test]
+fn a_late_rank_is_waited_for_not_called_dead() {
+    use crate::transport::tcp::TcpTransport;
+    use crate::transport::LinkConfig;
+    for (shm, lazy) in [(false, false), (true, false), (true, true)] {
+        let cfg = LinkConfig {
+            keepalive_interval: Duration::from_millis(100),
+            dead_after: Duration::from_secs(1),
+            shm,
+            lazy,
+            ..LinkConfig::default()
+        };
+        let (ts, _server) = crate::testing::job(3, &cfg, |id, store, cfg| {
+            if id.rank == 2 {
+                std::thread::sleep(Duration::from_millis(2500));
+            }
+            TcpTransport::connect(id, store, cfg)
+        })
+        .unwrap();
+        let ts: Vec<Arc<dyn Transport>> =
+            ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect();
+        run_ranks(ts, |t| {
+            let me = t.rank();
+            let data: Vec<Vec<u8>> = (0..3).map(|p| pattern(100, me, p, 9)).collect();
+            let mut bufs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; 100]).collect();
+            let mut ops: Vec<Op<'_>> = Vec::new();
+            for (p, d) in data.iter().enumerate().filter(|(p, _)| *p != me) {
+                ops.push(Op::Send { peer: p, desc: desc(0, 0, 0), data: d });
+            }
+            for (p, b) in bufs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+                ops.push(Op::Recv { peer: p, desc: desc(0, 0, 0), buf: b, received: 0 });
+            }
+            t.exchange(&mut ops, T).unwrap();
+            drop(ops);
+            for (p, b) in bufs.iter().enumerate().filter(|(p, _)| *p != me) {
+                assert!(*b == pattern(100, p, me, 9));
+            }
+        });
+    }
+}

@@ -517,9 +517,8 @@ mod tests {
         let id = JobIdentity { rank: 1, world: 2, job: 7, key };
         let cfg = LinkConfig { lazy: false, ..cfg };
         let store: Arc<dyn Store> = Arc::new(store);
-        let e = crate::transport::tcp::TcpTransport::connect(&id, store, &cfg)
-            .unwrap_err()
-            .to_string();
+        let e =
+            crate::transport::tcp::TcpTransport::connect(&id, store, &cfg).unwrap_err().to_string();
         assert!(e.contains("rank 0's published address") && e.contains("fails its check"), "{e}");
     }
 

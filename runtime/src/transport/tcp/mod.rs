@@ -314,8 +314,7 @@ impl Connector {
             if cur >= MAX_DIALS {
                 return Ok(()); // the running workers take it
             }
-            match self.workers.compare_exchange(cur, cur + 1, Ordering::SeqCst, Ordering::SeqCst)
-            {
+            match self.workers.compare_exchange(cur, cur + 1, Ordering::SeqCst, Ordering::SeqCst) {
                 Ok(_) => break,
                 Err(now) => cur = now,
             }
@@ -360,6 +359,10 @@ impl Connector {
         let rank = self.id.rank;
         let deadline = Instant::now() + self.cfg.connect_timeout;
         let mut backoff = Duration::from_millis(1);
+        // A peer that says the pair is connected while we see no connection: its side of a
+        // connection that broke in set-up, or its own dial that won, not yet visible here. It
+        // clears within a handshake; for longer, it is another process with our rank.
+        let mut duplicate_since: Option<Instant> = None;
         loop {
             if self.stopped() {
                 return Ok(());
@@ -374,7 +377,7 @@ impl Connector {
             }
             let addr = self.addr(peer, deadline)?;
             match connect_one(&self.id, peer, addr, deadline, &self.cfg, &|| self.stopped())? {
-                Some((s, link)) => {
+                Ok((s, link)) => {
                     let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
                     if st[peer] == PeerConn::Connected {
                         // Cannot happen by the crossing rule; keep the connection we have.
@@ -385,9 +388,28 @@ impl Connector {
                     drop(st);
                     return self.attach(peer, s, link);
                 }
-                None => {
+                Err(st) => {
                     // Crossed: the peer (a lower rank) dials us too and its connection is
                     // kept. Look again shortly; until then our acceptor takes its dial.
+                    let now = Instant::now();
+                    let since = *duplicate_since.get_or_insert(now);
+                    if st == handshake::Status::Duplicate
+                        && now.duration_since(since) > 2 * self.cfg.handshake_timeout
+                        && self.state.lock().unwrap_or_else(|p| p.into_inner())[peer]
+                            != PeerConn::Connected
+                    {
+                        return Err(Error::Rendezvous {
+                            rank,
+                            detail: format!(
+                                "rank {peer} refused the connection: {} (for {:?})",
+                                st.describe(),
+                                now.duration_since(since)
+                            ),
+                        });
+                    }
+                    if st != handshake::Status::Duplicate {
+                        duplicate_since = None;
+                    }
                     if Instant::now() >= deadline {
                         return Err(Error::Rendezvous {
                             rank,
@@ -500,8 +522,10 @@ impl Connector {
 /// rank already listening, so its process (or at least its transport) has ended.
 const REFUSED_GONE: u32 = 4;
 
-/// Dial `j` at `addr` and run the handshake: the stream and its shared-memory link, or `None`
-/// when `j` dials us too and its connection wins (`Status::Crossed`).
+/// Dial `j` at `addr` and run the handshake: the stream and its shared-memory link, or the
+/// refusal that says the pair is (being) connected the other way: `Crossed` (`j` dials us too
+/// and its connection wins) or `Duplicate` (`j` holds a connection from us, or took its own
+/// dial's).
 fn connect_one(
     id: &JobIdentity,
     j: usize,
@@ -509,7 +533,7 @@ fn connect_one(
     deadline: Instant,
     cfg: &LinkConfig,
     cancelled: &dyn Fn() -> bool,
-) -> Result<Option<(TcpStream, Option<ShmLink>)>> {
+) -> Result<std::result::Result<(TcpStream, Option<ShmLink>), handshake::Status>> {
     let rank = id.rank;
     let mut backoff = Duration::from_millis(2);
     let mut refused = 0;
@@ -566,9 +590,11 @@ fn connect_one(
                 let _ = s.set_read_timeout(None);
                 let _ = s.set_write_timeout(None);
                 debug!(rank, peer = j, %addr, shm = link.is_some(), "connected");
-                return Ok(Some((s, link)));
+                return Ok(Ok((s, link)));
             }
-            Err(handshake::HsError::Refused(handshake::Status::Crossed)) => return Ok(None),
+            Err(handshake::HsError::Refused(
+                st @ (handshake::Status::Crossed | handshake::Status::Duplicate),
+            )) => return Ok(Err(st)),
             // The connection broke or timed out (a listener busy with other handshakes closes
             // new ones at once): try again until the deadline.
             Err(handshake::HsError::Io(e)) if Instant::now() + backoff < deadline => {
