@@ -1,5 +1,6 @@
 //! The store lost: during rendezvous every waiting rank says the store is gone, at once (not
-//! after the connect timeout, and not as a slow rank); after rendezvous the job does not need
+//! after the connect timeout, and not as a slow rank); once the job's links are connected (TCP
+//! connects each pair on first use, looking its address up in the store) the job does not need
 //! it, and a rank that dies later is still named by every survivor. On TCP and QUIC.
 //!
 //! The store runs as its own process (`tt-rank serve-store`, as a launcher serves one), so

@@ -89,5 +89,5 @@ fn a_node_with_the_wrong_token_is_refused_and_the_other_names_the_missing_ranks(
         one.contains("authentication failed: wrong or missing job secret (TUTTI_TOKEN)"),
         "node 1: {one}"
     );
-    assert!(zero.contains("ranks [2, 3] did not connect"), "node 0: {zero}");
+    assert!(zero.contains("ranks [2, 3] did not publish an address"), "node 0: {zero}");
 }

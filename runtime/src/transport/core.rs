@@ -208,6 +208,8 @@ pub(crate) struct Core {
     dial: Vec<usize>,
     /// A clean shutdown began: a link that comes up now gets its close frame at once.
     closing: bool,
+    /// What the abort frames say, once poisoned (the original culprit's words).
+    abort_reason: Option<String>,
 }
 
 impl Core {
@@ -228,6 +230,7 @@ impl Core {
             fresh_poison: false,
             dial: Vec::new(),
             closing: false,
+            abort_reason: None,
         }
     }
 
@@ -241,6 +244,11 @@ impl Core {
 
     pub(crate) fn poisoned(&self) -> Option<&Error> {
         self.poisoned.as_ref()
+    }
+
+    /// What this rank's abort frames tell its peers, once it is poisoned.
+    pub(crate) fn abort_reason(&self) -> Option<&str> {
+        self.abort_reason.as_deref()
     }
 
     /// How many operations have ended (done or failed) so far.
@@ -926,6 +934,7 @@ impl Core {
             q.clear_posted();
         }
         let reason = abort_reason.map_or_else(|| err.to_string(), str::to_string);
+        self.abort_reason = Some(reason.clone());
         let reason = reason.as_bytes();
         let reason = &reason[..reason.len().min(MAX_ABORT_REASON as usize)];
         let rank = self.rank;

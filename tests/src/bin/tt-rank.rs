@@ -119,10 +119,14 @@ fn now_us() -> u128 {
 /// the wall-clock time it was seen.
 fn loop_until_error(c: &Comm) -> Result<(), String> {
     let sizes = [1usize << 10, 16 << 10, 256 << 10, 4 << 20, 16 << 20];
-    let bufs: Vec<Vec<f32>> = sizes.iter().map(|s| vec![1.0f32; *s]).collect();
+    let mut bufs: Vec<Vec<f32>> = sizes.iter().map(|s| vec![1.0f32; *s]).collect();
+    // One pass over the sizes first: links connect on first use, and once this job's are
+    // connected it needs nothing else (not even the store).
+    for b in bufs.iter_mut() {
+        c.allreduce(b, ReduceOp::Max).map_err(|e| format!("{} {e}", now_us()))?;
+    }
     println!("READY {}", c.rank());
     let mut i = 0usize;
-    let mut bufs = bufs;
     loop {
         let k = i % sizes.len();
         if let Err(e) = c.allreduce(&mut bufs[k], ReduceOp::Max) {

@@ -216,17 +216,17 @@ impl Bench {
         }
         // Every rank's device index, for the header (ranks may share a GPU), and how its links
         // move their bytes (shared memory to the ranks of its host).
-        let t = self.comm.group().transport();
-        let shm = (0..n).filter(|p| *p != me && t.link_kind(*p) == "shm").count() as i64;
-        let mut ords = vec![0i64; 2 * n];
-        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64), shm];
+        let (shm, unconnected) = self.link_counts();
+        let mut ords = vec![0i64; 3 * n];
+        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64), shm, unconnected];
         self.comm.allgather(&mine, &mut ords)?;
+        let t = self.comm.group().transport();
         if me == 0 {
             crate::outln!("#");
             crate::outln!("# Using devices");
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            for (r, rec) in ords.chunks(2).enumerate() {
-                let (ord, shm) = (&rec[0], rec[1]);
+            for (r, rec) in ords.chunks(3).enumerate() {
+                let (ord, shm, unc) = (&rec[0], rec[1], rec[2]);
                 let kind = match a.device.as_str() {
                     "host" => "cpu".to_string(),
                     "nccl" => "nccl".to_string(),
@@ -238,12 +238,7 @@ impl Bench {
                     host.trim().to_string()
                 };
                 let dev = if *ord < 0 { "-".to_string() } else { ord.to_string() };
-                let net = n as i64 - 1 - shm;
-                let links = match (shm, net) {
-                    (0, _) => format!("{net} {}", t.name()),
-                    (_, 0) => format!("{shm} shm"),
-                    _ => format!("{shm} shm, {net} {}", t.name()),
-                };
+                let links = describe_links(n, shm, unc, t.name());
                 crate::outln!(
                     "#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}] links: {links}"
                 );
@@ -306,6 +301,26 @@ impl Bench {
                 runs.push(run);
             }
         }
+        // Links connect on first use: say which ones the run needed.
+        let (shm, unconnected) = self.link_counts();
+        let mut after = vec![0i64; 2 * n];
+        self.comm.allgather(&[shm, unconnected], &mut after)?;
+        if me == 0 {
+            let name = self.comm.group().transport().name();
+            let per: Vec<String> =
+                after.chunks(2).map(|c| describe_links(n, c[0], c[1], name)).collect();
+            let mut kinds = per.clone();
+            kinds.sort();
+            kinds.dedup();
+            if kinds.len() == 1 {
+                crate::outln!("# Links after the run, every rank: {}", kinds[0]);
+            } else {
+                crate::outln!("# Links after the run:");
+                for (r, l) in per.iter().enumerate() {
+                    crate::outln!("#  Rank {r:>2} links: {l}");
+                }
+            }
+        }
         if me == 0 {
             if let Some(p) = &self.s.args.json {
                 if let Err(e) = std::fs::write(p, report::json(&runs)) {
@@ -321,6 +336,15 @@ impl Bench {
             }
         }
         Ok(code)
+    }
+
+    /// This rank's links through shared memory, and those not connected (yet: links connect
+    /// on first use).
+    fn link_counts(&self) -> (i64, i64) {
+        let (me, n) = (self.comm.rank(), self.comm.size());
+        let t = self.comm.group().transport();
+        let count = |kind: &str| (0..n).filter(|p| *p != me && t.link_kind(*p) == kind).count();
+        (count("shm") as i64, count("unconnected") as i64)
     }
 
     fn coll<T: Element>(&mut self, coll: &'static str) -> Result<Run> {
@@ -660,4 +684,24 @@ impl Bench {
         };
         Ok((mode, algo))
     }
+}
+
+/// One rank's links among `n` ranks: `shm` through shared memory, `unconnected` not connected
+/// (links connect on first use), the rest over the transport `name`.
+fn describe_links(n: usize, shm: i64, unconnected: i64, name: &str) -> String {
+    let net = n as i64 - 1 - shm - unconnected;
+    let mut parts = Vec::new();
+    if shm > 0 {
+        parts.push(format!("{shm} shm"));
+    }
+    if net > 0 {
+        parts.push(format!("{net} {name}"));
+    }
+    if unconnected > 0 {
+        parts.push(format!("{unconnected} not connected"));
+    }
+    if parts.is_empty() {
+        parts.push("none".into());
+    }
+    parts.join(", ")
 }

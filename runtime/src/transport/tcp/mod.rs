@@ -82,6 +82,13 @@ pub fn addr_key(r: usize) -> String {
     format!("tutti/addr/{r}")
 }
 
+/// Store key under which a rank that failed leaves, as it closes, what its abort frames said:
+/// a peer that dials it afterwards (links connect on first use, so some never did) finds its
+/// listener closed and reads why here.
+pub fn abort_key(r: usize) -> String {
+    format!("tutti/tcp/aborted/{r}")
+}
+
 /// Store counter every rank adds one to once its address is published.
 pub(crate) const UP_KEY: &str = "tutti/tcp/up";
 /// Store key the rank that brings [`UP_KEY`] to the world size sets: every address is there.
@@ -473,23 +480,38 @@ impl Connector {
     }
 
     /// Connecting `peer` failed: the link fails in the core (naming the peer, poisoning the
-    /// transport as a lost link does).
+    /// transport as a lost link does). A peer that closed after it failed left its abort
+    /// reason in the store ([`abort_key`]): then it is that abort that arrives.
     fn fail(&self, peer: usize, e: Error) {
         if self.stopped() {
             return;
         }
-        warn!(rank = self.id.rank, peer, "connecting to rank {peer} failed: {e}");
+        let how = match &e {
+            Error::PeerLost { detail, .. } => match self.abort_note(peer) {
+                Some(reason) => LinkFail::Aborted(reason),
+                None => LinkFail::Lost(detail.clone()),
+            },
+            other => LinkFail::Lost(format!("connecting to it failed: {other}")),
+        };
+        warn!(rank = self.id.rank, peer, "connecting to rank {peer} failed: {e} ({how:?})");
         {
             let mut first = self.failure.lock().unwrap_or_else(|p| p.into_inner());
             first.get_or_insert_with(|| e.clone());
         }
         if let Some(engine) = self.engine.get().and_then(Weak::upgrade) {
-            let detail = match &e {
-                Error::PeerLost { detail, .. } => detail.clone(),
-                other => format!("connecting to it failed: {other}"),
-            };
-            engine.with_driver(|_, core| core.link_failed(peer, LinkFail::Lost(detail)));
+            engine.with_driver(|_, core| core.link_failed(peer, how));
         }
+    }
+
+    /// The abort reason `peer` left in the store as it closed, if it did.
+    fn abort_note(&self, peer: usize) -> Option<String> {
+        let key = abort_key(peer);
+        if !self.store.check(&[key.as_str()]).unwrap_or(false) {
+            return None;
+        }
+        let raw = self.store.get(&key, Duration::from_secs(1)).ok()?;
+        let raw = crate::store::open_signed(&self.id.key, self.id.job, &key, raw)?;
+        Some(String::from_utf8_lossy(&raw).into_owned())
     }
 
     /// Whether to keep an authenticated incoming connection from `from`: yes when the pair
@@ -681,6 +703,12 @@ fn accept_loop(listener: TcpListener, c: Arc<Connector>) {
                     Err(handshake::HsError::Refused(handshake::Status::Crossed)) => {
                         debug!(rank, "crossed dials with {from}: ours is kept");
                     }
+                    // A dial that crossed ours and arrived after ours completed: the dialler
+                    // sees its pair connected and stops (a true duplicate rank is named by its
+                    // own dial, which gives up after twice the handshake timeout).
+                    Err(handshake::HsError::Refused(handshake::Status::Duplicate)) => {
+                        debug!(rank, "a second connection from {from}: refused as a duplicate");
+                    }
                     Err(e) => {
                         warn!(rank, "refused connection from {from}: {e}");
                         let _ = s.shutdown(std::net::Shutdown::Both);
@@ -711,6 +739,22 @@ impl Drop for TcpTransport {
         // The connections shut down when `wire` drops, after this. Dials under way stop at
         // their next look (they never attach to a transport that is gone).
         self.connector.stop.store(true, Ordering::SeqCst);
+        // After a failure, peers that never connected to us and dial later find the listener
+        // closed: leave them the reason first (signed, as addresses are).
+        let reason = self.wire.engine().lock().core.abort_reason().map(str::to_string);
+        if let Some(reason) = reason {
+            let c = &self.connector;
+            let key = abort_key(self.rank);
+            if let Err(e) = crate::store::set_signed(
+                c.store.as_ref(),
+                &c.id.key,
+                c.id.job,
+                &key,
+                reason.as_bytes(),
+            ) {
+                debug!(rank = self.rank, "could not leave the abort reason in the store: {e}");
+            }
+        }
         if let Some(t) = self.acceptor.take() {
             let _ = t.join();
         }
