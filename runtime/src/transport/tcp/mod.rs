@@ -683,6 +683,14 @@ fn accept_loop(listener: TcpListener, c: Arc<Connector>) {
                 match handshake::server(&mut s, &expect, nonce, accept, deadline) {
                     Ok(h) => {
                         let peer = h.from as usize;
+                        // The client is authenticated, and takes the connection as made as
+                        // soon as it has sent its last message (the shared-memory answer): a
+                        // server that gave up just before reading it would leave the client
+                        // with a connection its peer closed (seen with 256 ranks on 2 cores,
+                        // a client descheduled for seconds between reading the offer and
+                        // answering). So the server waits for that answer as long as a connect
+                        // may take; a client that gave up has closed, which ends it at once.
+                        let deadline = deadline.max(Instant::now() + c.cfg.connect_timeout);
                         match shm::server_side(&mut s, c.cfg.shm, c.id.world, deadline) {
                             Ok(link) => {
                                 let _ = s.set_read_timeout(None);
