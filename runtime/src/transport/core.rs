@@ -861,7 +861,8 @@ impl Core {
                 return Step::Again;
             }
         }
-        if !w.probed {
+        // A link still connecting carries no probe yet: it is sent once the link is up.
+        if !w.probed && !self.links[peer].pending {
             if now.saturating_duration_since(w.start) >= self.cfg.probe_after {
                 w.probed = true;
                 self.send_probe(peer, desc);

@@ -273,8 +273,9 @@ impl<D: Driver> Engine<D> {
         let (id, attached) = unsafe { s.core.post_recv(peer, desc, buf, cap, now) }?;
         if attached {
             s.driver.read(&mut s.core, peer, now);
-            s.settle();
         }
+        // Reads a parked frame in, or starts connecting a link used for the first time.
+        s.settle();
         self.wake_others(s, before);
         Ok(id)
     }
@@ -554,6 +555,10 @@ impl<D: Driver> Engine<D> {
         if let Some(e) = s.core.poisoned() {
             return Err(e.poisoned());
         }
+        // A receive from any source probes every peer: connect the links not made yet, so a
+        // sender that died before it connected is named (its address refuses), not waited for.
+        s.core.want_link(peer);
+        s.settle();
         // Take in what the peer sent (a driver reads idle sockets only for a waiter).
         if peer != self.rank {
             let before = s.core.ops_ended();

@@ -700,3 +700,31 @@ fn a_late_rank_is_waited_for_not_called_dead() {
         });
     }
 }
+
+/// A rank that failed before any pair reached it tells the rank that dials it later why: alive
+/// (the new link carries its abort frame first) or already closed (it left its abort reason in
+/// the store as it closed, and the dial that finds its listener closed reads it).
+#[test]
+fn a_rank_that_failed_before_it_connected_passes_its_abort_on() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        for closed in [false, true] {
+            let mut ts = world(kind, 3).unwrap();
+            ts[1].abort("rank 1 gave up before talking to anyone");
+            let keep = if closed {
+                drop(ts.remove(1));
+                None
+            } else {
+                Some(ts.remove(1))
+            };
+            let start = Instant::now();
+            let mut b = [0u8; 4];
+            let e = ts[0].recv(1, desc(0, 0, 0), &mut b, T).unwrap_err().to_string();
+            assert!(
+                e.contains("rank 1 gave up before talking to anyone"),
+                "{kind:?} closed {closed}: {e}"
+            );
+            assert!(start.elapsed() < Duration::from_secs(3), "{kind:?} closed {closed}");
+            drop(keep);
+        }
+    }
+}

@@ -121,6 +121,10 @@ impl TcpDriver {
         link: Option<ShmLink>,
         now: Instant,
     ) -> std::io::Result<()> {
+        if self.conns.get(peer).is_none() {
+            // Closed (`close` cleared the table): the connection just closes.
+            return Err(std::io::Error::other("the transport has shut down"));
+        }
         stream.set_nonblocking(true)?;
         stream.set_nodelay(true)?;
         if let Some(cc) = &self.congestion {

@@ -257,7 +257,9 @@ fn arrive(
 ) -> Result<()> {
     let (rank, world) = (id.rank, id.world);
     let n = store.add(UP_KEY, 1)?;
-    if n == world as i64 {
+    // At or past the world: a rank counted twice (run again on the same store) must not leave
+    // everyone waiting; a rank then missing is found by the first dial that needs it.
+    if n >= world as i64 {
         return store.set(ALL_UP_KEY, b"1");
     }
     watch
@@ -288,8 +290,10 @@ enum PeerConn {
     Connected,
 }
 
-/// Most dials one rank runs at once; more wait their turn.
-const MAX_DIALS: usize = 16;
+/// Most dials one rank runs at once; more wait their turn. Each dial costs both ends CPU (the
+/// handshake's MACs, a thread on the peer's side): with every rank dialling its whole mesh at
+/// once, 16 per rank at 256 ranks on 2 cores left handshake threads descheduled for seconds.
+const MAX_DIALS: usize = 4;
 
 /// Connects pairs on demand: dial threads (at most [`MAX_DIALS`]) take the peers the engine
 /// asks for, and the acceptor decides which incoming connections to keep. Both attach the
@@ -377,7 +381,28 @@ impl Connector {
             {
                 let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
                 match st[peer] {
-                    PeerConn::Connected => return Ok(()),
+                    // Connected by the peer's dial: done once the connection has joined the
+                    // engine; its set-up may still fail (the pair is then Idle again), so look
+                    // until it did.
+                    PeerConn::Connected => {
+                        drop(st);
+                        if !self.link_pending(peer) {
+                            return Ok(());
+                        }
+                        if Instant::now() >= deadline {
+                            return Err(Error::Rendezvous {
+                                rank,
+                                detail: format!(
+                                    "the connection from rank {peer} never finished its set-up \
+                                     within {:?}",
+                                    self.cfg.connect_timeout
+                                ),
+                            });
+                        }
+                        std::thread::sleep(crate::util::jitter(backoff));
+                        backoff = (backoff * 2).min(Duration::from_millis(50));
+                        continue;
+                    }
                     PeerConn::Idle => st[peer] = PeerConn::Dialing,
                     PeerConn::Dialing => {}
                 }
@@ -401,7 +426,7 @@ impl Connector {
                     let now = Instant::now();
                     let since = *duplicate_since.get_or_insert(now);
                     if st == handshake::Status::Duplicate
-                        && now.duration_since(since) > 2 * self.cfg.handshake_timeout
+                        && now.duration_since(since) > DUPLICATE_FOR
                         && self.state.lock().unwrap_or_else(|p| p.into_inner())[peer]
                             != PeerConn::Connected
                     {
@@ -431,6 +456,15 @@ impl Connector {
                     backoff = (backoff * 2).min(Duration::from_millis(50));
                 }
             }
+        }
+    }
+
+    /// Whether `peer`'s link is still pending in the engine (true when the transport is gone:
+    /// nothing is waited for then).
+    fn link_pending(&self, peer: usize) -> bool {
+        match self.engine.get().and_then(Weak::upgrade) {
+            Some(e) => e.lock().core.is_pending(peer),
+            None => false,
         }
     }
 
@@ -470,8 +504,9 @@ impl Connector {
 
     /// Hand a connected stream to the engine (its link comes up there).
     fn attach(&self, peer: usize, s: TcpStream, link: Option<ShmLink>) -> Result<()> {
-        let Some(engine) = self.engine.get().and_then(Weak::upgrade) else {
-            return Ok(()); // the transport is gone
+        let engine = self.engine.get().and_then(Weak::upgrade).filter(|_| !self.stopped());
+        let Some(engine) = engine else {
+            return Ok(()); // the transport is gone, or going: the connection just closes
         };
         let now = Instant::now();
         engine.with_driver(|d, core| d.attach(core, peer, s, link, now)).map_err(|e| {
@@ -483,6 +518,14 @@ impl Connector {
     /// transport as a lost link does). A peer that closed after it failed left its abort
     /// reason in the store ([`abort_key`]): then it is that abort that arrives.
     fn fail(&self, peer: usize, e: Error) {
+        {
+            // Not dialling any more: the peer's own dial is taken from now on (and, this
+            // transport being poisoned, carries our abort back to it).
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if st[peer] == PeerConn::Dialing {
+                st[peer] = PeerConn::Idle;
+            }
+        }
         if self.stopped() {
             return;
         }
@@ -538,6 +581,12 @@ impl Connector {
         }
     }
 }
+
+/// How long a dial retries a peer that says the pair is connected while this rank sees no
+/// connection, before it names a duplicate rank: the peer's side of a connection we gave up
+/// on stays until its handshake thread sees our close, which on an overloaded host takes
+/// seconds.
+const DUPLICATE_FOR: Duration = Duration::from_secs(10);
 
 /// Refusals in a row after which a dial takes a peer's published address for a closed
 /// listener (with the backoff between them, about 15 ms): every address was published by a
@@ -679,8 +728,20 @@ fn accept_loop(listener: TcpListener, c: Arc<Connector>) {
                     world: c.id.world as u32,
                     me: rank as u32,
                 };
-                let accept = |r: u32| c.accept_from(r as usize);
-                match handshake::server(&mut s, &expect, nonce, accept, deadline) {
+                // Which rank `accept_from` took, if the handshake fails after it did.
+                let taken = std::cell::Cell::new(None);
+                let accept = |r: u32| {
+                    let st = c.accept_from(r as usize);
+                    if st == handshake::Status::Ok {
+                        taken.set(Some(r as usize));
+                    }
+                    st
+                };
+                let hs = handshake::server(&mut s, &expect, nonce, accept, deadline);
+                if let (Err(_), Some(peer)) = (&hs, taken.get()) {
+                    c.release(peer);
+                }
+                match hs {
                     Ok(h) => {
                         let peer = h.from as usize;
                         // The client is authenticated, and takes the connection as made as
@@ -744,11 +805,9 @@ impl Wired for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        // The connections shut down when `wire` drops, after this. Dials under way stop at
-        // their next look (they never attach to a transport that is gone).
-        self.connector.stop.store(true, Ordering::SeqCst);
         // After a failure, peers that never connected to us and dial later find the listener
-        // closed: leave them the reason first (signed, as addresses are).
+        // closed: leave them the reason first (signed, as addresses are), while the listener
+        // still answers.
         let reason = self.wire.engine().lock().core.abort_reason().map(str::to_string);
         if let Some(reason) = reason {
             let c = &self.connector;
@@ -763,6 +822,9 @@ impl Drop for TcpTransport {
                 debug!(rank = self.rank, "could not leave the abort reason in the store: {e}");
             }
         }
+        // The connections shut down when `wire` drops, after this. Dials and handshakes under
+        // way stop at their next look (they never attach to a transport that is going).
+        self.connector.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.acceptor.take() {
             let _ = t.join();
         }

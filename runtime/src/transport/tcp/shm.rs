@@ -12,8 +12,8 @@
 //!   page 0      magic, nonce, ring size; each ring's control block:
 //!               head (writer's position), tail (reader's position), reader-sleeps, writer-waits,
 //!               each on its own cache line
-//!   ring 0      lower rank → higher rank, R bytes
-//!   ring 1      higher rank → lower rank, R bytes
+//!   ring 0      server → client (the rank dialled → the rank that dialled), R bytes
+//!   ring 1      client → server, R bytes
 //! ```
 //!
 //! Positions count bytes ever written and read (`u64`), so `head - tail` is what the ring holds.
@@ -31,9 +31,9 @@
 //!
 //! **Set-up** ([`server_side`], [`client_side`]), on every connection right after the handshake
 //! authenticated it, within the handshake's deadline:
-//! the lower rank (the handshake's server) creates the pair's segment and offers it, right
+//! the rank dialled (the handshake's server) creates the pair's segment and offers it, right
 //! behind the handshake's last answer, with where it runs, its process id, the segment's
-//! descriptor number and a random nonce; the higher rank, on the same host, opens
+//! descriptor number and a random nonce; the dialling rank, on the same host, opens
 //! `/proc/<pid>/fd/<n>` (the kernel allows that only to the same user or root), checks the
 //! seals, the owner, the size and the nonce, and says whether it attached. The dialling rank
 //! waits for nothing more than the handshake did. The segment has no name: no process of another user can open it, and
@@ -211,8 +211,8 @@ fn ask(flag: &AtomicU32) {
 }
 
 impl ShmLink {
-    fn new(seg: Segment, lower: bool) -> ShmLink {
-        let tx = usize::from(!lower);
+    fn new(seg: Segment, server: bool) -> ShmLink {
+        let tx = usize::from(!server);
         ShmLink { seg, tx, rx: 1 - tx, tx_head: 0, rx_tail: 0, peer_eof: false, moved: 0 }
     }
 
@@ -367,9 +367,9 @@ pub(crate) const MSG_LEN: usize = 80;
 /// Which step of the set-up a message is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// Lower rank → higher: where it runs and the segment it made (or none).
+    /// Server → client: where it runs and the segment it made (or none).
     Offer = 1,
-    /// Higher rank → lower: attached (or not).
+    /// Client → server: attached (or not).
     Ack = 2,
 }
 
@@ -460,7 +460,7 @@ fn recv_msg(s: &mut TcpStream, step: Step, deadline: Instant) -> Result<SetupMsg
     Ok(m)
 }
 
-/// The lower rank's side of the set-up on a freshly authenticated connection (the handshake's
+/// The dialled rank's side of the set-up on a freshly authenticated connection (the handshake's
 /// server, which answers in its own thread): make the pair's segment (before knowing where the
 /// peer runs: a peer on another host leaves it, and its untouched pages cost nothing), offer it
 /// with where this rank runs, and keep it if the peer attached. `enabled` is this rank's
@@ -497,7 +497,7 @@ pub(crate) fn server_side(
     Ok(made.filter(|_| ack.yes).map(|(seg, _fd)| ShmLink::new(seg, true)))
 }
 
-/// The higher rank's side (the handshake's client, which dials its peers one after the other):
+/// The dialling rank's side (the handshake's client, on a dial thread):
 /// on the same host, with both offering, attach the offered segment and say so. It waits for
 /// nothing after the handshake's own messages: the offer comes right behind the handshake's
 /// last answer.
@@ -528,7 +528,7 @@ pub(crate) fn client_side(
 }
 
 /// A pair of linked ends over one segment in this process (tests and fuzzing): the first is
-/// the lower rank's.
+/// the server's.
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn local_pair(ring: usize) -> Result<(ShmLink, ShmLink), String> {
     let nonce = [7u8; 16];
