@@ -47,22 +47,58 @@ fn pbkdf2_sha256(password: &[u8], salt: &[u8], rounds: u32) -> [u8; 32] {
 /// (tests, benchmarks) pay the stretch once.
 static DERIVED: std::sync::Mutex<Vec<([u8; 32], JobKey)>> = std::sync::Mutex::new(Vec::new());
 
+/// Environment variable in which a launcher hands its ranks the key it derived from the job
+/// secret it also hands them (`TUTTI_TOKEN`), so each rank does not stretch the secret again:
+/// [`JobKey::handoff`]'s value, the secret's SHA-256 and the key, in hex. A value for another
+/// secret (a stale variable) is ignored. It is as sensitive as the secret itself, and travels
+/// the same way (the rank's environment, readable only by its user).
+pub const KEY_ENV: &str = "TUTTI_JOB_KEY";
+
 impl JobKey {
     /// Derive the key from a job secret: PBKDF2-HMAC-SHA256 over [`KDF_ROUNDS`] rounds with a
     /// fixed salt (the secret is unique per job; the salt separates tutti's keys from other
-    /// uses of the same string). Remembered for the process's later calls with the same secret.
+    /// uses of the same string). Remembered for the process's later calls with the same secret;
+    /// taken from [`KEY_ENV`] when the launcher derived it for this secret already.
     pub fn from_token(token: &str) -> JobKey {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let mut cache = DERIVED.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, k)) = cache.iter().find(|(d, _)| *d == digest) {
             return k.clone();
         }
-        let key = JobKey(pbkdf2_sha256(token.as_bytes(), KDF_SALT, KDF_ROUNDS));
+        let handed = std::env::var(KEY_ENV).ok().and_then(|v| Self::from_handoff(&digest, &v));
+        let key =
+            handed.unwrap_or_else(|| JobKey(pbkdf2_sha256(token.as_bytes(), KDF_SALT, KDF_ROUNDS)));
         if cache.len() >= 64 {
             cache.remove(0);
         }
         cache.push((digest, key.clone()));
         key
+    }
+
+    /// The value of [`KEY_ENV`] that hands this secret's key to a launcher's ranks.
+    pub fn handoff(token: &str) -> String {
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let key = Self::from_token(token);
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        format!("{}:{}", hex(&digest), hex(&key.0))
+    }
+
+    /// The key a [`KEY_ENV`] value carries, if it was made for the secret whose SHA-256 is
+    /// `digest` (and is well formed).
+    fn from_handoff(digest: &[u8; 32], value: &str) -> Option<JobKey> {
+        let (d, k) = value.trim().split_once(':')?;
+        let unhex = |s: &str| -> Option<[u8; 32]> {
+            if s.len() != 64 {
+                return None;
+            }
+            let mut out = [0u8; 32];
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+            }
+            Some(out)
+        };
+        (ct_eq(&unhex(d)?, digest)).then_some(())?;
+        Some(JobKey(unhex(k)?))
     }
 
     /// HMAC-SHA256 of the concatenated parts under this key.
@@ -205,5 +241,21 @@ mod tests {
             pbkdf2_sha256(b"passwd", b"salt", 1).to_vec(),
             hex("55ac046e56e3089fec1691c22544b605f94185216dde0465e68b9d57c20dacbc")
         );
+    }
+
+    /// A launcher's hand-off gives its ranks the key it derived, only for the secret it was
+    /// made for: another secret's digest, or a malformed value, is ignored.
+    #[test]
+    fn a_handoff_carries_the_key_for_its_own_secret_only() {
+        let token = "handoff-test-secret-0123456789";
+        let value = JobKey::handoff(token);
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let key = JobKey::from_handoff(&digest, &value).expect("its own secret");
+        assert_eq!(key.0, pbkdf2_sha256(token.as_bytes(), KDF_SALT, KDF_ROUNDS));
+        let other: [u8; 32] = Sha256::digest(b"another secret").into();
+        assert!(JobKey::from_handoff(&other, &value).is_none());
+        for bad in ["", ":", "zz:zz", &value[..100], &value.replace(':', ";")] {
+            assert!(JobKey::from_handoff(&digest, bad).is_none(), "{bad:?}");
+        }
     }
 }

@@ -142,6 +142,7 @@ impl TcpTransport {
             stop: AtomicBool::new(false),
             queue: Mutex::new(VecDeque::new()),
             workers: AtomicUsize::new(0),
+            handshakes: Arc::new(AtomicUsize::new(0)),
             failure: Mutex::new(None),
         });
         let mut core_cfg = CoreConfig::from_link(cfg, driver::EAGER_MAX, true);
@@ -309,6 +310,8 @@ pub(crate) struct Connector {
     stop: AtomicBool,
     queue: Mutex<VecDeque<usize>>,
     workers: AtomicUsize,
+    /// Handshakes the acceptor's threads are running (at most [`MAX_HANDSHAKES`]).
+    handshakes: Arc<AtomicUsize>,
     /// The first dial that failed, with its own error (the core holds the poisoning).
     failure: Mutex<Option<Error>>,
 }
@@ -504,9 +507,11 @@ impl Connector {
 
     /// Hand a connected stream to the engine (its link comes up there).
     fn attach(&self, peer: usize, s: TcpStream, link: Option<ShmLink>) -> Result<()> {
-        let engine = self.engine.get().and_then(Weak::upgrade).filter(|_| !self.stopped());
-        let Some(engine) = engine else {
-            return Ok(()); // the transport is gone, or going: the connection just closes
+        // A transport shutting down still takes it (the driver refuses once closed): the new
+        // link carries its abort frame, or its close, so the peer learns why instead of
+        // reading a bare end of stream.
+        let Some(engine) = self.engine.get().and_then(Weak::upgrade) else {
+            return Ok(()); // the transport is gone: the connection just closes
         };
         let now = Instant::now();
         engine.with_driver(|d, core| d.attach(core, peer, s, link, now)).map_err(|e| {
@@ -666,6 +671,25 @@ fn connect_one(
             Err(handshake::HsError::Refused(
                 st @ (handshake::Status::Crossed | handshake::Status::Duplicate),
             )) => return Ok(Err(st)),
+            // Something else answers at the address `j` published (checked against the job
+            // key, so it was `j`'s): not a tutti rank, or one of another job — the port was
+            // reused after `j`'s listener closed, so `j` has ended.
+            Err(
+                e @ (handshake::HsError::Magic
+                | handshake::HsError::Malformed(_)
+                | handshake::HsError::Proof
+                | handshake::HsError::Refused(handshake::Status::WrongJob)),
+            ) => {
+                return Err(Error::PeerLost {
+                    rank,
+                    peer: j,
+                    ctx: None,
+                    detail: format!(
+                        "the address rank {j} published ({addr}) now answers as another \
+                         process ({e}): its process has ended"
+                    ),
+                })
+            }
             // The connection broke or timed out (a listener busy with other handshakes closes
             // new ones at once): try again until the deadline.
             Err(handshake::HsError::Io(e)) if Instant::now() + backoff < deadline => {
@@ -689,7 +713,7 @@ pub const MAX_HANDSHAKES: usize = 64;
 
 fn accept_loop(listener: TcpListener, c: Arc<Connector>) {
     let rank = c.id.rank;
-    let in_handshake = Arc::new(AtomicUsize::new(0));
+    let in_handshake = c.handshakes.clone();
     while !c.stopped() {
         let (mut s, from) = match listener.accept() {
             Ok(x) => x,
@@ -822,11 +846,23 @@ impl Drop for TcpTransport {
                 debug!(rank = self.rank, "could not leave the abort reason in the store: {e}");
             }
         }
-        // The connections shut down when `wire` drops, after this. Dials and handshakes under
-        // way stop at their next look (they never attach to a transport that is going).
+        // The connections shut down when `wire` drops, after this. Dials under way stop at
+        // their next look; a connection completing now joins the closing engine, which
+        // answers it with the abort or close frame (or refuses it once closed).
         self.connector.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.acceptor.take() {
             let _ = t.join();
+        }
+        // Handshakes under way, the acceptor's and our dials', finish first (within their
+        // deadline; dials start no new attempt once stopped), so their connections join the
+        // engine before it shuts down and carry its abort or close frame: a peer connecting
+        // with us just as we failed or finished hears why, not a bare end of stream.
+        let c = &self.connector;
+        let until = Instant::now() + c.cfg.handshake_timeout;
+        while (c.handshakes.load(Ordering::SeqCst) > 0 || c.workers.load(Ordering::SeqCst) > 0)
+            && Instant::now() < until
+        {
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }
