@@ -20,6 +20,7 @@ Examples:
   tutti-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
             --token-file ~/.tutti-token --nproc 8 -- ./train --steps 1000
   tutti-run --elastic --max-restarts 2 --nproc 8 -- ./train    (goes on when a rank dies)
+  tutti-run --connect eager --nproc 64 -- ./train    (the full mesh at start-up)
 
 Variables set for every rank:
   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (this node's index), MASTER_ADDR,
@@ -94,6 +95,11 @@ pub(crate) struct Args {
     /// ends in failure; each joins the running job (`TUTTI_JOIN=1`) when its ranks next grow.
     #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
     max_restarts: usize,
+    /// How TCP links connect: `lazy` (each pair when it first talks, the default) or `eager`
+    /// (every pair at start-up: a missing rank is found before the first call, no call pays a
+    /// connect). Sets TUTTI_CONNECT for every rank.
+    #[arg(long, value_parser = ["lazy", "eager"])]
+    connect: Option<String>,
     /// The program and its arguments.
     #[arg(
         trailing_var_arg = true,
@@ -176,7 +182,7 @@ pub fn main() -> ExitCode {
         log_dir: a.log_dir,
         grace: Duration::from_secs_f64(a.grace),
         name: "tutti-run",
-        env: Vec::new(),
+        env: a.connect.into_iter().map(|c| ("TUTTI_CONNECT".to_string(), c)).collect(),
         elastic: a.elastic,
         max_restarts: a.max_restarts,
     };

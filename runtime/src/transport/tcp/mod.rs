@@ -5,7 +5,7 @@
 //! the store, and waits until every rank of the job has published its own (one counter and one
 //! key in the store: O(1) store requests per rank). Then it returns: the engine runs from the
 //! start, and a link is connected when this rank first sends to or posts a receive from its
-//! peer (`Core::want_link` → [`TcpDriver`]'s `dial` → [`Connector`]). Either side may dial; when
+//! peer (`Core::want_link` → `TcpDriver`'s `dial` → `Connector`). Either side may dial; when
 //! both dial at once, the connection the lower rank dialled is kept and the higher rank's is
 //! refused with `Status::Crossed` (`accept_from`), so a pair always ends with exactly one
 //! connection. Every connection is authenticated by the job key (see `handshake.rs`); right after
