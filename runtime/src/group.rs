@@ -182,6 +182,7 @@ impl Group {
         if self.inner.transport.fail(e.clone(), reason) {
             warn!(group = self.inner.id, rank = self.inner.rank, "group failed: {e}");
         }
+        self.inner.transport.publish_failure();
         crate::rendezvous::launcher::record_failure(&e.to_string());
     }
 

@@ -733,6 +733,8 @@ pub(crate) trait Wired: Send + Sync {
     fn engine(&self) -> &Engine<Self::Driver>;
     /// The address it listens on and published (`None`: it has none, in memory).
     fn listen_addr(&self) -> Option<std::net::SocketAddr>;
+    /// [`Transport::publish_failure`].
+    fn publish_failure(&self) {}
 }
 
 impl<T: Wired> Transport for T {
@@ -754,6 +756,10 @@ impl<T: Wired> Transport for T {
 
     fn connect_peers(&self, peers: &[usize], timeout: Duration) -> Result<()> {
         self.engine().connect_peers(peers, Instant::now() + timeout)
+    }
+
+    fn publish_failure(&self) {
+        Wired::publish_failure(self)
     }
 
     fn is_connected(&self, peer: usize) -> bool {

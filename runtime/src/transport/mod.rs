@@ -264,6 +264,12 @@ pub trait Transport: Send + Sync {
         Ok(())
     }
 
+    /// Make this transport's failure known to the peers not connected to it yet, before the
+    /// process may exit (TCP, whose links connect on first use: its abort reason in the store,
+    /// where a peer that dials it later reads it). Called by [`Group::fail`](crate::Group::fail)
+    /// after recording a failure; does nothing when not poisoned, or done already.
+    fn publish_failure(&self) {}
+
     /// Whether the link to `peer` is connected now (always, for transports that connect
     /// every link up front; one that connects on first use says false until it did).
     fn is_connected(&self, peer: usize) -> bool {

@@ -280,23 +280,27 @@ transport_test!(abort_fails_pending_and_future, |kind| {
 fn tcp_full_mesh_16_ranks() {
     let n = 16;
     let ts = world(Kind::Tcp, n).unwrap();
-    run_ranks(ts, |t| {
-        let me = t.rank();
-        let data: Vec<Vec<u8>> = (0..n).map(|p| pattern(1000, me, p, 3)).collect();
-        let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 1000]).collect();
-        let mut ops: Vec<Op<'_>> = Vec::new();
-        for (p, d) in data.iter().enumerate().filter(|(p, _)| *p != me) {
-            ops.push(Op::Send { peer: p, desc: desc(0, 0, 0), data: d });
-        }
-        for (p, b) in bufs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
-            ops.push(Op::Recv { peer: p, desc: desc(0, 0, 0), buf: b, received: 0 });
-        }
-        t.exchange(&mut ops, T).unwrap();
-        drop(ops);
-        for (p, b) in bufs.iter().enumerate().filter(|(p, _)| *p != me) {
-            assert!(*b == pattern(1000, p, me, 3));
-        }
-    });
+    run_ranks(ts, |t| exchange_with_everyone(t, n, 1000, 3));
+}
+
+/// Every rank sends `len` bytes to every other and receives theirs, all at once, and checks
+/// each arrived intact (with links made on first use, every pair dials both ways at once).
+fn exchange_with_everyone(t: &dyn Transport, n: usize, len: usize, salt: u64) {
+    let me = t.rank();
+    let data: Vec<Vec<u8>> = (0..n).map(|p| pattern(len, me, p, salt)).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; len]).collect();
+    let mut ops: Vec<Op<'_>> = Vec::new();
+    for (p, d) in data.iter().enumerate().filter(|(p, _)| *p != me) {
+        ops.push(Op::Send { peer: p, desc: desc(0, 0, 0), data: d });
+    }
+    for (p, b) in bufs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+        ops.push(Op::Recv { peer: p, desc: desc(0, 0, 0), buf: b, received: 0 });
+    }
+    t.exchange(&mut ops, T).unwrap();
+    drop(ops);
+    for (p, b) in bufs.iter().enumerate().filter(|(p, _)| *p != me) {
+        assert!(*b == pattern(len, p, me, salt), "rank {me}: bytes from rank {p}");
+    }
 }
 
 mod refused {
@@ -681,23 +685,7 @@ fn a_late_rank_is_waited_for_not_called_dead() {
         .unwrap();
         let ts: Vec<Arc<dyn Transport>> =
             ts.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect();
-        run_ranks(ts, |t| {
-            let me = t.rank();
-            let data: Vec<Vec<u8>> = (0..3).map(|p| pattern(100, me, p, 9)).collect();
-            let mut bufs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; 100]).collect();
-            let mut ops: Vec<Op<'_>> = Vec::new();
-            for (p, d) in data.iter().enumerate().filter(|(p, _)| *p != me) {
-                ops.push(Op::Send { peer: p, desc: desc(0, 0, 0), data: d });
-            }
-            for (p, b) in bufs.iter_mut().enumerate().filter(|(p, _)| *p != me) {
-                ops.push(Op::Recv { peer: p, desc: desc(0, 0, 0), buf: b, received: 0 });
-            }
-            t.exchange(&mut ops, T).unwrap();
-            drop(ops);
-            for (p, b) in bufs.iter().enumerate().filter(|(p, _)| *p != me) {
-                assert!(*b == pattern(100, p, me, 9));
-            }
-        });
+        run_ranks(ts, |t| exchange_with_everyone(t, 3, 100, 9));
     }
 }
 

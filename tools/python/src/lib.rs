@@ -530,7 +530,13 @@ impl Comm {
         };
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store, name });
         py.allow_threads(|| {
-            let opts = tutti_runtime::Options::from_env()?;
+            let mut opts = tutti_runtime::Options::from_env()?;
+            if std::env::var_os("TUTTI_CONNECT").is_none() {
+                // As gloo does (unless TORCH_GLOO_LAZY_INIT): the full mesh at init. Links
+                // made later would look addresses up through torch's store, a Python object,
+                // from tutti's own threads.
+                opts.link.lazy = false;
+            }
             let g = tutti_runtime::init_on_store(rank, world, store, secret, ip, &opts)?;
             if timeout_s > 0.0 {
                 // Past `Duration`'s range (or infinite): as long as a group waits.

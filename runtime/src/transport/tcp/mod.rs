@@ -144,6 +144,7 @@ impl TcpTransport {
             workers: AtomicUsize::new(0),
             handshakes: Arc::new(AtomicUsize::new(0)),
             failure: Mutex::new(None),
+            noted: AtomicBool::new(false),
         });
         let mut core_cfg = CoreConfig::from_link(cfg, driver::EAGER_MAX, true);
         core_cfg.lazy = true;
@@ -244,6 +245,28 @@ impl TcpTransport {
     pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
+
+    /// Once poisoned, leave the abort reason in the store ([`abort_key`], signed as addresses
+    /// are), once: a peer that dials this rank after it closed (or its process ended) reads it.
+    fn note_failure(&self) {
+        let reason = self.wire.engine().lock().core.abort_reason().map(str::to_string);
+        let Some(reason) = reason else { return };
+        let c = &self.connector;
+        if c.noted.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let key = abort_key(self.rank);
+        let signed = crate::store::set_signed(
+            c.store.as_ref(),
+            &c.id.key,
+            c.id.job,
+            &key,
+            reason.as_bytes(),
+        );
+        if let Err(e) = signed {
+            debug!(rank = self.rank, "could not leave the abort reason in the store: {e}");
+        }
+    }
 }
 
 /// Count this rank in and wait until every rank of the job has published its address: one
@@ -314,6 +337,8 @@ pub(crate) struct Connector {
     handshakes: Arc<AtomicUsize>,
     /// The first dial that failed, with its own error (the core holds the poisoning).
     failure: Mutex<Option<Error>>,
+    /// The abort reason is in the store ([`TcpTransport::note_failure`]).
+    noted: AtomicBool,
 }
 
 impl Connector {
@@ -825,27 +850,18 @@ impl Wired for TcpTransport {
     fn listen_addr(&self) -> Option<SocketAddr> {
         Some(self.local_addr())
     }
+
+    fn publish_failure(&self) {
+        self.note_failure();
+    }
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
         // After a failure, peers that never connected to us and dial later find the listener
-        // closed: leave them the reason first (signed, as addresses are), while the listener
-        // still answers.
-        let reason = self.wire.engine().lock().core.abort_reason().map(str::to_string);
-        if let Some(reason) = reason {
-            let c = &self.connector;
-            let key = abort_key(self.rank);
-            if let Err(e) = crate::store::set_signed(
-                c.store.as_ref(),
-                &c.id.key,
-                c.id.job,
-                &key,
-                reason.as_bytes(),
-            ) {
-                debug!(rank = self.rank, "could not leave the abort reason in the store: {e}");
-            }
-        }
+        // closed: leave them the reason first, while the listener still answers (if the call
+        // that failed has not already).
+        self.note_failure();
         // The connections shut down when `wire` drops, after this. Dials under way stop at
         // their next look; a connection completing now joins the closing engine, which
         // answers it with the abort or close frame (or refuses it once closed).
