@@ -143,7 +143,15 @@ impl TcpDriver {
         self.any_socket = self.conns.iter().flatten().any(|c| c.shm.is_none());
         let local = self.conns.iter().flatten().filter(|c| c.shm.is_some()).count();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        self.hot = local > 0 && local < cpus;
+        // Links connect on first use, so the shared-memory links made so far undercount the
+        // ranks of this host: take the launcher's count of them (`LOCAL_WORLD_SIZE`, set by
+        // tutti-run and torchrun) when it says more, and without one the whole world.
+        let hinted = std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(self.conns.len());
+        let ranks_here = (local + 1).max(hinted.min(self.conns.len()));
+        self.hot = local > 0 && ranks_here <= cpus;
         self.any_shm = local > 0;
         Ok(())
     }
