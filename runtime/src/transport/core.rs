@@ -267,13 +267,11 @@ impl Core {
         l.dialing = false;
         l.last_rx = now;
         l.last_tx = now;
-        if let Some(err) = &self.poisoned {
+        if let Some(reason) = &self.abort_reason {
             // `poison` left the abort frame on a link pending then; a link that had nothing
-            // queued gets its own.
+            // queued gets its own, with the same words.
             if l.sendq.is_empty() {
-                let reason = err.to_string();
-                let reason = &reason.as_bytes()[..reason.len().min(MAX_ABORT_REASON as usize)];
-                queue::abort_queue(&mut l.sendq, rank, reason);
+                queue::abort_queue(&mut l.sendq, rank, reason.as_bytes());
             }
         }
         if self.closing {
@@ -934,18 +932,20 @@ impl Core {
         for q in self.queues.iter_mut() {
             q.clear_posted();
         }
-        let reason = abort_reason.map_or_else(|| err.to_string(), str::to_string);
-        self.abort_reason = Some(reason.clone());
-        let reason = reason.as_bytes();
-        let reason = &reason[..reason.len().min(MAX_ABORT_REASON as usize)];
+        let mut reason = abort_reason.map_or_else(|| err.to_string(), str::to_string);
+        // At most the longest reason a peer takes, cut on a character boundary.
+        let mut cut = reason.len().min(MAX_ABORT_REASON as usize);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        reason.truncate(cut);
+        let reason = self.abort_reason.insert(reason).as_bytes();
         let rank = self.rank;
         for l in self.links.iter_mut() {
             l.want = 0;
-            if l.up && !l.peer_closed {
-                queue::abort_queue(&mut l.sendq, rank, reason);
-            } else if l.pending && !l.sendq.is_empty() {
-                // The failed operations' frames go; the abort waits for the link (a peer
-                // that dials us learns why at once).
+            // A pending link with frames queued: the failed operations' frames go, and the
+            // abort waits for the link (a peer that dials us learns why at once).
+            if (l.up && !l.peer_closed) || (l.pending && !l.sendq.is_empty()) {
                 queue::abort_queue(&mut l.sendq, rank, reason);
             }
         }

@@ -463,38 +463,44 @@ impl<D: Driver> Engine<D> {
         out
     }
 
-    /// [`Transport::connect_peers`]: ask for every pending link among `peers`, then wait until
-    /// none of them is pending.
-    pub(crate) fn connect_peers(&self, peers: &[usize], deadline: Instant) -> Result<()> {
+    /// [`Transport::connect_peers`]: ask for every pending link among `want`, then wait until
+    /// none of `wait` is pending ([`Engine::await_links`]).
+    pub(crate) fn connect_peers(
+        &self,
+        want: &[usize],
+        wait: &[usize],
+        deadline: Instant,
+        check: impl Fn() -> Result<()>,
+    ) -> Result<()> {
         {
             let mut g = self.lock();
-            for &p in peers {
+            for &p in want {
                 g.core.want_link(p);
             }
             g.settle();
         }
         let mut nap = Duration::from_micros(100);
         loop {
-            {
+            check()?;
+            let waiting: Vec<usize> = {
                 let g = self.lock();
                 if let Some(e) = g.core.poisoned() {
-                    return Err(e.poisoned());
+                    return Err(e.clone());
                 }
-                let waiting: Vec<usize> =
-                    peers.iter().copied().filter(|p| g.core.is_pending(*p)).collect();
-                if waiting.is_empty() {
-                    return Ok(());
-                }
-                if Instant::now() >= deadline {
-                    return Err(Error::Rendezvous {
-                        rank: self.rank,
-                        detail: format!(
-                            "ranks {waiting:?} were not connected in time (connecting on \
-                             first use): they may be overloaded, or unreachable at the \
-                             addresses they published"
-                        ),
-                    });
-                }
+                wait.iter().copied().filter(|p| g.core.is_pending(*p)).collect()
+            };
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Rendezvous {
+                    rank: self.rank,
+                    detail: format!(
+                        "ranks {} were not connected in time: they may be waiting for others, \
+                         overloaded, or unreachable at the addresses they published",
+                        crate::util::list_ranks(&waiting)
+                    ),
+                });
             }
             std::thread::sleep(nap.min(deadline.saturating_duration_since(Instant::now())));
             nap = (nap * 2).min(Duration::from_millis(5));
@@ -755,7 +761,11 @@ impl<T: Wired> Transport for T {
     }
 
     fn connect_peers(&self, peers: &[usize], timeout: Duration) -> Result<()> {
-        self.engine().connect_peers(peers, Instant::now() + timeout)
+        let deadline = Instant::now() + timeout;
+        self.engine().connect_peers(peers, peers, deadline, || Ok(())).map_err(|e| match e {
+            Error::Rendezvous { .. } => e,
+            other => other.poisoned(),
+        })
     }
 
     fn publish_failure(&self) {

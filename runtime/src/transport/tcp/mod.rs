@@ -209,36 +209,23 @@ impl TcpTransport {
             let addr = self.connector.parse_addr(j, raw)?;
             self.connector.addrs.lock().unwrap_or_else(|p| p.into_inner())[j] = Some(addr);
         }
-        self.wire.engine().with_driver(|_, core| (0..rank).for_each(|j| core.want_link(j)));
-        let mut nap = Duration::from_micros(200);
-        loop {
-            watch.check(rank)?;
-            let missing: Vec<usize> = {
-                let g = self.wire.engine().lock();
-                if let Some(e) = g.core.poisoned() {
-                    let first = self.connector.failure.lock().unwrap_or_else(|p| p.into_inner());
-                    return Err(first.clone().unwrap_or_else(|| e.clone()));
-                }
-                (0..world).filter(|p| g.core.is_pending(*p)).collect()
-            };
-            if missing.is_empty() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Rendezvous {
-                    rank,
-                    detail: format!(
-                        "ranks {} did not connect within {:?}; they may be waiting for others, \
-                         or cannot reach {}",
-                        crate::util::list_ranks(&missing),
-                        self.connector.cfg.connect_timeout,
-                        self.local
-                    ),
-                });
-            }
-            std::thread::sleep(watch.slice(nap.min(deadline - Instant::now())));
-            nap = (nap * 2).min(Duration::from_millis(20));
-        }
+        // Dial every lower rank; every higher rank dials us.
+        let lower: Vec<usize> = (0..rank).collect();
+        let everyone: Vec<usize> = (0..world).collect();
+        self.wire.engine().connect_peers(&lower, &everyone, deadline, || watch.check(rank)).map_err(
+            |e| match e {
+                // The dial's own error names the peer and why (what the core poisoned with
+                // says only that the link failed).
+                Error::Rendezvous { .. } => e,
+                other => self
+                    .connector
+                    .failure
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()
+                    .unwrap_or(other),
+            },
+        )
     }
 
     /// The address this rank listens on.
@@ -450,14 +437,16 @@ impl Connector {
                 }
                 Err(st) => {
                     // Crossed: the peer (a lower rank) dials us too and its connection is
-                    // kept. Look again shortly; until then our acceptor takes its dial.
+                    // kept; Duplicate: see `duplicate_since`. Look again shortly (the top of
+                    // the loop sees a connection that arrived meanwhile).
                     let now = Instant::now();
-                    let since = *duplicate_since.get_or_insert(now);
-                    if st == handshake::Status::Duplicate
-                        && now.duration_since(since) > DUPLICATE_FOR
-                        && self.state.lock().unwrap_or_else(|p| p.into_inner())[peer]
-                            != PeerConn::Connected
-                    {
+                    let since = if st == handshake::Status::Duplicate {
+                        *duplicate_since.get_or_insert(now)
+                    } else {
+                        duplicate_since = None;
+                        now
+                    };
+                    if now.duration_since(since) > DUPLICATE_FOR {
                         return Err(Error::Rendezvous {
                             rank,
                             detail: format!(
@@ -466,9 +455,6 @@ impl Connector {
                                 now.duration_since(since)
                             ),
                         });
-                    }
-                    if st != handshake::Status::Duplicate {
-                        duplicate_since = None;
                     }
                     if Instant::now() >= deadline {
                         return Err(Error::Rendezvous {
