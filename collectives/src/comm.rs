@@ -208,6 +208,30 @@ impl Comm {
         Ok((comm.forcing(self.sel.force), shrunk))
     }
 
+    /// Go on over members the caller chose, in the caller's order: a new communicator over a
+    /// new world in which `members[i]` (a rank of this one) has rank `i`, with this one's
+    /// settings (see `tutti_runtime::Group::reconfigure`). This communicator is aborted first:
+    /// its pending calls fail, naming the reconfigure.
+    ///
+    /// # Collective contract
+    /// Every rank named in `members` calls it once with the same `uuid` (fresh for every
+    /// reconfigure) and the same `members`; the others do not call it. Sub-communicators are
+    /// rebuilt from the new one.
+    ///
+    /// # Errors
+    /// [`Error::Runtime`] wrapping `InvalidArgument` for a bad member list, `Config` for a
+    /// reused uuid or a communicator not made by rendezvous, and the connect's errors (naming
+    /// the members that did not come within `connect_within`).
+    pub fn reconfigure(
+        &self,
+        uuid: u64,
+        members: &[usize],
+        connect_within: Duration,
+    ) -> Result<Comm> {
+        let g = self.group.reconfigure(uuid, members, connect_within)?;
+        Ok(Comm::with_config(g, (*self.sel.cfg).clone()).forcing(self.sel.force))
+    }
+
     /// Take in the newcomers waiting to join (replacement processes started with
     /// `TUTTI_JOIN=1`): a new communicator over the members, in their order, then the
     /// newcomers; `None` when nobody was waiting. See `tutti_runtime::Group::grow`.

@@ -50,6 +50,15 @@ pub(crate) enum Purpose {
         /// The per-operation timeout of the group being rebuilt.
         wait: Duration,
     },
+    /// A world whose members were chosen by the caller ([`Group::reconfigure`]): operations
+    /// get `wait`; the connect may take `connect` (the members may reach the call at different
+    /// times), and is watched.
+    Reconfigure {
+        /// The per-operation timeout of the new world.
+        wait: Duration,
+        /// How long the connect may take.
+        connect: Duration,
+    },
 }
 
 /// Connect the world of membership `epoch` (members `ids`, this process at `rank`), whose
@@ -79,6 +88,12 @@ pub(crate) fn connect(
             opts.link.lazy = false;
             wait
         }
+        Purpose::Reconfigure { wait, connect } => {
+            opts.link.connect_timeout = connect;
+            // The caller learns at once whether every member came.
+            opts.link.lazy = false;
+            wait
+        }
     };
     let start = Instant::now();
     if let Some(fd) = cur.launcher_fd {
@@ -91,7 +106,7 @@ pub(crate) fn connect(
     let gone = || launcher::ended_since(&launch, &since);
     let watch = match purpose {
         Purpose::StartUp => Watch::NONE,
-        Purpose::Rebuild { .. } => Watch::new(&gone),
+        Purpose::Rebuild { .. } | Purpose::Reconfigure { .. } => Watch::new(&gone),
     };
     let t = open_transport(
         rank,

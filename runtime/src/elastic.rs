@@ -641,6 +641,103 @@ impl Group {
     }
 }
 
+/// The membership epoch a reconfigured world connects as: the top bit set (the store counts
+/// shrink and grow epochs up from 1, far below it), the rest a bijective mix of the caller's
+/// uuid, so two uuids share an epoch with odds of 2^-63.
+fn reconfigure_epoch(uuid: u64) -> u64 {
+    let mut x = uuid;
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    1 << 63 | (x & !(1 << 63))
+}
+
+impl Group {
+    /// Connect a new world over members the caller chose, in the caller's order: the new rank
+    /// of `members[i]` (a rank of this group) is `i`. For frameworks that decide membership
+    /// themselves (torch's `ProcessGroup.reconfigure`, which torchft drives from its
+    /// lighthouse); [`Group::shrink_with`] decides it by agreement instead.
+    ///
+    /// This group is aborted first (every pending operation fails with [`Error::Aborted`],
+    /// naming the reconfigure), so no call of the old membership can complete afterwards. The
+    /// new world connects its full mesh through this group's store, under keys of its own
+    /// (an epoch derived from `uuid`), and is watched like a shrink: a member the launcher
+    /// reports gone, or whose address refuses connections, fails the connect at once, naming
+    /// it. Operations on it get this group's timeout.
+    ///
+    /// # Collective contract
+    /// Every rank named in `members` calls it once with the same `uuid` and `members`; ranks
+    /// not named do not call it. `uuid` is fresh for every reconfigure of the job (a uuid used
+    /// before by this rank is refused).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty list, a repeated or out-of-range rank, or a list
+    /// without this rank; [`Error::Config`] for a reused `uuid` or a group that was not made by
+    /// rendezvous (in-memory groups and sub-groups cannot reconfigure); what the connect
+    /// returns ([`Error::Rendezvous`] naming members that did not come within `connect`,
+    /// [`Error::PeerLost`] for one found gone).
+    pub fn reconfigure(
+        &self,
+        uuid: u64,
+        members: &[usize],
+        connect_within: Duration,
+    ) -> Result<Group> {
+        let rank = self.rank();
+        let bad = |d: String| Error::InvalidArgument { rank, op: "reconfigure".into(), detail: d };
+        if members.is_empty() {
+            return Err(bad("the member list is empty".into()));
+        }
+        if let Some(r) = members.iter().find(|r| **r >= self.size()) {
+            return Err(bad(format!("rank {r} is outside the group of {}", self.size())));
+        }
+        let mut sorted = members.to_vec();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return Err(bad(format!("ranks {members:?} name a rank twice")));
+        }
+        let Some(new_rank) = members.iter().position(|r| *r == rank) else {
+            return Err(bad(format!(
+                "this rank ({rank}) is not among the members {members:?}: only the members call it"
+            )));
+        };
+        let (cur, keep) = self.parts();
+        let Some(cur) = cur.map(|r| Membership::clone(r)) else {
+            return Err(Error::Config(
+                "only a world group made by rendezvous (or by an earlier reconfigure) can \
+                 reconfigure (it needs the job's store); rebuild sub-groups from the new world"
+                    .into(),
+            ));
+        };
+        let keep = keep.to_vec();
+        let me = cur.ids[rank];
+        let claims = cur.store.add(&format!("tutti/reconfigure/{uuid}/{me}"), 1)?;
+        if claims > 1 {
+            return Err(Error::Config(format!(
+                "rank {rank}: reconfigure uuid {uuid} was used before by this member; pass a fresh \
+                 uuid for every reconfigure"
+            )));
+        }
+        let start = Instant::now();
+        self.abort(&format!(
+            "rank {rank} is reconfiguring the group (uuid {uuid}, {} members)",
+            members.len()
+        ));
+        let ids: Vec<u64> = members.iter().map(|r| cur.ids[*r]).collect();
+        let epoch = reconfigure_epoch(uuid);
+        let purpose = Purpose::Reconfigure { wait: self.timeout(), connect: connect_within };
+        let g = connect(&cur, new_rank, epoch, ids, keep, false, purpose)?;
+        info!(
+            rank,
+            new_rank,
+            world = members.len(),
+            uuid,
+            elapsed = ?start.elapsed(),
+            "reconfigured: the chosen members go on"
+        );
+        Ok(g)
+    }
+}
+
 /// What [`Group::grow`] returns when newcomers were taken in.
 #[derive(Debug)]
 pub struct Grown {
