@@ -642,10 +642,11 @@ impl Group {
 }
 
 /// The membership epoch a reconfigured world connects as: the top bit set (the store counts
-/// shrink and grow epochs up from 1, far below it), the rest a bijective mix of the caller's
-/// uuid, so two uuids share an epoch with odds of 2^-63.
-fn reconfigure_epoch(uuid: u64) -> u64 {
-    let mut x = uuid;
+/// shrink and grow epochs up from 1, far below it), the rest a mix of the caller's uuid and
+/// the members' ids, so two worlds made with one uuid from one group (a split) connect apart,
+/// and two uuids share an epoch with odds of 2^-63.
+fn reconfigure_epoch(uuid: u64, ids: &[u64]) -> u64 {
+    let mut x = crate::wire::fnv1a(uuid, ids.iter().copied());
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^= x >> 31;
@@ -723,7 +724,7 @@ impl Group {
             members.len()
         ));
         let ids: Vec<u64> = members.iter().map(|r| cur.ids[*r]).collect();
-        let epoch = reconfigure_epoch(uuid);
+        let epoch = reconfigure_epoch(uuid, &ids);
         let purpose = Purpose::Reconfigure { wait: self.timeout(), connect: connect_within };
         let g = connect(&cur, new_rank, epoch, ids, keep, false, purpose)?;
         info!(

@@ -384,7 +384,25 @@ impl Store for PyStore {
 /// A communicator: the ranks of a group and their connections.
 #[pyclass(frozen, module = "tutti._tutti")]
 struct Comm {
-    inner: RComm,
+    /// Dropped without the GIL (see the `Drop` impl).
+    inner: std::mem::ManuallyDrop<RComm>,
+}
+
+impl Comm {
+    fn new(inner: RComm) -> Comm {
+        Comm { inner: std::mem::ManuallyDrop::new(inner) }
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and never used again.
+        let inner = unsafe { std::mem::ManuallyDrop::take(&mut self.inner) };
+        // Its last drop joins the worker thread and closes the transport, which may leave an
+        // abort note in a store that is a Python object (torch's): that needs the GIL, which
+        // this thread holds, so the drop runs without it.
+        Python::with_gil(|py| py.allow_threads(move || drop(inner)));
+    }
 }
 
 /// A collective started with `async_op`: `wait()` blocks (without the GIL) until it ended and
@@ -498,13 +516,13 @@ impl Comm {
     /// by torchrun, tutti-run, srun or mpirun — or TUTTI_STORE) and connect.
     #[staticmethod]
     fn from_env(py: Python<'_>) -> PyResult<Comm> {
-        py.allow_threads(RComm::from_env).map(|inner| Comm { inner }).map_err(err)
+        py.allow_threads(RComm::from_env).map(|inner| Comm::new(inner)).map_err(err)
     }
 
     /// Rendezvous on a store someone else serves (the adapter around torch's store) and
     /// connect. `secret` is `("given", token)`, `("file", path)` or `("store", None)`.
     #[staticmethod]
-    #[pyo3(signature = (rank, world, store, name, secret_kind, secret, master_ip, timeout_s))]
+    #[pyo3(signature = (rank, world, store, name, secret_kind, secret, master_ip, timeout_s, connect_timeout_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn on_store(
         py: Python<'_>,
@@ -516,6 +534,7 @@ impl Comm {
         secret: Option<String>,
         master_ip: Option<String>,
         timeout_s: f64,
+        connect_timeout_s: Option<f64>,
     ) -> PyResult<Comm> {
         use tutti_runtime::Secret;
         let secret = match (secret_kind, secret) {
@@ -537,6 +556,9 @@ impl Comm {
                 // from tutti's own threads.
                 opts.link.lazy = false;
             }
+            if let Some(t) = connect_timeout_s.filter(|t| *t > 0.0) {
+                opts.link.connect_timeout = Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX);
+            }
             let g = tutti_runtime::init_on_store(rank, world, store, secret, ip, &opts)?;
             if timeout_s > 0.0 {
                 // Past `Duration`'s range (or infinite): as long as a group waits.
@@ -547,7 +569,7 @@ impl Comm {
         .map_err(err)
         .and_then(|g| {
             let cfg = tutti_collectives::Config::from_env().map_err(err)?;
-            Ok(Comm { inner: RComm::with_config(g, cfg) })
+            Ok(Comm::new(RComm::with_config(g, cfg)))
         })
     }
 
@@ -567,7 +589,7 @@ impl Comm {
     /// it).
     fn split(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<Option<Comm>> {
         py.allow_threads(|| self.inner.split(&ranks))
-            .map(|c| c.map(|inner| Comm { inner }))
+            .map(|c| c.map(|inner| Comm::new(inner)))
             .map_err(err)
     }
 
@@ -575,8 +597,61 @@ impl Comm {
     /// a backend only on a new group's members).
     fn split_keyed(&self, py: Python<'_>, ranks: Vec<usize>, key: u64) -> PyResult<Option<Comm>> {
         py.allow_threads(|| self.inner.split_keyed(&ranks, key))
-            .map(|c| c.map(|inner| Comm { inner }))
+            .map(|c| c.map(|inner| Comm::new(inner)))
             .map_err(err)
+    }
+
+    /// Go on over the members `members` (ranks of this communicator, in their new order)
+    /// as a new communicator (see `tutti_collectives::Comm::reconfigure`): this one is aborted
+    /// first; the connect may take `timeout_s` seconds. Every member calls it with the same
+    /// `uuid` and list.
+    fn reconfigure(
+        &self,
+        py: Python<'_>,
+        uuid: u64,
+        members: Vec<usize>,
+        timeout_s: f64,
+    ) -> PyResult<Comm> {
+        let within = Duration::try_from_secs_f64(timeout_s.max(0.001)).unwrap_or(Duration::MAX);
+        py.allow_threads(|| self.inner.reconfigure(uuid, &members, within))
+            .map(|inner| Comm::new(inner))
+            .map_err(err)
+    }
+
+    /// Stop everything, locally and at once: pending and later calls fail, naming `reason`,
+    /// and the peers are told.
+    fn abort(&self, py: Python<'_>, reason: &str) {
+        py.allow_threads(|| self.inner.group().abort(reason));
+    }
+
+    /// What stopped this communicator, if anything: `(kind, message)`, with kind `"timeout"`
+    /// (an operation ran past its timeout), `"remote"` (a peer aborted or failed and said so),
+    /// `"aborted"` (this process aborted it) or `"error"` (a lost connection, a protocol or
+    /// mismatch error).
+    fn failure(&self) -> Option<(&'static str, String)> {
+        use tutti_runtime::Error as E;
+        let e = self.inner.group().failure()?;
+        let msg = e.to_string();
+        let mut cause = &e;
+        while let E::Poisoned(inner) = cause {
+            cause = inner;
+        }
+        let kind = match cause {
+            E::Timeout { .. } | E::AnySourceTimeout { .. } => "timeout",
+            E::PeerAborted { .. } => "remote",
+            E::Aborted { .. } => "aborted",
+            _ => "error",
+        };
+        Some((kind, msg))
+    }
+
+    /// Set the per-operation timeout, in seconds (past `Duration`'s range: no limit).
+    fn set_timeout(&self, timeout_s: f64) {
+        if timeout_s > 0.0 {
+            self.inner
+                .group()
+                .set_timeout(Duration::try_from_secs_f64(timeout_s).unwrap_or(Duration::MAX));
+        }
     }
 
     /// Run one collective. `kind` names it; buffers are `(address, count)`; `op` a

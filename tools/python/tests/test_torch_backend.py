@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import torchrun
+from conftest import processes, torchrun
 
 pytest.importorskip("torch")
 
@@ -57,3 +57,10 @@ def test_sparse_allreduce_any_source_recv_and_monitored_barrier(n):
     rc, out = torchrun("worker_extras.py", n)
     assert rc == 0, out[-3000:]
     assert out.count("EXTRAS OK") == n, out[-3000:]
+
+
+def test_reconfigure_through_torchs_api():
+    # worker_reconfigure.py: torch's fault-tolerance cases on the tutti backend, 4 processes.
+    outs = processes("worker_reconfigure.py", 4, timeout=240)
+    for r, (rc, out) in enumerate(outs):
+        assert rc == 0 and f"slot {r} RECONFIGURE OK" in out, out[-3000:]

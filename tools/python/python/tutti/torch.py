@@ -23,8 +23,10 @@ import atexit
 import datetime
 import hashlib
 import ipaddress
+import json
 import os
 import queue
+import secrets
 import socket
 import sys
 import threading
@@ -34,9 +36,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ErrorType as _ErrorType
 from torch.futures import Future
 
-from . import _dtypes, _tutti, _wait
+from . import WaitTimeout, _dtypes, _tutti, _wait
 from ._tutti import TuttiError
 
 __all__ = ["ProcessGroupTutti", "TuttiError"]
@@ -77,9 +80,11 @@ class _Work(dist.Work):
     staged results out; it keeps the tensors alive until then."""
 
     def __init__(self, native, keep=(), after: Optional[Callable[[], None]] = None, result=None,
-                 completer: Optional["_Completer"] = None):
+                 completer: Optional["_Completer"] = None, owner=None):
         super().__init__()
         self._native = native
+        # The group (weakly): told when this work fails, to run its abort hooks.
+        self._owner = owner
         self._completer = completer
         self._keep = keep
         self._after = after
@@ -96,7 +101,13 @@ class _Work(dist.Work):
             if self._done:
                 return
             if self._native is not None:
-                _wait(self._native, timeout_s)
+                try:
+                    _wait(self._native, timeout_s)
+                except TuttiError as e:
+                    owner = self._owner() if self._owner is not None else None
+                    if owner is not None and not isinstance(e, WaitTimeout):
+                        owner._failed()
+                    raise
             if self._after is not None:
                 self._after()
             self._done = True
@@ -157,6 +168,86 @@ class _Work(dist.Work):
                 pass
 
 
+class _Unready:
+    """The communicator of a group that has none (before its first reconfigure, while one
+    runs, after one failed): every call raises why; abort and timeouts have nothing to do."""
+
+    def __init__(self, rank: int, why: str):
+        self._rank = rank
+        self._why = why
+
+    def run(self, *args, **kwargs):
+        raise TuttiError(f"rank {self._rank}: {self._why}")
+
+    split_keyed = run
+
+    def failure(self):
+        return None
+
+    def abort(self, reason: str) -> None:
+        pass
+
+    def set_timeout(self, timeout_s: float) -> None:
+        pass
+
+
+class _Reconfigure(dist.Work):
+    """The work ``reconfigure`` returns: ends when the new membership is connected (or could
+    not be); ``wait()`` raises why it could not."""
+
+    def __init__(self):
+        super().__init__()
+        self._event = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._future: Optional[Future] = None
+        self._lock = threading.Lock()
+
+    def _settle(self, error: Optional[BaseException]) -> None:
+        with self._lock:
+            self._error = error
+            self._event.set()
+            fut = self._future
+        if fut is not None:
+            _set_future(fut, error)
+
+    def wait(self, timeout=None) -> bool:
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if not self._event.wait(timeout or None):
+            raise WaitTimeout(f"reconfigure did not end within {timeout:.3f} s; it goes on")
+        if self._error is not None:
+            raise TuttiError(str(self._error)) from self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return []
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if not self._event.is_set():
+                self._future = fut
+                return fut
+        _set_future(fut, self._error)
+        return fut
+
+
+def _set_future(fut: Future, error: Optional[BaseException]) -> None:
+    if error is None:
+        fut.set_result([])
+    else:
+        fut.set_exception(TuttiError(str(error)))
+
+
 def _contig(t: torch.Tensor):
     """``(contiguous tensor to hand over, copy back after)``."""
     if t.is_contiguous():
@@ -178,24 +269,243 @@ def _chain(*fs):
 
 
 class ProcessGroupTutti(dist.ProcessGroup):
-    """A torch process group whose collectives run on a tutti communicator."""
+    """A torch process group whose collectives run on a tutti communicator.
+
+    It implements torch's fault-tolerance surface (``supports_reconfigure``,
+    ``get_reconfigure_handle``, ``reconfigure``, ``abort``, ``get_error``, abort hooks,
+    ``set_timeout``): see :meth:`reconfigure` and docs/python.md."""
 
     supports_coalescing = True
 
-    def __init__(self, comm: "_tutti.Comm", rank: int, size: int, store=None):
+    def __init__(self, comm, rank: int, size: int, store=None, timeout_s: float = 0.0):
         super().__init__(rank, size)
         self._comm = comm
+        self._rank, self._size = rank, size
         self._store = store
+        self._timeout_s = timeout_s
         self._monitored = 0
         self._coalescing: Optional[tuple[list, list, list]] = None
         self._futures = _Completer()
+        self._me = weakref.ref(self)
+        # Reconfigure: this instance's id (in its handle), the uuids it has used, the current
+        # membership (its uuid and members' instance ids, in rank order; None for the world
+        # made at start-up, whose members' ids nobody exchanged), why the last reconfigure
+        # failed (an ErrorType), the abort hooks and whether they ran for this membership.
+        self._instance = secrets.token_hex(16)
+        self._uuids: set[int] = set()
+        self._generation: Optional[int] = None
+        self._members: Optional[list[str]] = None
+        self._reconfigure_error = None
+        self._abort_hooks: dict[int, Callable[[], None]] = {}
+        self._hooks_ran = False
+        self._path: Optional[str] = None
+        self._lock = threading.Lock()
+        _GROUPS.add(self)
+
+    @classmethod
+    def reconfigurable(cls, store, rank: int = 0, size: int = 1,
+                       timeout: Optional[datetime.timedelta] = None) -> "ProcessGroupTutti":
+        """A group with no members yet, as ``init_process_group(..., enable_reconfigure=True)``
+        makes: collectives raise until :meth:`reconfigure` has connected one. ``store`` is
+        shared by every process that may ever be a member (each new membership rendezvouses
+        in it under keys of its own); ``rank`` and ``size`` are what ``rank()`` and ``size()``
+        answer until then. For frameworks that build the process group object themselves
+        (torchft's ``Manager(pg=...)``)."""
+        t = timeout.total_seconds() if timeout else 0.0
+        return cls(_Unready(rank, "this group has no members yet (created for reconfigure): "
+                            "call reconfigure() first"), rank, size, store, t)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "tutti"
 
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
     # torch's destroy_process_group calls this on every group it destroys.
     def shutdown(self) -> None:
         self._futures.close()
+
+    # -- fault tolerance: abort, errors, reconfigure -----------------------------------------
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        # A new membership rendezvouses in the store this group was made with.
+        return self._store is not None
+
+    @property
+    def supports_abort_hooks(self) -> bool:
+        return True
+
+    def register_abort_hook(self, hook_id: int, hook: Callable[[], None]) -> None:
+        """Run ``hook()`` when a call of this group fails on a timeout or an error (the group
+        stops), before it is aborted here; once per membership. ``abort()`` itself runs
+        none."""
+        self._abort_hooks[hook_id] = hook
+
+    def unregister_abort_hook(self, hook_id: int) -> None:
+        self._abort_hooks.pop(hook_id, None)
+
+    def _failed(self) -> None:
+        # A call failed. A fatal failure stopped the communicator already (tutti fails every
+        # pending call and tells the peers); run the hooks once, then abort here too.
+        f = self._comm.failure()
+        if f is None or f[0] == "aborted":
+            return
+        with self._lock:
+            if self._hooks_ran:
+                return
+            self._hooks_ran = True
+            hooks = list(self._abort_hooks.values())
+        for h in hooks:
+            try:
+                h()
+            except Exception as e:  # noqa: BLE001 - a hook's failure must not hide the cause
+                print(f"tutti: an abort hook raised {e!r}", file=sys.stderr)
+        self._comm.abort(f"rank {self._rank}: aborted after: {f[1]}")
+
+    def abort(self) -> None:
+        """Stop this group here, at once: every pending call and every later one fails with an
+        error, and the peers are told. The group stays reconfigurable."""
+        self._comm.abort(f"rank {self._rank}: the process group was aborted (ProcessGroup.abort)")
+
+    def get_error(self):
+        """``ErrorType.SUCCESS`` while the current membership works (or none exists yet),
+        ``TIMEOUT`` after a call or a reconfigure ran past its time, ``REMOTE_ERROR`` when a
+        peer failed or aborted and said so, ``COMM_ERROR`` after anything else (a lost
+        connection, ``abort()``, a failed reconfigure)."""
+        if self._reconfigure_error is not None:
+            return self._reconfigure_error
+        f = self._comm.failure()
+        if f is None:
+            return _ErrorType.SUCCESS
+        return {"timeout": _ErrorType.TIMEOUT, "remote": _ErrorType.REMOTE_ERROR}.get(
+            f[0], _ErrorType.COMM_ERROR)
+
+    def set_timeout(self, timeout) -> None:
+        t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+        self._timeout_s = t
+        self._comm.set_timeout(t)
+
+    def get_reconfigure_handle(self) -> str:
+        """This group instance's handle: a random id (unique to this object), the host and the
+        process, as JSON. It carries no secret; members find each other through the store the
+        group was made with."""
+        return json.dumps({"tutti": 1, "id": self._instance, "host": socket.gethostname(),
+                           "pid": os.getpid()}, separators=(",", ":"))
+
+    def reconfigure(self, opts) -> "_Reconfigure":
+        """Go on over the members whose handles ``opts.handles`` names: a list gives the ranks
+        by position, a set is ordered by handle. Every in-flight call of the old membership
+        fails now; the new one connects in the background (the returned work ends when it
+        has, and raises if it could not, within ``opts.timeout`` or the group's timeout).
+        Members that were all in this group's current membership, in the same order, go on
+        through tutti's own reconfigure (no new rendezvous); anything else (a newcomer, a new
+        order, two groups merged) rendezvouses a new mesh in the store. ``opts.uuid`` must be
+        fresh: a uuid this group used before is refused.
+
+        Raises ValueError at once for a reused uuid, a handle that is not a tutti group's, a
+        handle named twice, or handles without this group's own."""
+        uuid = int(opts.uuid)
+        handles = opts.handles
+        if isinstance(handles, (set, frozenset)):
+            handles = sorted(handles)
+        members = []
+        where = []
+        for h in handles:
+            try:
+                d = json.loads(h)
+                members.append(str(d["id"]))
+                where.append(f"{d.get('host', '?')} pid {d.get('pid', '?')}")
+            except (ValueError, TypeError, KeyError):
+                raise ValueError(f"reconfigure: {h!r} is not a tutti process group's handle") from None
+        if len(set(members)) != len(members):
+            raise ValueError("reconfigure: a handle is named twice")
+        if self._instance not in members:
+            raise ValueError("reconfigure: the handles do not include this group's own "
+                             "(get_reconfigure_handle())")
+        if self._store is None:
+            raise ValueError("reconfigure: this group was made without a store to rendezvous in")
+        with self._lock:
+            if uuid in self._uuids:
+                raise ValueError(f"reconfigure: uuid {uuid} was used before by this group; "
+                                 "pass a fresh one every time")
+            self._uuids.add(uuid)
+            old, old_members, generation = self._comm, self._members, self._generation
+            self._comm = _Unready(self._rank, f"reconfigure (uuid {uuid}) is in progress: wait "
+                                  "for the work it returned")
+            self._reconfigure_error = None
+        # Every call of the old membership fails now.
+        old.abort(f"rank {self._rank}: reconfiguring (uuid {uuid})")
+        t = opts.timeout
+        timeout_s = t.total_seconds() if isinstance(t, datetime.timedelta) and t else 0.0
+        timeout_s = timeout_s or self._timeout_s or 1800.0
+        work = _Reconfigure()
+        threading.Thread(
+            target=self._connect, name="tutti-reconfigure", daemon=True,
+            args=(work, uuid, members, where, old, old_members, generation, timeout_s),
+        ).start()
+        return work
+
+    def _connect(self, work, uuid, members, where, old, old_members, generation, timeout_s):
+        me = members.index(self._instance)
+        n = len(members)
+        # Keys of this membership alone: a uuid shared by several groups (torchft passes one
+        # per quorum to each of them) cannot collide.
+        digest = hashlib.sha256("\n".join(members).encode()).hexdigest()[:16]
+        space = f"tutti/reconfigure/{uuid}/{digest}/"
+        try:
+            store = dist.PrefixStore(space, self._store)
+            # The fast path needs every member to be in one current membership, in order:
+            # each says what it sees, and it is taken only if all say the same.
+            view, kept = "new", None
+            if old_members is not None and all(m in old_members for m in members):
+                kept = [old_members.index(m) for m in members]
+                if kept == sorted(kept):
+                    view = f"{generation}:{','.join(map(str, kept))}"
+            store.set(f"view/{me}", view)
+            keys = [f"view/{k}" for k in range(n)]
+            try:
+                store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            except Exception as e:  # noqa: BLE001 - torch's store timeout
+                missing = [where[k] for k in range(n) if not store.check([keys[k]])]
+                raise TimeoutError(
+                    f"rank {me} of the new membership (uuid {uuid}): members {missing} did not "
+                    f"reach reconfigure within {timeout_s:.1f} s ({e})") from None
+            views = [bytes(store.get(k)).decode() for k in keys]
+            if view != "new" and all(v == view for v in views):
+                path = "kept"
+                new = old.reconfigure(uuid & 0xFFFF_FFFF_FFFF_FFFF, kept, timeout_s)
+            else:
+                path = "new"
+                master = os.environ.get("MASTER_ADDR")
+                kind, secret = _secret(master)
+                if kind == "file":
+                    secret = os.path.join(_tutti.local_secret_dir(), f"reconfigure-{uuid}-{digest}.secret")
+                new = _tutti.Comm.on_store(
+                    me, n, _StoreAdapter(store), f"torch store, {space}", kind, secret,
+                    _master_ip(master), timeout_s or 0.0, timeout_s)
+            if self._timeout_s:
+                new.set_timeout(self._timeout_s)
+        except Exception as e:  # noqa: BLE001 - handed to the work's waiter
+            timed_out = isinstance(e, TimeoutError) or "within" in str(e)
+            with self._lock:
+                self._comm = _Unready(self._rank, f"reconfigure (uuid {uuid}) failed: {e}; "
+                                      "reconfigure again with a fresh uuid")
+                self._reconfigure_error = _ErrorType.TIMEOUT if timed_out else _ErrorType.COMM_ERROR
+            work._settle(e)
+            return
+        with self._lock:
+            self._comm, self._rank, self._size = new, me, n
+            self._members, self._generation = members, uuid
+            # Which way the last reconfigure went: "kept" (tutti's own, over the members'
+            # connections' store and secret) or "new" (a new rendezvous).
+            self._path = path
+            self._reconfigure_error = None
+            self._hooks_ran = False
+        work._settle(None)
 
     # torch keeps a group's name on its C++ backends, which a Python group has none of; it
     # reads the name back when it destroys the group.
@@ -235,12 +545,16 @@ class ProcessGroupTutti(dist.ProcessGroup):
         # returns no work: torch's callers of that form take None as "already done" (gloo's
         # "synced at the C++ level"), and a Work object would cost a microsecond per call.
         if opts is not None and getattr(opts, "asyncOp", True) is False:
-            self._comm.run(kind, dtype, async_op=False, **kw)
+            try:
+                self._comm.run(kind, dtype, async_op=False, **kw)
+            except TuttiError:
+                self._failed()
+                raise
             if after is not None:
                 after()
             return None
         w = self._comm.run(kind, dtype, async_op=True, **kw)
-        return _Work(w, keep, after, result, self._futures)
+        return _Work(w, keep, after, result, self._futures, self._me)
 
     # -- reductions ------------------------------------------------------------------------
 
@@ -252,7 +566,11 @@ class ProcessGroupTutti(dist.ProcessGroup):
         if len(tensors) == 1 and getattr(opts, "asyncOp", True) is False:
             t = tensors[0]
             if t.is_contiguous() and not t.is_sparse:
-                self._comm.run("allreduce", _dtype(t), _raw(t), op=op, async_op=False)
+                try:
+                    self._comm.run("allreduce", _dtype(t), _raw(t), op=op, async_op=False)
+                except TuttiError:
+                    self._failed()
+                    raise
                 return None
         if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, op)
@@ -551,7 +869,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         _dtype(t)
         w = self._comm.run("recv_any", "uint8", a=(t.data_ptr(), t.numel() * t.element_size()),
                            root=tag & 0x7FFFFFFF, async_op=True)
-        return _Work(w, (t,), None, tensors, self._futures)
+        return _Work(w, (t,), None, tensors, self._futures, self._me)
 
     def _start_coalescing(self, device=None):
         self._coalescing = ([], [], [])
@@ -635,6 +953,16 @@ _COMPLETERS: "weakref.WeakSet[_Completer]" = weakref.WeakSet()
 def _close_completers() -> None:
     for c in list(_COMPLETERS):
         c.close()
+    # Close every group's connections while threads may still take the GIL: a transport that
+    # failed leaves an abort note in torch's store (a Python object) as it closes, and a
+    # thread that asks for the GIL during finalization is ended in a way that aborts the
+    # process.
+    for pg in list(_GROUPS):
+        pg._comm = _Unready(pg._rank, "the interpreter is exiting")
+
+
+# Every group of this process, for the exit handler above.
+_GROUPS: "weakref.WeakSet[ProcessGroupTutti]" = weakref.WeakSet()
 
 
 def _complete(q: queue.SimpleQueue) -> None:
@@ -707,7 +1035,8 @@ class _StoreAdapter:
         return bool(self._s.check(list(keys)))
 
 
-_WORLD: Optional["_tutti.Comm"] = None
+# The default group, whose communicator sub-groups are carved out of.
+_WORLD: Optional[ProcessGroupTutti] = None
 
 
 def _loopback(host: Optional[str]) -> bool:
@@ -757,6 +1086,15 @@ def _create(dist_opts, backend_opts=None):
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout.total_seconds() if dist_opts.timeout else 0.0
     ranks = list(getattr(dist_opts, "global_ranks_in_group", []) or [])
+    if getattr(dist_opts, "enable_reconfigure", False):
+        # No members until the first reconfigure (torch's "deferred" regime): nothing connects
+        # now, and the group rendezvouses in this store each time it is reconfigured.
+        pg = ProcessGroupTutti(
+            _Unready(rank, "this group was created with enable_reconfigure=True and has no "
+                     "members yet: call reconfigure() first"), rank, size, store, timeout)
+        if not ranks:
+            _WORLD = pg
+        return _named(pg, dist_opts)
     if _WORLD is None or not ranks:
         # The default group (torch names no ranks for it): connect through torch's store.
         master = os.environ.get("MASTER_ADDR")
@@ -764,13 +1102,13 @@ def _create(dist_opts, backend_opts=None):
         comm = _tutti.Comm.on_store(
             rank, size, _StoreAdapter(store), "torch store", kind, secret, _master_ip(master), timeout
         )
-        _WORLD = comm
-        return _named(ProcessGroupTutti(comm, rank, size, store), dist_opts)
+        _WORLD = ProcessGroupTutti(comm, rank, size, store, timeout)
+        return _named(_WORLD, dist_opts)
     key = int.from_bytes(hashlib.sha256(str(dist_opts.group_id).encode()).digest()[:8], "little")
-    sub = _WORLD.split_keyed(sorted(ranks), key >> 1)
+    sub = _WORLD._comm.split_keyed(sorted(ranks), key >> 1)
     if sub is None:
         return None
-    return _named(ProcessGroupTutti(sub, rank, size, store), dist_opts)
+    return _named(ProcessGroupTutti(sub, rank, size, store, timeout), dist_opts)
 
 
 def _named(pg, dist_opts):
