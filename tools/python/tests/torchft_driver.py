@@ -1,0 +1,102 @@
+"""Run torchft's own integration tests (``torchft/manager_integ_test.py``, from the installed
+torchft-nightly) with tutti's process group where they use gloo's. No torchft source is edited:
+before the tests run, this script replaces, in that module only,
+
+* ``ProcessGroupGloo`` (torchft's wrapper, which builds a gloo group on every quorum) with a
+  tutti group made for reconfigure on one store this process serves, and
+* ``dist.ProcessGroup`` / ``dist.ProcessGroupGloo`` (the "native" cases: a torch group with a
+  gloo backend made with ``enable_reconfigure=True``) with a tutti group made for reconfigure
+  on the store the test hands them.
+
+Usage: ``python torchft_driver.py [--gloo] [TEST ...]``: without names, the DDP cases the
+tutti tests check (healthy, recovery sync/async/native, skip-init-sync, multi-rank recovery);
+``--gloo`` runs them unchanged, as the control. Exits non-zero when a test fails.
+"""
+
+import datetime
+import sys
+import types
+import unittest
+
+import torch.distributed as dist
+
+import tutti.torch  # noqa: F401 - registers the backend
+from tutti.torch import ProcessGroupTutti
+
+DEFAULT = [
+    "test_ddp_healthy",
+    "test_ddp_recovery_0_async_quorum",
+    "test_ddp_recovery_1_sync_quorum",
+    "test_ddp_recovery_2_native_async_quorum",
+    "test_ddp_recovery_3_native_sync_quorum",
+    "test_ddp_skip_init_sync",
+    "test_ddp_recovery_multi_rank",
+]
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class _NativeTutti(ProcessGroupTutti):
+    """What the native cases build with ``dist.ProcessGroup(store, rank, size)``: a tutti group
+    made for reconfigure. The gloo backend they then register on it is not used."""
+
+    def _set_default_backend(self, backend_type) -> None:
+        pass
+
+    def _register_backend(self, device, backend_type, backend) -> None:
+        pass
+
+
+def _substitute(mit) -> None:
+    # One store for the groups torchft's wrapper would have made: every replica runs as a
+    # thread of this process, and each membership rendezvouses under keys of its own.
+    shared = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+
+    def gloo_wrapper(*args, **kwargs):
+        # A connection of its own: a torch store client serves one blocking wait at a time.
+        client = dist.TCPStore("localhost", shared.port, is_master=False, wait_for_workers=False)
+        return ProcessGroupTutti.reconfigurable(dist.PrefixStore("torchft-wrapper", client),
+                                                timeout=TIMEOUT)
+
+    def native_group(store, rank, size):
+        pg = _NativeTutti(None, rank, size, store, TIMEOUT.total_seconds())
+        pg._comm = tutti.torch._Unready(rank, "no members yet: call reconfigure() first")
+        return pg
+
+    shim = types.SimpleNamespace()
+    shim.__dict__.update({k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")})
+    shim.ProcessGroup = _Factory(native_group, dist.ProcessGroup.BackendType)
+    shim.ProcessGroupGloo = lambda *a, **k: None
+    mit.dist = shim
+    mit.ProcessGroupGloo = gloo_wrapper
+
+
+class _Factory:
+    """Called like ``dist.ProcessGroup``; its other attributes (``BackendType``, and the
+    ``reconfigure`` the tests look for) are torch's."""
+
+    def __init__(self, make, backend_type):
+        self._make = make
+        self.BackendType = backend_type
+
+    def __call__(self, *args, **kwargs):
+        return self._make(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(dist.ProcessGroup, name)
+
+
+def main(argv) -> int:
+    gloo = "--gloo" in argv
+    names = [a for a in argv if not a.startswith("--")] or DEFAULT
+    import torchft.manager_integ_test as mit
+
+    if not gloo:
+        _substitute(mit)
+    suite = unittest.TestSuite(mit.ManagerIntegTest(n) for n in names)
+    result = unittest.TextTestRunner(verbosity=2).run(suite)
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
