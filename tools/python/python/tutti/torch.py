@@ -326,7 +326,12 @@ class ProcessGroupTutti(dist.ProcessGroup):
 
     # torch's destroy_process_group calls this on every group it destroys.
     def shutdown(self) -> None:
+        """Close this group: its futures' helpers end, and its connections close once no other
+        group shares them (the peers then see this rank gone at once, instead of at their
+        timeout). Calls afterwards raise; a group made for reconfigure can be reconfigured."""
         self._futures.close()
+        with self._lock:
+            self._comm = _Unready(self._rank, "this process group was shut down")
 
     # -- fault tolerance: abort, errors, reconfigure -----------------------------------------
 
