@@ -11,6 +11,12 @@ before the tests run, this script replaces, in that module only,
 Usage: ``python torchft_driver.py [--gloo] [TEST ...]``: without names, the DDP cases the
 tutti tests check (healthy, recovery sync/async/native, skip-init-sync, multi-rank recovery);
 ``--gloo`` runs them unchanged, as the control. Exits non-zero when a test fails.
+
+``python torchft_driver.py --resiliency [--gloo]`` runs instead the allreduce cases of
+torchft's multi-group resiliency test (``process_group_test.py``, ``NormalGlooMultiPgTest``:
+three ranks as threads; the last one shuts its group down, the others' next allreduce must
+fail), with tutti's group made in place of torchft's gloo wrapper (``_create_pg``), and prints
+how long each case took.
 """
 
 import datetime
@@ -86,8 +92,38 @@ class _Factory:
         return getattr(dist.ProcessGroup, name)
 
 
+def _resiliency(gloo: bool) -> int:
+    import time
+
+    import torchft.process_group_test as pgt
+
+    cls = pgt.NormalGlooMultiPgTest
+    if not gloo:
+        def create(klass, backend):
+            client = dist.TCPStore("localhost", klass.store.port, is_master=False,
+                                   wait_for_workers=False)
+            return ProcessGroupTutti.reconfigurable(dist.PrefixStore("tutti", client),
+                                                    timeout=TIMEOUT)
+
+        cls._create_pg = classmethod(create)
+    names = [n for n in dir(cls) if n.startswith("test_collective_with_resiliency")
+             and "allreduce" in n]
+    failed = 0
+    for name in names:
+        suite = unittest.TestSuite([cls(name)])
+        t = time.monotonic()
+        result = unittest.TextTestRunner(verbosity=0).run(suite)
+        took = time.monotonic() - t
+        ok = result.wasSuccessful()
+        failed += not ok
+        print(f"RESILIENCY {name} {'ok' if ok else 'FAILED'} {took:.3f} s", flush=True)
+    return 1 if failed else 0
+
+
 def main(argv) -> int:
     gloo = "--gloo" in argv
+    if "--resiliency" in argv:
+        return _resiliency(gloo)
     names = [a for a in argv if not a.startswith("--")] or DEFAULT
     import torchft.manager_integ_test as mit
 

@@ -299,6 +299,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         self._abort_hooks: dict[int, Callable[[], None]] = {}
         self._hooks_ran = False
         self._path: Optional[str] = None
+        self._connecting: Optional[int] = None
         self._lock = threading.Lock()
         _GROUPS.add(self)
 
@@ -373,7 +374,10 @@ class ProcessGroupTutti(dist.ProcessGroup):
 
     def abort(self) -> None:
         """Stop this group here, at once: every pending call and every later one fails with an
-        error, and the peers are told. The group stays reconfigurable."""
+        error, and the peers are told; a reconfigure in progress ends with an error. The group
+        stays reconfigurable."""
+        with self._lock:
+            self._connecting = None
         self._comm.abort(f"rank {self._rank}: the process group was aborted (ProcessGroup.abort)")
 
     def get_error(self):
@@ -438,6 +442,8 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 raise ValueError(f"reconfigure: uuid {uuid} was used before by this group; "
                                  "pass a fresh one every time")
             self._uuids.add(uuid)
+            # The reconfigure whose result counts: a later one, or abort(), supersedes it.
+            self._connecting = uuid
             old, old_members, generation = self._comm, self._members, self._generation
             self._comm = _Unready(self._rank, f"reconfigure (uuid {uuid}) is in progress: wait "
                                   "for the work it returned")
@@ -497,19 +503,31 @@ class ProcessGroupTutti(dist.ProcessGroup):
         except Exception as e:  # noqa: BLE001 - handed to the work's waiter
             timed_out = isinstance(e, TimeoutError) or "within" in str(e)
             with self._lock:
-                self._comm = _Unready(self._rank, f"reconfigure (uuid {uuid}) failed: {e}; "
-                                      "reconfigure again with a fresh uuid")
-                self._reconfigure_error = _ErrorType.TIMEOUT if timed_out else _ErrorType.COMM_ERROR
+                if self._connecting == uuid:
+                    self._connecting = None
+                    self._comm = _Unready(self._rank, f"reconfigure (uuid {uuid}) failed: {e}; "
+                                          "reconfigure again with a fresh uuid")
+                    self._reconfigure_error = (_ErrorType.TIMEOUT if timed_out
+                                               else _ErrorType.COMM_ERROR)
             work._settle(e)
             return
         with self._lock:
-            self._comm, self._rank, self._size = new, me, n
-            self._members, self._generation = members, uuid
-            # Which way the last reconfigure went: "kept" (tutti's own, over the members'
-            # connections' store and secret) or "new" (a new rendezvous).
-            self._path = path
-            self._reconfigure_error = None
-            self._hooks_ran = False
+            current = self._connecting == uuid
+            if current:
+                self._connecting = None
+                self._comm, self._rank, self._size = new, me, n
+                self._members, self._generation = members, uuid
+                # Which way the last reconfigure went: "kept" (tutti's own, over the members'
+                # connections' store and secret) or "new" (a new rendezvous).
+                self._path = path
+                self._reconfigure_error = None
+                self._hooks_ran = False
+        if not current:
+            # abort(), or a later reconfigure, came first: this membership is not used.
+            new.abort(f"rank {me}: reconfigure (uuid {uuid}) was superseded")
+            work._settle(RuntimeError(f"reconfigure (uuid {uuid}) was aborted or superseded "
+                                      "before it completed"))
+            return
         work._settle(None)
 
     # torch keeps a group's name on its C++ backends, which a Python group has none of; it
@@ -565,7 +583,15 @@ class ProcessGroupTutti(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
-        op = _op(opts.reduceOp)
+        try:
+            op = _op(opts.reduceOp)
+        except AttributeError:
+            # torch's other forms: `allreduce(tensors, ReduceOp.SUM)`, `allreduce(tensor, op)`.
+            red, opts = opts, dist.AllreduceOptions()
+            opts.reduceOp = red
+            op = _op(red)
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
         # The common form, one contiguous dense tensor and a caller that waits at once, goes
         # straight to the native call: every attribute read costs here (see docs/python.md).
         if len(tensors) == 1 and getattr(opts, "asyncOp", True) is False:
@@ -597,6 +623,12 @@ class ProcessGroupTutti(dist.ProcessGroup):
             root=opts.rootRank, opts=opts)
 
     def broadcast(self, tensors, opts=None):
+        if isinstance(opts, int):
+            # torch's other form: `broadcast(tensor or tensors, root)`.
+            root, opts = opts, dist.BroadcastOptions()
+            opts.rootRank = root
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
         opts = opts or dist.BroadcastOptions()
         works = []
         for t in tensors:
