@@ -516,7 +516,7 @@ impl Comm {
     /// by torchrun, tutti-run, srun or mpirun — or TUTTI_STORE) and connect.
     #[staticmethod]
     fn from_env(py: Python<'_>) -> PyResult<Comm> {
-        py.allow_threads(RComm::from_env).map(|inner| Comm::new(inner)).map_err(err)
+        py.allow_threads(RComm::from_env).map(Comm::new).map_err(err)
     }
 
     /// Rendezvous on a store someone else serves (the adapter around torch's store) and
@@ -588,16 +588,14 @@ impl Comm {
     /// A sub-communicator over `ranks` (every rank calls it; `None` where this rank is not in
     /// it).
     fn split(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<Option<Comm>> {
-        py.allow_threads(|| self.inner.split(&ranks))
-            .map(|c| c.map(|inner| Comm::new(inner)))
-            .map_err(err)
+        py.allow_threads(|| self.inner.split(&ranks)).map(|c| c.map(Comm::new)).map_err(err)
     }
 
     /// A sub-communicator over `ranks` named by `key`, made by its members only (torch calls
     /// a backend only on a new group's members).
     fn split_keyed(&self, py: Python<'_>, ranks: Vec<usize>, key: u64) -> PyResult<Option<Comm>> {
         py.allow_threads(|| self.inner.split_keyed(&ranks, key))
-            .map(|c| c.map(|inner| Comm::new(inner)))
+            .map(|c| c.map(Comm::new))
             .map_err(err)
     }
 
@@ -614,7 +612,7 @@ impl Comm {
     ) -> PyResult<Comm> {
         let within = Duration::try_from_secs_f64(timeout_s.max(0.001)).unwrap_or(Duration::MAX);
         py.allow_threads(|| self.inner.reconfigure(uuid, &members, within))
-            .map(|inner| Comm::new(inner))
+            .map(Comm::new)
             .map_err(err)
     }
 
