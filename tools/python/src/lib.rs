@@ -332,10 +332,33 @@ impl PyStore {
     fn fail(&self, e: PyErr) -> tutti_runtime::Error {
         tutti_runtime::Error::Store { addr: self.name.clone(), detail: e.to_string() }
     }
+
+    /// Refuse once the interpreter is exiting ([`at_exit`]): a thread of ours that asks for the
+    /// GIL during finalization is ended in a way that aborts the process.
+    fn open(&self) -> tutti_runtime::Result<()> {
+        if EXITING.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(tutti_runtime::Error::Store {
+                addr: self.name.clone(),
+                detail: "the Python interpreter is exiting".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Set by [`at_exit`]: Python stores are not called any more.
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Called from an `atexit` handler: from now on, stores that are Python objects refuse every
+/// request (a closing transport's abort note included) instead of taking the GIL.
+#[pyfunction]
+fn at_exit() {
+    EXITING.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
 impl Store for PyStore {
     fn set(&self, key: &str, value: &[u8]) -> tutti_runtime::Result<()> {
+        self.open()?;
         Python::with_gil(|py| {
             self.obj.call_method1(py, "set", (key, PyBytes::new(py, value))).map(drop)
         })
@@ -343,6 +366,7 @@ impl Store for PyStore {
     }
 
     fn get(&self, key: &str, timeout: Duration) -> tutti_runtime::Result<Vec<u8>> {
+        self.open()?;
         Python::with_gil(|py| {
             match self.obj.call_method1(py, "get", (key, timeout.as_secs_f64())) {
                 Ok(v) => v.extract::<Vec<u8>>(py).map_err(|e| self.fail(e)),
@@ -359,16 +383,19 @@ impl Store for PyStore {
     }
 
     fn add(&self, key: &str, delta: i64) -> tutti_runtime::Result<i64> {
+        self.open()?;
         Python::with_gil(|py| self.obj.call_method1(py, "add", (key, delta))?.extract::<i64>(py))
             .map_err(|e| self.fail(e))
     }
 
     fn delete(&self, key: &str) -> tutti_runtime::Result<bool> {
+        self.open()?;
         Python::with_gil(|py| self.obj.call_method1(py, "delete", (key,))?.extract::<bool>(py))
             .map_err(|e| self.fail(e))
     }
 
     fn check(&self, keys: &[&str]) -> tutti_runtime::Result<bool> {
+        self.open()?;
         Python::with_gil(|py| {
             let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
             self.obj.call_method1(py, "check", (keys,))?.extract::<bool>(py)
@@ -382,7 +409,7 @@ impl Store for PyStore {
 }
 
 /// A communicator: the ranks of a group and their connections.
-#[pyclass(frozen, module = "tutti._tutti")]
+#[pyclass(frozen, weakref, module = "tutti._tutti")]
 struct Comm {
     /// Dropped without the GIL (see the `Drop` impl).
     inner: std::mem::ManuallyDrop<RComm>,
@@ -757,5 +784,6 @@ fn _tutti(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Work>()?;
     m.add("TuttiError", m.py().get_type::<TuttiError>())?;
     m.add_function(wrap_pyfunction!(local_secret_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(at_exit, m)?)?;
     Ok(())
 }

@@ -4,6 +4,7 @@ three replica processes under torchft's lighthouse in which one replica dies in 
 an allreduce (worker_torchft.py)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,10 @@ def test_torchfts_own_ddp_cases_pass_with_tutti():
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-5000:]
     assert "Ran 7 tests" in p.stdout and "\nOK" in p.stdout, p.stdout[-3000:]
+    # Every case ran on tutti's groups: each replica reconfigured at least once per case, and
+    # nothing was skipped.
+    m = re.search(r"TUTTI RECONFIGURES (\d+) SKIPPED (\d+)", p.stdout)
+    assert m and int(m.group(1)) >= 14 and m.group(2) == "0", p.stdout[-3000:]
 
 
 def replicas(n, victim, backend="tutti", mode="kill", steps=8, timeout_s=10.0):

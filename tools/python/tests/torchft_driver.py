@@ -131,7 +131,23 @@ def main(argv) -> int:
         _substitute(mit)
     suite = unittest.TestSuite(mit.ManagerIntegTest(n) for n in names)
     result = unittest.TextTestRunner(verbosity=2).run(suite)
-    return 0 if result.wasSuccessful() else 1
+    # Proof that tutti's groups ran the cases (a substitution that missed would leave gloo's).
+    print(f"TUTTI RECONFIGURES {_RECONFIGURES[0]} SKIPPED {len(result.skipped)}", flush=True)
+    return 0 if result.wasSuccessful() and not result.skipped else 1
+
+
+# Reconfigures that completed on tutti groups in this process.
+_RECONFIGURES = [0]
+_original_connect = ProcessGroupTutti._connect
+
+
+def _counting_connect(self, work, *args):
+    _original_connect(self, work, *args)
+    if work.is_success():
+        _RECONFIGURES[0] += 1
+
+
+ProcessGroupTutti._connect = _counting_connect
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Cases, in order: calls before the first reconfigure raise; basic; send/recv; ide
 fast path) with an in-flight call of the old membership failing; shrinking out the last rank,
 then a middle one; scaling back up; a late joiner (a new group instance); splitting into two
 groups and merging them in a new order; after abort(); after a timeout, with an abort hook;
-a reused uuid. Prints "RECONFIGURE OK" at the end."""
+a reused uuid; a failed reconfigure, then one over the members that came; abort() during a
+reconfigure; after shutdown(). Prints "RECONFIGURE OK" at the end."""
 
 import datetime
 import os
@@ -34,7 +35,7 @@ def sync(name):
     store.wait([f"sync/{name}/{k}" for k in range(N)], T)
 
 
-def reconfigure(pg, name, slots, uuid, use_set=False, late=0.0):
+def reconfigure(pg, name, slots, uuid, use_set=False, late=0.0, timeout=20.0):
     """Members `slots` (in this order) go on as membership `uuid`; others only post. Returns
     how long the reconfigure took here; `late`: call it that many seconds after the others."""
     store.set(f"handle/{name}/{SLOT}", pg.get_reconfigure_handle())
@@ -44,7 +45,7 @@ def reconfigure(pg, name, slots, uuid, use_set=False, late=0.0):
     time.sleep(late)
     t = time.monotonic()
     dist._reconfigure(uuid=uuid, handles=set(handles) if use_set else handles, group=pg,
-                      timeout=datetime.timedelta(seconds=20)).wait()
+                      timeout=datetime.timedelta(seconds=timeout)).wait()
     assert pg.get_error() == ErrorType.SUCCESS
     if not use_set:
         assert (pg.rank(), pg.size()) == (slots.index(SLOT), len(slots)), (pg.rank(), slots)
@@ -209,6 +210,55 @@ try:
     raise AssertionError("a reused uuid was taken")
 except ValueError as e:
     assert "uuid 12" in str(e), e
+allreduce(pg, total(ALL))
+sync("reused")
+
+# A reconfigure that fails (slot 3 is named but never calls): the others' works raise within
+# the timeout, naming it, and get_error says TIMEOUT; then the same members in the same order,
+# less slot 3, go on (no membership is left to keep: a new rendezvous).
+store.set(f"handle/fail/{SLOT}", pg.get_reconfigure_handle())
+if SLOT != 3:
+    handles = [bytes(store.get(f"handle/fail/{s}")).decode() for s in ALL]
+    t = time.monotonic()
+    try:
+        dist._reconfigure(uuid=13, handles=handles, group=pg,
+                          timeout=datetime.timedelta(seconds=2)).wait()
+        raise AssertionError("a reconfigure without slot 3 completed")
+    except TuttiError as e:
+        took = time.monotonic() - t
+        assert 1.5 < took < 6 and "did not reach reconfigure" in str(e), (took, str(e))
+    assert pg.get_error() == ErrorType.TIMEOUT, pg.get_error()
+    reconfigure(pg, "retry", [0, 1, 2], 14)
+    assert pg._path == "new", pg._path
+    allreduce(pg, total([0, 1, 2]))
+sync("retry")
+
+# abort() during a reconfigure: slot 0 calls one the others never join, and aborts it.
+store.set(f"handle/mid/{SLOT}", pg.get_reconfigure_handle())
+if SLOT == 0:
+    handles = [bytes(store.get(f"handle/mid/{s}")).decode() for s in ALL]
+    work = dist._reconfigure(uuid=15, handles=handles, group=pg)
+    time.sleep(0.2)
+    t = time.monotonic()
+    pg.abort()
+    try:
+        work.wait()
+        raise AssertionError("an aborted reconfigure completed")
+    except TuttiError as e:
+        took = time.monotonic() - t
+        assert took < 1.0 and "aborted" in str(e), (took, str(e))
+    assert pg.get_error() == ErrorType.COMM_ERROR, pg.get_error()
+sync("mid")
+
+# After shutdown(): calls raise; the group reconfigures (a new rendezvous).
+pg.shutdown()
+try:
+    allreduce(pg, 0)
+    raise AssertionError("a collective after shutdown() ran")
+except TuttiError as e:
+    assert "shut down" in str(e), e
+reconfigure(pg, "after-shutdown", ALL, 16)
+assert pg._path == "new", pg._path
 allreduce(pg, total(ALL))
 sync("end")
 

@@ -26,6 +26,7 @@ import ipaddress
 import json
 import os
 import queue
+import re
 import secrets
 import socket
 import sys
@@ -36,8 +37,14 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ErrorType as _ErrorType
 from torch.futures import Future
+
+try:
+    from torch._C._distributed_c10d import ErrorType as _ErrorType
+except ImportError:  # a torch before the fault-tolerance API: the same names, for get_error
+    import enum
+
+    _ErrorType = enum.Enum("ErrorType", "SUCCESS TIMEOUT COMM_ERROR REMOTE_ERROR")
 
 from . import WaitTimeout, _dtypes, _tutti, _wait
 from ._tutti import TuttiError
@@ -83,7 +90,9 @@ class _Work(dist.Work):
                  completer: Optional["_Completer"] = None, owner=None):
         super().__init__()
         self._native = native
-        # The group (weakly): told when this work fails, to run its abort hooks.
+        # (the group; the communicator this work ran on), both weakly (a communicator must not
+        # outlive its group through a work kept until the interpreter exits): the group is
+        # told when the work fails, to run its abort hooks, if that communicator is its own.
         self._owner = owner
         self._completer = completer
         self._keep = keep
@@ -104,9 +113,10 @@ class _Work(dist.Work):
                 try:
                     _wait(self._native, timeout_s)
                 except TuttiError as e:
-                    owner = self._owner() if self._owner is not None else None
-                    if owner is not None and not isinstance(e, WaitTimeout):
-                        owner._failed()
+                    group = self._owner[0]() if self._owner is not None else None
+                    comm = self._owner[1]() if self._owner is not None else None
+                    if group is not None and comm is not None and not isinstance(e, WaitTimeout):
+                        group._failed(comm)
                     raise
             if self._after is not None:
                 self._after()
@@ -332,6 +342,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         timeout). Calls afterwards raise; a group made for reconfigure can be reconfigured."""
         self._futures.close()
         with self._lock:
+            self._connecting = None
             self._comm = _Unready(self._rank, "this process group was shut down")
 
     # -- fault tolerance: abort, errors, reconfigure -----------------------------------------
@@ -354,14 +365,15 @@ class ProcessGroupTutti(dist.ProcessGroup):
     def unregister_abort_hook(self, hook_id: int) -> None:
         self._abort_hooks.pop(hook_id, None)
 
-    def _failed(self) -> None:
-        # A call failed. A fatal failure stopped the communicator already (tutti fails every
-        # pending call and tells the peers); run the hooks once, then abort here too.
-        f = self._comm.failure()
+    def _failed(self, comm) -> None:
+        # A call on `comm` failed. A fatal failure stopped that communicator already (tutti
+        # fails every pending call and tells the peers); if it is still this group's, run the
+        # hooks once, then abort it here too.
+        f = comm.failure()
         if f is None or f[0] == "aborted":
             return
         with self._lock:
-            if self._hooks_ran:
+            if self._hooks_ran or comm is not self._comm:
                 return
             self._hooks_ran = True
             hooks = list(self._abort_hooks.values())
@@ -370,15 +382,22 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 h()
             except Exception as e:  # noqa: BLE001 - a hook's failure must not hide the cause
                 print(f"tutti: an abort hook raised {e!r}", file=sys.stderr)
-        self._comm.abort(f"rank {self._rank}: aborted after: {f[1]}")
+        comm.abort(f"rank {self._rank}: aborted after: {f[1]}")
 
     def abort(self) -> None:
         """Stop this group here, at once: every pending call and every later one fails with an
         error, and the peers are told; a reconfigure in progress ends with an error. The group
         stays reconfigurable."""
         with self._lock:
-            self._connecting = None
-        self._comm.abort(f"rank {self._rank}: the process group was aborted (ProcessGroup.abort)")
+            comm = self._comm
+            if self._connecting is not None:
+                # The reconfigure's helper sees this at its next look at the store and ends
+                # with an error; its membership, if it connects meanwhile, is dropped.
+                self._connecting = None
+                self._comm = _Unready(self._rank, "the process group was aborted during a "
+                                      "reconfigure: reconfigure again with a fresh uuid")
+                self._reconfigure_error = _ErrorType.COMM_ERROR
+        comm.abort(f"rank {self._rank}: the process group was aborted (ProcessGroup.abort)")
 
     def get_error(self):
         """``ErrorType.SUCCESS`` while the current membership works (or none exists yet),
@@ -421,12 +440,12 @@ class ProcessGroupTutti(dist.ProcessGroup):
         handles = opts.handles
         if isinstance(handles, (set, frozenset)):
             handles = sorted(handles)
-        members = []
-        where = []
+        members, where, hosts = [], [], []
         for h in handles:
             try:
                 d = json.loads(h)
                 members.append(str(d["id"]))
+                hosts.append(str(d.get("host", "?")))
                 where.append(f"{d.get('host', '?')} pid {d.get('pid', '?')}")
             except (ValueError, TypeError, KeyError):
                 raise ValueError(f"reconfigure: {h!r} is not a tutti process group's handle") from None
@@ -445,6 +464,10 @@ class ProcessGroupTutti(dist.ProcessGroup):
             # The reconfigure whose result counts: a later one, or abort(), supersedes it.
             self._connecting = uuid
             old, old_members, generation = self._comm, self._members, self._generation
+            if isinstance(old, _Unready):
+                # No working membership to keep (none yet, a failed or aborted reconfigure,
+                # shut down): a new rendezvous.
+                old_members = None
             self._comm = _Unready(self._rank, f"reconfigure (uuid {uuid}) is in progress: wait "
                                   "for the work it returned")
             self._reconfigure_error = None
@@ -456,11 +479,12 @@ class ProcessGroupTutti(dist.ProcessGroup):
         work = _Reconfigure()
         threading.Thread(
             target=self._connect, name="tutti-reconfigure", daemon=True,
-            args=(work, uuid, members, where, old, old_members, generation, timeout_s),
+            args=(work, uuid, members, where, hosts, old, old_members, generation, timeout_s),
         ).start()
         return work
 
-    def _connect(self, work, uuid, members, where, old, old_members, generation, timeout_s):
+    def _connect(self, work, uuid, members, where, hosts, old, old_members, generation,
+                 timeout_s):
         me = members.index(self._instance)
         n = len(members)
         # Keys of this membership alone: a uuid shared by several groups (torchft passes one
@@ -478,30 +502,48 @@ class ProcessGroupTutti(dist.ProcessGroup):
                     view = f"{generation}:{','.join(map(str, kept))}"
             store.set(f"view/{me}", view)
             keys = [f"view/{k}" for k in range(n)]
-            try:
-                store.wait(keys, datetime.timedelta(seconds=timeout_s))
-            except Exception as e:  # noqa: BLE001 - torch's store timeout
-                missing = [where[k] for k in range(n) if not store.check([keys[k]])]
-                raise TimeoutError(
-                    f"rank {me} of the new membership (uuid {uuid}): members {missing} did not "
-                    f"reach reconfigure within {timeout_s:.1f} s ({e})") from None
+            # Polled, not one blocking wait: abort() or a later reconfigure ends it at once,
+            # and the store's connection stays free for the caller's own requests.
+            end = time.monotonic() + timeout_s
+            nap = 0.002
+            while not store.check(keys):
+                if self._connecting != uuid:
+                    raise RuntimeError(f"reconfigure (uuid {uuid}) was aborted or superseded")
+                if time.monotonic() >= end:
+                    missing = [where[k] for k in range(n) if not store.check([keys[k]])]
+                    raise TimeoutError(
+                        f"rank {me} of the new membership (uuid {uuid}): members {missing} did "
+                        f"not reach reconfigure within {timeout_s:.1f} s")
+                time.sleep(nap)
+                nap = min(nap * 2, 0.05)
             views = [bytes(store.get(k)).decode() for k in keys]
+            # The connect gets what is left of the timeout.
+            left = max(end - time.monotonic(), 0.001)
             if view != "new" and all(v == view for v in views):
                 path = "kept"
-                new = old.reconfigure(uuid & 0xFFFF_FFFF_FFFF_FFFF, kept, timeout_s)
+                new = old.reconfigure(uuid & 0xFFFF_FFFF_FFFF_FFFF, kept, left)
             else:
                 path = "new"
-                master = os.environ.get("MASTER_ADDR")
-                kind, secret = _secret(master)
+                if len(set(hosts)) > 1:
+                    # Across hosts: a secret every member was given, and the interface tutti
+                    # picks by itself (MASTER_ADDR, under torchft, is the replica group's own).
+                    kind, secret = _secret(None, across_hosts=True)
+                    ip = None
+                else:
+                    master = os.environ.get("MASTER_ADDR")
+                    kind, secret = _secret(master)
+                    ip = _master_ip(master)
                 if kind == "file":
                     secret = os.path.join(_tutti.local_secret_dir(), f"reconfigure-{uuid}-{digest}.secret")
                 new = _tutti.Comm.on_store(
-                    me, n, _StoreAdapter(store), f"torch store, {space}", kind, secret,
-                    _master_ip(master), timeout_s or 0.0, timeout_s)
+                    me, n, _StoreAdapter(store), f"torch store, {space}", kind, secret, ip,
+                    self._timeout_s or timeout_s, left)
             if self._timeout_s:
                 new.set_timeout(self._timeout_s)
         except Exception as e:  # noqa: BLE001 - handed to the work's waiter
-            timed_out = isinstance(e, TimeoutError) or "within" in str(e)
+            # A deadline the store wait or the connect ran out of (tutti's rendezvous errors say
+            # "within …" or "in time").
+            timed_out = isinstance(e, TimeoutError) or bool(re.search(r"\bwithin\b|\bin time\b", str(e)))
             with self._lock:
                 if self._connecting == uuid:
                     self._connecting = None
@@ -568,16 +610,17 @@ class ProcessGroupTutti(dist.ProcessGroup):
         # returns no work: torch's callers of that form take None as "already done" (gloo's
         # "synced at the C++ level"), and a Work object would cost a microsecond per call.
         if opts is not None and getattr(opts, "asyncOp", True) is False:
+            comm = self._comm
             try:
-                self._comm.run(kind, dtype, async_op=False, **kw)
+                comm.run(kind, dtype, async_op=False, **kw)
             except TuttiError:
-                self._failed()
+                self._failed(comm)
                 raise
             if after is not None:
                 after()
             return None
         w = self._comm.run(kind, dtype, async_op=True, **kw)
-        return _Work(w, keep, after, result, self._futures, self._me)
+        return _Work(w, keep, after, result, self._futures, (self._me, weakref.ref(self._comm)))
 
     # -- reductions ------------------------------------------------------------------------
 
@@ -597,10 +640,11 @@ class ProcessGroupTutti(dist.ProcessGroup):
         if len(tensors) == 1 and getattr(opts, "asyncOp", True) is False:
             t = tensors[0]
             if t.is_contiguous() and not t.is_sparse:
+                comm = self._comm
                 try:
-                    self._comm.run("allreduce", _dtype(t), _raw(t), op=op, async_op=False)
+                    comm.run("allreduce", _dtype(t), _raw(t), op=op, async_op=False)
                 except TuttiError:
-                    self._failed()
+                    self._failed(comm)
                     raise
                 return None
         if any(t.is_sparse for t in tensors):
@@ -906,7 +950,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
         _dtype(t)
         w = self._comm.run("recv_any", "uint8", a=(t.data_ptr(), t.numel() * t.element_size()),
                            root=tag & 0x7FFFFFFF, async_op=True)
-        return _Work(w, (t,), None, tensors, self._futures, self._me)
+        return _Work(w, (t,), None, tensors, self._futures, (self._me, weakref.ref(self._comm)))
 
     def _start_coalescing(self, device=None):
         self._coalescing = ([], [], [])
@@ -995,7 +1039,12 @@ def _close_completers() -> None:
     # thread that asks for the GIL during finalization is ended in a way that aborts the
     # process.
     for pg in list(_GROUPS):
-        pg._comm = _Unready(pg._rank, "the interpreter is exiting")
+        with pg._lock:
+            pg._connecting = None
+            pg._comm = _Unready(pg._rank, "the interpreter is exiting")
+    # Communicators still referenced elsewhere close later, during finalization: from now on
+    # they leave no note in torch's store.
+    _tutti.at_exit()
 
 
 # Every group of this process, for the exit handler above.
@@ -1085,7 +1134,7 @@ def _loopback(host: Optional[str]) -> bool:
         return False
 
 
-def _secret(master: Optional[str]) -> tuple[str, Optional[str]]:
+def _secret(master: Optional[str], across_hosts: bool = False) -> tuple[str, Optional[str]]:
     token = os.environ.get("TUTTI_TOKEN")
     if token:
         return "given", token
@@ -1093,15 +1142,17 @@ def _secret(master: Optional[str]) -> tuple[str, Optional[str]]:
     if path:
         with open(path, encoding="utf-8") as f:
             return "given", f.read().strip()
-    if _loopback(master):
+    if not across_hosts and _loopback(master):
         name = "torch-{}-{}.secret".format(
             os.environ.get("MASTER_PORT", "0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         )
         return "file", os.path.join(_tutti.local_secret_dir(), name)
     if os.environ.get("TUTTI_INSECURE") == "1":
         return "store", None
+    why = ("the new membership spans hosts" if across_hosts
+           else "this job's store is reachable from other hosts")
     raise TuttiError(
-        "this job's store is reachable from other hosts and there is no job secret: set "
+        f"{why} and there is no job secret: set "
         "TUTTI_TOKEN to the same random string on every rank (e.g. `export "
         "TUTTI_TOKEN=$(openssl rand -hex 16)`); TUTTI_INSECURE=1 runs without one"
     )
