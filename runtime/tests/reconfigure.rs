@@ -7,22 +7,10 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use tutti_runtime::rendezvous::TransportKind;
-use tutti_runtime::store::{FileStore, Store};
-use tutti_runtime::{init_on_store, Error, Group, Options, Secret};
+use tutti_runtime::{init_on_store, Error, Group, Secret};
 
-fn options(kind: TransportKind) -> Options {
-    let mut o = Options::from_lookup(|_| None).unwrap();
-    o.transport = kind;
-    o.timeout = Duration::from_secs(10);
-    o.link.bind_ip = "127.0.0.1".parse().unwrap();
-    o
-}
-
-fn store(name: &str) -> Arc<dyn Store> {
-    let d = std::env::temp_dir().join(format!("tutti-reconf-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    Arc::new(FileStore::new(&d).unwrap())
-}
+mod common;
+use common::{options, store};
 
 /// Every rank sends its payload to every other rank; returns what came, by sender.
 fn exchange(g: &Group, tag: u32, mine: u8) -> Result<Vec<u8>, Error> {
@@ -44,7 +32,7 @@ fn exchange(g: &Group, tag: u32, mine: u8) -> Result<Vec<u8>, Error> {
 /// then that world reconfigures to its ranks [2, 0] (old ranks 0 and 3, swapped back).
 fn chosen_members_go_on(kind: TransportKind) {
     let n = 4;
-    let store = store(&format!("{kind:?}"));
+    let store = store(&format!("reconf-{kind:?}"));
     let opts = options(kind);
     let secret = Secret::Given("reconfigure-test-secret-01".into());
     let up = Arc::new(Barrier::new(n));
@@ -109,7 +97,7 @@ fn chosen_members_go_on_in_the_chosen_order() {
 #[test]
 fn bad_lists_and_a_member_that_never_comes_are_named() {
     let n = 3;
-    let store = store("missing");
+    let store = store("reconf-missing");
     let opts = options(TransportKind::Tcp);
     let secret = Secret::Given("reconfigure-test-secret-02".into());
     std::thread::scope(|s| {

@@ -8,25 +8,13 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use tutti_runtime::rendezvous::TransportKind;
-use tutti_runtime::store::{FileStore, Store};
-use tutti_runtime::{init_on_store, Error, Group, Options, Secret};
+use tutti_runtime::{init_on_store, Error, Group, Secret};
+
+mod common;
+use common::{options, store};
 
 fn count(dir: &str) -> usize {
     std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
-}
-
-fn options(kind: TransportKind) -> Options {
-    let mut o = Options::from_lookup(|_| None).unwrap();
-    o.transport = kind;
-    o.timeout = Duration::from_secs(10);
-    o.link.bind_ip = "127.0.0.1".parse().unwrap();
-    o
-}
-
-fn store(name: &str) -> Arc<dyn Store> {
-    let d = std::env::temp_dir().join(format!("tutti-shrink-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    Arc::new(FileStore::new(&d).unwrap())
 }
 
 /// A ring exchange: each rank sends its rank (one byte) to the next and returns what it got.
@@ -49,7 +37,7 @@ type Survivor = (usize, u8, Vec<usize>, Vec<u8>);
 /// World `n`; `victim` leaves (its group dropped without a word) after one good ring; the
 /// survivors fail, shrink, and exchange again over the new world.
 fn lose_one(kind: TransportKind, n: usize, victim: usize) {
-    let store = store(&format!("{kind:?}-{n}"));
+    let store = store(&format!("shrink-{kind:?}-{n}"));
     let opts = options(kind);
     let secret = Secret::Given("shrink-test-secret-0123".into());
     let before_threads = count("/proc/self/task");
@@ -121,7 +109,7 @@ fn lose_one(kind: TransportKind, n: usize, victim: usize) {
 /// Of 4 ranks, 2 are lost at once: the other 2 are not a strict majority, so they stop with
 /// `CutOff`, naming the ranks they lost, instead of going on as half a job.
 fn half_lost_stops(kind: TransportKind) {
-    let store = store(&format!("{kind:?}-half"));
+    let store = store(&format!("shrink-{kind:?}-half"));
     let opts = options(kind);
     let secret = Secret::Given("shrink-test-secret-0123".into());
     let after_ring = Arc::new(Barrier::new(4));

@@ -49,7 +49,9 @@ def reconfigure(pg, name, slots, uuid, use_set=False, late=0.0, timeout=20.0):
     assert pg.get_error() == ErrorType.SUCCESS
     if not use_set:
         assert (pg.rank(), pg.size()) == (slots.index(SLOT), len(slots)), (pg.rank(), slots)
-    return time.monotonic() - t
+    took = time.monotonic() - t
+    print(f"slot {SLOT} {name} {pg._path} {took * 1e3:.1f} ms", flush=True)
+    return took
 
 
 def allreduce(pg, want):
