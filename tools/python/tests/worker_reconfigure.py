@@ -262,6 +262,15 @@ except TuttiError as e:
 reconfigure(pg, "after-shutdown", ALL, 16)
 assert pg._path == "new", pg._path
 allreduce(pg, total(ALL))
+sync("shutdown")
+
+# torch names a sub-group's members by their ranks at init, which a reconfigured world no
+# longer has: new_group says so instead of carving the wrong ranks out.
+try:
+    dist.new_group(ALL)
+    raise AssertionError("new_group on a reconfigured world was made")
+except TuttiError as e:
+    assert "reconfigured" in str(e), e
 sync("end")
 
 print(f"slot {SLOT} RECONFIGURE OK", flush=True)

@@ -1192,6 +1192,12 @@ def _create(dist_opts, backend_opts=None):
         )
         _WORLD = ProcessGroupTutti(comm, rank, size, store, timeout)
         return _named(_WORLD, dist_opts)
+    if _WORLD._generation is not None:
+        # torch names a sub-group's members by their ranks at init, which a reconfigured world
+        # no longer has.
+        raise TuttiError("new_group on a reconfigured default group is not supported: its "
+                         "ranks are no longer torch's global ranks; reconfigure the group you "
+                         "need instead (ProcessGroupTutti.reconfigurable)")
     key = int.from_bytes(hashlib.sha256(str(dist_opts.group_id).encode()).digest()[:8], "little")
     sub = _WORLD._comm.split_keyed(sorted(ranks), key >> 1)
     if sub is None:
