@@ -8,10 +8,14 @@ fast path) with an in-flight call of the old membership failing; shrinking out t
 then a middle one; scaling back up; a late joiner (a new group instance); splitting into two
 groups and merging them in a new order; after abort(); after a timeout, with an abort hook;
 a reused uuid; a failed reconfigure, then one over the members that came; abort() during a
-reconfigure; after shutdown(). Prints "RECONFIGURE OK" at the end."""
+reconfigure; after shutdown(); a member on this host whose process has ended; new_group on a
+reconfigured world. Prints "RECONFIGURE OK" at the end."""
 
 import datetime
+import json
 import os
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -263,6 +267,25 @@ reconfigure(pg, "after-shutdown", ALL, 16)
 assert pg._path == "new", pg._path
 allreduce(pg, total(ALL))
 sync("shutdown")
+
+# A member on this host whose process has ended is named at once, not at the timeout.
+if SLOT == 0:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    store.set("handle/dead", json.dumps({"tutti": 1, "id": "0" * 32,
+                                         "host": socket.gethostname(), "pid": child.pid}))
+store.set(f"handle/with-dead/{SLOT}", pg.get_reconfigure_handle())
+handles = [bytes(store.get(f"handle/with-dead/{s}")).decode() for s in ALL]
+handles.append(bytes(store.get("handle/dead")).decode())
+t = time.monotonic()
+try:
+    dist._reconfigure(uuid=17, handles=handles, group=pg,
+                      timeout=datetime.timedelta(seconds=20)).wait()
+    raise AssertionError("a reconfigure with a dead member completed")
+except TuttiError as e:
+    took = time.monotonic() - t
+    assert took < 2 and "processes have ended" in str(e), (took, str(e))
+sync("dead")
 
 # torch names a sub-group's members by their ranks at init, which a reconfigured world no
 # longer has: new_group says so instead of carving the wrong ranks out.

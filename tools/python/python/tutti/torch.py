@@ -251,6 +251,17 @@ class _Reconfigure(dist.Work):
         return fut
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _set_future(fut: Future, error: Optional[BaseException]) -> None:
     if error is None:
         fut.set_result([])
@@ -440,12 +451,13 @@ class ProcessGroupTutti(dist.ProcessGroup):
         handles = opts.handles
         if isinstance(handles, (set, frozenset)):
             handles = sorted(handles)
-        members, where, hosts = [], [], []
+        members, where, hosts, pids = [], [], [], []
         for h in handles:
             try:
                 d = json.loads(h)
                 members.append(str(d["id"]))
                 hosts.append(str(d.get("host", "?")))
+                pids.append(d["pid"] if isinstance(d.get("pid"), int) else None)
                 where.append(f"{d.get('host', '?')} pid {d.get('pid', '?')}")
             except (ValueError, TypeError, KeyError):
                 raise ValueError(f"reconfigure: {h!r} is not a tutti process group's handle") from None
@@ -479,11 +491,12 @@ class ProcessGroupTutti(dist.ProcessGroup):
         work = _Reconfigure()
         threading.Thread(
             target=self._connect, name="tutti-reconfigure", daemon=True,
-            args=(work, uuid, members, where, hosts, old, old_members, generation, timeout_s),
+            args=(work, uuid, members, where, hosts, pids, old, old_members, generation,
+                  timeout_s),
         ).start()
         return work
 
-    def _connect(self, work, uuid, members, where, hosts, old, old_members, generation,
+    def _connect(self, work, uuid, members, where, hosts, pids, old, old_members, generation,
                  timeout_s):
         me = members.index(self._instance)
         n = len(members)
@@ -506,6 +519,7 @@ class ProcessGroupTutti(dist.ProcessGroup):
             # and the store's connection stays free for the caller's own requests.
             end = time.monotonic() + timeout_s
             nap = 0.002
+            here = socket.gethostname()
             while not store.check(keys):
                 if self._connecting != uuid:
                     raise RuntimeError(f"reconfigure (uuid {uuid}) was aborted or superseded")
@@ -514,6 +528,13 @@ class ProcessGroupTutti(dist.ProcessGroup):
                     raise TimeoutError(
                         f"rank {me} of the new membership (uuid {uuid}): members {missing} did "
                         f"not reach reconfigure within {timeout_s:.1f} s")
+                # A member on this host whose process has ended will never come: say so now.
+                gone = [where[k] for k in range(n) if hosts[k] == here and pids[k] is not None
+                        and not _alive(pids[k]) and not store.check([keys[k]])]
+                if gone:
+                    raise RuntimeError(
+                        f"rank {me} of the new membership (uuid {uuid}): members {gone} are on "
+                        f"this host and their processes have ended; reconfigure without them")
                 time.sleep(nap)
                 nap = min(nap * 2, 0.05)
             views = [bytes(store.get(k)).decode() for k in keys]
