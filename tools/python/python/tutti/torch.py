@@ -561,6 +561,14 @@ class ProcessGroupTutti(dist.ProcessGroup):
                     self._timeout_s or timeout_s, left)
             if self._timeout_s:
                 new.set_timeout(self._timeout_s)
+            if me == 0 and (path == "kept" or os.environ.get("TUTTI_CONNECT") != "lazy"):
+                # Every member read the views before it connected, and rank 0's full mesh is
+                # up only once all of them have: the views are no longer needed.
+                for k in keys:
+                    try:
+                        store.delete_key(k)
+                    except Exception:  # noqa: BLE001 - tidying only
+                        break
         except Exception as e:  # noqa: BLE001 - handed to the work's waiter
             # A deadline the store wait or the connect ran out of (tutti's rendezvous errors say
             # "within …" or "in time").
