@@ -368,9 +368,9 @@ class ProcessGroupTutti(dist.ProcessGroup):
         return True
 
     def register_abort_hook(self, hook_id: int, hook: Callable[[], None]) -> None:
-        """Run ``hook()`` when a call of this group fails on a timeout or an error (the group
-        stops), before it is aborted here; once per membership. ``abort()`` itself runs
-        none."""
+        """Run ``hook()`` when a call of this group fails on a timeout or an error; once per
+        membership. tutti has stopped the group by then (every pending call failed, the peers
+        told): the hook runs before the failed call raises. ``abort()`` itself runs none."""
         self._abort_hooks[hook_id] = hook
 
     def unregister_abort_hook(self, hook_id: int) -> None:
@@ -378,8 +378,10 @@ class ProcessGroupTutti(dist.ProcessGroup):
 
     def _failed(self, comm) -> None:
         # A call on `comm` failed. A fatal failure stopped that communicator already (tutti
-        # fails every pending call and tells the peers); if it is still this group's, run the
-        # hooks once, then abort it here too.
+        # fails every pending call and tells the peers, which is the abort); if it is still
+        # this group's, run the hooks once.
+        if not self._abort_hooks:
+            return
         f = comm.failure()
         if f is None or f[0] == "aborted":
             return
@@ -393,7 +395,6 @@ class ProcessGroupTutti(dist.ProcessGroup):
                 h()
             except Exception as e:  # noqa: BLE001 - a hook's failure must not hide the cause
                 print(f"tutti: an abort hook raised {e!r}", file=sys.stderr)
-        comm.abort(f"rank {self._rank}: aborted after: {f[1]}")
 
     def abort(self) -> None:
         """Stop this group here, at once: every pending call and every later one fails with an
