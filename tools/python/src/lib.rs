@@ -657,10 +657,11 @@ impl Comm {
         use tutti_runtime::Error as E;
         let e = self.inner.group().failure()?;
         let msg = e.to_string();
-        let mut cause = &e;
-        while let E::Poisoned(inner) = cause {
-            cause = inner;
-        }
+        // Poison never nests (`Error::poisoned`): one level to look through.
+        let cause = match &e {
+            E::Poisoned(inner) => inner.as_ref(),
+            e => e,
+        };
         let kind = match cause {
             E::Timeout { .. } | E::AnySourceTimeout { .. } => "timeout",
             E::PeerAborted { .. } => "remote",

@@ -65,9 +65,7 @@ def _substitute(mit) -> None:
                                                 timeout=TIMEOUT)
 
     def native_group(store, rank, size):
-        pg = _NativeTutti(None, rank, size, store, TIMEOUT.total_seconds())
-        pg._comm = tutti.torch._Unready(rank, "no members yet: call reconfigure() first")
-        return pg
+        return _NativeTutti.reconfigurable(store, rank, size, TIMEOUT)
 
     shim = types.SimpleNamespace()
     shim.__dict__.update({k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")})

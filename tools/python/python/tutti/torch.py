@@ -1207,9 +1207,7 @@ def _create(dist_opts, backend_opts=None):
     if getattr(dist_opts, "enable_reconfigure", False):
         # No members until the first reconfigure (torch's "deferred" regime): nothing connects
         # now, and the group rendezvouses in this store each time it is reconfigured.
-        pg = ProcessGroupTutti(
-            _Unready(rank, "this group was created with enable_reconfigure=True and has no "
-                     "members yet: call reconfigure() first"), rank, size, store, timeout)
+        pg = ProcessGroupTutti.reconfigurable(store, rank, size, dist_opts.timeout)
         if not ranks:
             _WORLD = pg
         return _named(pg, dist_opts)
