@@ -30,7 +30,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tutti_runtime::window::{Offer, Window, OFFER_LEN};
+use std::cell::Cell;
+
+use tutti_runtime::window::{Offer, Spin, Window, LINE_BYTES, OFFER_LEN};
 use tutti_runtime::wire::{Fingerprint, Header, MsgDesc, Tag, HEADER_LEN};
 use tutti_runtime::{Error as RtError, OpContext};
 
@@ -55,11 +57,29 @@ const PIECE: usize = 64 << 10;
 /// rank reduces everything, which reads n times its buffer but waits once instead of twice.
 const ONE_PHASE: usize = 16 << 10;
 
+/// Where a line slot's stamp starts (after its generation word), and its data.
+const LINE_STAMP: usize = 8;
+const LINE_DATA_AT: usize = LINE_STAMP + HEADER_LEN;
+/// Bytes of data a call may put in a line slot.
+pub(crate) const LINE_DATA: usize = LINE_BYTES - LINE_DATA_AT;
+
+/// Whether a call of `coll` moving `bytes` (nccl-tests' S) of equal blocks on `n` ranks runs on
+/// the line slots: every rank's contribution fits one slot (and, for an allreduce, where every
+/// rank reduces all n, the n contributions together stay small).
+pub(crate) fn on_lines(coll: Coll, bytes: usize, n: usize) -> bool {
+    match coll {
+        Coll::Allreduce => bytes <= LINE_DATA && bytes * n <= ONE_PHASE,
+        Coll::Broadcast | Coll::ReduceScatter | Coll::AllToAll => bytes <= LINE_DATA,
+        Coll::Allgather => bytes / n.max(1) <= LINE_DATA,
+        _ => false,
+    }
+}
+
 /// Bytes of one buffer of a window for a group of `n` ranks: 1 MiB up to 128 ranks, then the
 /// largest power of two at most 128 MiB / n (at least 64 KiB). Each rank's window holds two
-/// buffers and a 4 KiB header, so a group's windows on one host hold at most
-/// `n × (4 KiB + 2 × buffer)`: 8 MiB at 4 ranks, 128 MiB at 64, 256 MiB at most up to 2,048
-/// ranks. Only the pages a call touches are allocated.
+/// buffers and an 8 KiB header (its line slots included), so a group's windows on one host hold
+/// at most `n × (8 KiB + 2 × buffer)`: 8.03 MiB at 4 ranks, 128.5 MiB at 64, 272 MiB at most up
+/// to 2,048 ranks. Only the pages a call touches are allocated.
 pub(crate) fn buffer_for(n: usize) -> usize {
     (1usize << ((128usize << 20) / n.max(1)).max(1).ilog2()).clamp(64 << 10, 1 << 20)
 }
@@ -70,10 +90,14 @@ pub(crate) struct Direct {
     me: usize,
     wins: Vec<Window>,
     gen: u64,
-    /// How long a wait spins before it sleeps.
-    spin: Duration,
+    /// How a wait spins before it sleeps.
+    spin: Spin,
     /// Bytes between two publications of *posted* ([`PIECE`], or a whole buffer).
     piece: usize,
+    /// The latest generation each peer is known to have begun (it is then done with every
+    /// earlier one): a buffer or line slot of generation `g` needs no look at a peer's *done*
+    /// when the peer was seen to begin `g − 1`.
+    seen: Vec<Cell<u64>>,
 }
 
 /// Where a communicator's direct reads stand.
@@ -196,12 +220,18 @@ impl Direct {
         // Every rank has attached every window: no descriptor needs to stay open.
         wins[me].seal_attachments();
         let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+        // Where ranks share cores, a waiting rank gives its CPU away at once and keeps looking
+        // for half a millisecond before it sleeps: the rank it waits for is often the one that
+        // runs next on its core, and a sleep costs a wake-up on both sides (an 8-byte direct
+        // allreduce of 4 ranks on 2 cores took 33–38 µs sleeping after 5 µs, 6.5 µs yielding).
+        let us = Duration::from_micros;
         let (spin, piece) = if cpus >= n {
-            (Duration::from_micros(50), PIECE)
+            (Spin { hot: us(20), yielding: us(30) }, PIECE)
         } else {
-            (Duration::from_micros(5), usize::MAX)
+            (Spin { hot: us(0), yielding: us(500) }, usize::MAX)
         };
-        Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin, piece })))
+        let seen = (0..n).map(|_| Cell::new(0)).collect();
+        Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin, piece, seen })))
     }
 
     /// Bytes of one buffer.
@@ -229,15 +259,38 @@ impl Direct {
         at_least: u64,
         done: usize,
     ) -> Result<()> {
-        // Between sleeps: the transport's failure, and the dead-peer rule for the rank waited
-        // for (nothing is posted to it, so no operation applies the rule).
+        // Between sleeps: the transport's failure, the dead-peer rule for the rank waited for
+        // (nothing is posted to it, so no operation applies the rule), and whether the peer
+        // made a call on its line slots at this generation instead (a mismatch).
+        if self.wins[r].counter(counter) >= at_least {
+            return Ok(());
+        }
         let (t, peer, since) = (call.group.transport(), call.global(r), Instant::now());
-        let check = || t.check_peer(peer, since);
-        match self.wins[r].wait(counter, at_least, call.deadline, self.spin, check) {
+        let check = || {
+            t.check_peer(peer, since)?;
+            if counter == POSTED {
+                self.line_call_at(call, r, at_least / GEN)?;
+            }
+            Ok(())
+        };
+        let w = self.wins[r].wait(counter, at_least, call.deadline, self.spin, check);
+        self.waited(call, w, r, done)
+    }
+
+    /// A wait's outcome: `None` (the deadline passed) is a timeout naming `r` and the
+    /// generation.
+    fn waited(
+        &self,
+        call: &Call<'_>,
+        r: std::result::Result<Option<u64>, RtError>,
+        peer: usize,
+        done: usize,
+    ) -> Result<()> {
+        match r {
             Ok(Some(_)) => Ok(()),
             Ok(None) => Err(Error::Runtime(RtError::Timeout {
                 rank: call.global(self.me),
-                peer: call.global(r),
+                peer: call.global(peer),
                 ctx: call.ctx(self.gen, done),
                 timeout: call.group.timeout(),
             })),
@@ -245,14 +298,131 @@ impl Direct {
         }
     }
 
+    /// Peer `r` began generation `g`.
+    fn saw(&self, r: usize, g: u64) {
+        if self.seen[r].get() < g {
+            self.seen[r].set(g);
+        }
+    }
+
+    /// Step 1 of generation `g`: wait until every peer is done with what we wrote at `g − 2`
+    /// (the same buffer and line slot), unless it was seen to begin `g − 1`.
+    fn free(&self, call: &Call<'_>, g: u64, done: usize) -> Result<()> {
+        if g > 2 {
+            for r in self.peers() {
+                if self.seen[r].get() + 1 < g {
+                    self.wait(call, r, DONE, g - 2, done)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether peer `r` made a call on its line slots at generation `g` (while we wait for it
+    /// in a buffer, or the other way round): then the call it made, as a mismatch. Read like a
+    /// seqlock: a stamp the peer rewrote meanwhile decides nothing.
+    fn line_call_at(&self, call: &Call<'_>, r: usize, g: u64) -> std::result::Result<(), RtError> {
+        let s = (g % 2) as usize;
+        if self.wins[r].line_gen(s) != g {
+            return Ok(());
+        }
+        let mut raw = [0u8; HEADER_LEN];
+        // SAFETY: the peer's line slot; a torn read is discarded below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.wins[r].line(s).add(LINE_STAMP),
+                raw.as_mut_ptr(),
+                HEADER_LEN,
+            )
+        };
+        if self.wins[r].line_gen(s) != g {
+            return Ok(());
+        }
+        self.check_stamp(call, r, g, &raw).and(Err(RtError::Protocol {
+            rank: call.global(self.me),
+            peer: call.global(r),
+            detail: format!(
+                "it made {} on its line slot where this rank uses a buffer",
+                call.op_name
+            ),
+        }))
+    }
+
+    /// The same for a peer that began generation `g` in a buffer while we wait on its line
+    /// slot.
+    fn buffer_call_at(
+        &self,
+        call: &Call<'_>,
+        r: usize,
+        g: u64,
+    ) -> std::result::Result<(), RtError> {
+        if self.wins[r].counter(POSTED) / GEN != g {
+            return Ok(());
+        }
+        let mut raw = [0u8; HEADER_LEN];
+        // SAFETY: the peer's stamp slot for the generation's buffer; torn reads as above.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.wins[r].stamp((g % 2) as usize),
+                raw.as_mut_ptr(),
+                HEADER_LEN,
+            )
+        };
+        if self.wins[r].counter(POSTED) / GEN != g {
+            return Ok(());
+        }
+        self.check_stamp(call, r, g, &raw).and(Err(RtError::Protocol {
+            rank: call.global(self.me),
+            peer: call.global(r),
+            detail: format!(
+                "it made {} in a buffer where this rank uses its line slot",
+                call.op_name
+            ),
+        }))
+    }
+
+    /// Whether `raw`, read from peer `r`'s window for generation `g`, stamps this call: a
+    /// different call is a named mismatch, anything else a protocol error.
+    fn check_stamp(
+        &self,
+        call: &Call<'_>,
+        r: usize,
+        g: u64,
+        raw: &[u8; HEADER_LEN],
+    ) -> std::result::Result<(), RtError> {
+        let (me, peer) = (call.global(self.me), call.global(r));
+        match Header::decode(raw) {
+            Ok(h) if h.desc == call.desc && h.len == g && h.src as usize == peer => Ok(()),
+            Ok(h) if h.desc != call.desc => Err(RtError::Mismatch {
+                rank: me,
+                peer,
+                expected: call.desc.to_string(),
+                got: h.desc.to_string(),
+            }),
+            Ok(h) => Err(RtError::Protocol {
+                rank: me,
+                peer,
+                detail: format!(
+                    "its window holds generation {} from rank {} in {}, expected generation {g} \
+                     from rank {peer}",
+                    h.len, h.src, call.op_name
+                ),
+            }),
+            Err(e) => Err(RtError::Protocol {
+                rank: me,
+                peer,
+                detail: format!("its window's stamp in {} is not a descriptor: {e}", call.op_name),
+            }),
+        }
+    }
+
     /// Step 1 of generation `g` and the start of step 2: wait until buffer `b` is free, stamp
     /// it and publish that nothing is posted yet; [`Direct::progress`] publishes the bytes.
     fn begin(&self, call: &Call<'_>, g: u64, b: usize, done: usize) -> Result<()> {
-        if g > 2 {
-            for r in self.peers() {
-                self.wait(call, r, DONE, g - 2, done)?;
-            }
-        }
+        // A generation moves up to a buffer: an abort (or a failure seen by the transport)
+        // ends a long call between two, even where no wait ever needs to sleep.
+        call.group.check()?;
+        self.free(call, g, done)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
         // SAFETY: our own window's stamp slot, HEADER_LEN ≤ STAMP_BYTES; peers read it only
         // after the publish below.
@@ -295,41 +465,68 @@ impl Direct {
         // The stamp as soon as the peer began the generation (a call of another length is named
         // as a mismatch, not waited for), then the bytes.
         self.wait(call, r, POSTED, g * GEN, done)?;
+        self.saw(r, g);
         let mut raw = [0u8; HEADER_LEN];
         // SAFETY: the peer's stamp slot, written before it published `g`; it does not write it
         // again before we publish *done* = `g`.
         unsafe {
             std::ptr::copy_nonoverlapping(self.wins[r].stamp(b), raw.as_mut_ptr(), HEADER_LEN)
         };
-        let (me, peer) = (call.global(self.me), call.global(r));
-        match Header::decode(&raw) {
-            Ok(h) if h.desc == call.desc && h.len == g && h.src as usize == peer => {
-                if need > 0 {
-                    self.wait(call, r, POSTED, g * GEN + need as u64, done)?;
-                }
-                Ok(())
-            }
-            Ok(h) if h.desc != call.desc => Err(Error::Runtime(RtError::Mismatch {
-                rank: me,
-                peer,
-                expected: call.desc.to_string(),
-                got: h.desc.to_string(),
-            })),
-            Ok(h) => Err(Error::Runtime(RtError::Protocol {
-                rank: me,
-                peer,
-                detail: format!(
-                    "its window holds generation {} from rank {} in {}, expected generation {g} \
-                     from rank {peer}",
-                    h.len, h.src, call.op_name
-                ),
-            })),
-            Err(e) => Err(Error::Runtime(RtError::Protocol {
-                rank: me,
-                peer,
-                detail: format!("its window's stamp in {} is not a descriptor: {e}", call.op_name),
-            })),
+        self.check_stamp(call, r, g, &raw).map_err(Error::Runtime)?;
+        if need > 0 {
+            self.wait(call, r, POSTED, g * GEN + need as u64, done)?;
         }
+        Ok(())
+    }
+
+    /// Begin generation `g` on our line slot `s`: once it is free, stamp it, write `len`
+    /// bytes of data with `fill` and publish.
+    fn line_post(
+        &self,
+        call: &Call<'_>,
+        g: u64,
+        s: usize,
+        len: usize,
+        fill: impl FnOnce(*mut u8),
+    ) -> Result<()> {
+        debug_assert!(len <= LINE_DATA);
+        self.free(call, g, 0)?;
+        let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
+        let slot = self.wins[self.me].line(s);
+        // SAFETY: our own free line slot: the stamp, then `len` ≤ LINE_DATA bytes of data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(stamp.as_ptr(), slot.add(LINE_STAMP), HEADER_LEN);
+            if len > 0 {
+                fill(slot.add(LINE_DATA_AT));
+            }
+        }
+        self.wins[self.me].publish_line(s, g);
+        Ok(())
+    }
+
+    /// Wait until peer `r` posted generation `g` on its line slot `s`, check its stamp, and
+    /// return where its data starts (valid until we publish *done* = `g`).
+    fn line_read(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
+        if self.wins[r].line_gen(s) < g {
+            let (t, peer, since) = (call.group.transport(), call.global(r), Instant::now());
+            let check = || {
+                t.check_peer(peer, since)?;
+                self.buffer_call_at(call, r, g)
+            };
+            let w = self.wins[r].wait_line(s, g, call.deadline, self.spin, check);
+            self.waited(call, w, r, 0)?;
+        }
+        self.saw(r, g);
+        let slot = self.wins[r].line(s);
+        let mut raw = [0u8; HEADER_LEN];
+        // SAFETY: the peer's line slot, written before it published `g`; it does not write it
+        // again before we publish *done* = `g`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(slot.add(LINE_STAMP), raw.as_mut_ptr(), HEADER_LEN)
+        };
+        self.check_stamp(call, r, g, &raw).map_err(Error::Runtime)?;
+        // SAFETY: inside the slot.
+        Ok(unsafe { slot.add(LINE_DATA_AT) })
     }
 
     fn finish(&self, g: u64) {
@@ -376,9 +573,38 @@ impl Direct {
         finish: Option<Finish>,
     ) -> Result<()> {
         let (n, es) = (self.wins.len(), dtype.size());
+        if on_lines(Coll::Allreduce, len, n) {
+            // Small: every rank posts its input on its line slot and reduces all of them, in
+            // rank order (the same bits everywhere): one wait per peer, on the cache lines that
+            // carry the data.
+            let (g, s) = self.next();
+            // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot.
+            self.line_post(call, g, s, len, |p| unsafe {
+                std::ptr::copy_nonoverlapping(src, p, len)
+            })?;
+            for r in self.peers() {
+                self.line_read(call, r, g, s)?;
+            }
+            // SAFETY: every slot posted `len` bytes (checked above) and is not written again
+            // before we publish *done*; `dst` is the caller's, and its input is already in our
+            // slot.
+            unsafe {
+                let slot = |r: usize| self.wins[r].line(s).add(LINE_DATA_AT).cast_const();
+                let out = std::slice::from_raw_parts_mut(dst, len);
+                std::ptr::copy_nonoverlapping(slot(0), out.as_mut_ptr(), len);
+                for r in 1..n {
+                    kernel::reduce_into(dtype, op, out, std::slice::from_raw_parts(slot(r), len));
+                }
+                if let Some(f) = finish {
+                    kernel::finish_raw(dtype, f, out.as_mut_ptr(), len);
+                }
+            }
+            self.finish(g);
+            return Ok(());
+        }
         if len * n <= ONE_PHASE {
-            // Small: every rank reduces the whole buffer out of every window, in rank order
-            // (the same bits everywhere), with one wait instead of two.
+            // Small, past the line slot: every rank reduces the whole buffer out of every
+            // window, in rank order (the same bits everywhere), with one wait instead of two.
             let (g, b) = self.next();
             self.begin(call, g, b, 0)?;
             // SAFETY: `len` bytes of the caller's source into our own free buffer.
@@ -453,6 +679,33 @@ impl Direct {
         dst: *mut u8,
         len: usize,
     ) -> Result<()> {
+        if on_lines(Coll::Broadcast, len, self.wins.len()) {
+            // Small: the root posts on its line slot and the others copy it out; the others
+            // post their stamp alone, which the root checks (a peer that believes another rank
+            // the root, or makes another call, is named on the root too).
+            let (g, s) = self.next();
+            if self.me == root {
+                // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot,
+                // and to its output when out of place.
+                self.line_post(call, g, s, len, |p| unsafe {
+                    std::ptr::copy_nonoverlapping(src, p, len)
+                })?;
+                if !std::ptr::eq(src, dst) {
+                    // SAFETY: the caller's distinct input and output, `len` bytes each.
+                    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+                }
+                for r in self.peers() {
+                    self.line_read(call, r, g, s)?;
+                }
+            } else {
+                self.line_post(call, g, s, 0, |_| ())?;
+                let p = self.line_read(call, root, g, s)?;
+                // SAFETY: the root's posted bytes into our output.
+                unsafe { std::ptr::copy_nonoverlapping(p, dst, len) };
+            }
+            self.finish(g);
+            return Ok(());
+        }
         let piece = self.buf_len();
         // One generation at least: a call of nothing still checks that the peers make it.
         for off in (0..len.div_ceil(piece).max(1)).map(|k| k * piece) {
@@ -513,6 +766,10 @@ impl Direct {
     ) -> Result<()> {
         let (n, me, es) = (self.wins.len(), self.me, dtype.size());
         let in_place = std::ptr::eq(src, dst);
+        if on_lines(coll, n * block, n) {
+            // SAFETY: forwarded contract.
+            return unsafe { self.blocks_on_lines(call, coll, src, dst, block, dtype, op) };
+        }
         // Per generation: one piece of our block (all-gather), or of each of the n blocks.
         let per = if coll == Coll::Allgather { self.buf_len() } else { self.buf_len() / n };
         let piece = (per / es * es).max(es);
@@ -603,6 +860,78 @@ impl Direct {
             }
             self.finish(g);
         }
+        Ok(())
+    }
+
+    /// [`Direct::blocks`] on the line slots ([`on_lines`]): every rank posts its block (all-gather)
+    /// or its n blocks, then takes what it needs from every slot.
+    ///
+    /// # Safety
+    /// As [`Direct::blocks`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn blocks_on_lines(
+        &mut self,
+        call: &Call<'_>,
+        coll: Coll,
+        src: *const u8,
+        dst: *mut u8,
+        block: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, me) = (self.wins.len(), self.me);
+        let in_place = std::ptr::eq(src, dst);
+        let (g, s) = self.next();
+        let (from, len) = match (coll, in_place) {
+            (Coll::Allgather, true) => (me * block, block),
+            (Coll::Allgather, false) => (0, block),
+            _ => (0, n * block),
+        };
+        // SAFETY: our input (one block, or n) into our free slot.
+        self.line_post(call, g, s, len, |p| unsafe {
+            std::ptr::copy_nonoverlapping(src.add(from), p, len)
+        })?;
+        // SAFETY: every slot read below was posted (and checked) by `line_read`, and is not
+        // written again before we publish *done*; every write is inside the caller's output.
+        unsafe {
+            let slot = |r: usize| self.wins[r].line(s).add(LINE_DATA_AT).cast_const();
+            match coll {
+                Coll::Allgather => {
+                    if !in_place {
+                        std::ptr::copy_nonoverlapping(src, dst.add(me * block), block);
+                    }
+                    for r in self.peers() {
+                        let p = self.line_read(call, r, g, s)?;
+                        std::ptr::copy_nonoverlapping(p, dst.add(r * block), block);
+                    }
+                }
+                Coll::AllToAll => {
+                    for r in self.peers() {
+                        self.line_read(call, r, g, s)?;
+                    }
+                    for r in 0..n {
+                        std::ptr::copy_nonoverlapping(
+                            slot(r).add(me * block),
+                            dst.add(r * block),
+                            block,
+                        );
+                    }
+                }
+                _ => {
+                    for r in self.peers() {
+                        self.line_read(call, r, g, s)?;
+                    }
+                    let at = if in_place { me * block } else { 0 };
+                    let out = std::slice::from_raw_parts_mut(dst.add(at), block);
+                    std::ptr::copy_nonoverlapping(slot(0).add(me * block), out.as_mut_ptr(), block);
+                    for r in 1..n {
+                        let theirs = std::slice::from_raw_parts(slot(r).add(me * block), block);
+                        kernel::reduce_into(dtype, op, out, theirs);
+                    }
+                }
+            }
+        }
+        self.finish(g);
         Ok(())
     }
 }

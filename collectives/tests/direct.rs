@@ -326,3 +326,144 @@ fn a_busy_peer_behind_an_unread_message_is_not_called_dead() {
         });
     }
 }
+
+both!(small_calls_run_on_the_line_slots_exactly, |kind| {
+    // Every small collective the automatic choice gives to direct reads (the line slots), in
+    // place and out of place, every root, between calls that use the buffers: the generations
+    // of both kinds stay in step and every result is exact.
+    let (oks, _) = run(kind, 3, Duration::from_secs(30), |c| {
+        let (r, n) = (c.rank(), c.size());
+        for round in 0..3 {
+            for blk in [1usize, 7, 80] {
+                let mine: Vec<i64> = (0..blk).map(|i| val(r, round, i)).collect();
+                let want: Vec<i64> =
+                    (0..n).flat_map(|q| (0..blk).map(move |i| val(q, round, i))).collect();
+                let mut all = vec![0i64; n * blk];
+                let st = c.allgather(&mine, &mut all).unwrap();
+                assert_eq!(st.algo, Algo::Direct, "allgather of {blk}");
+                assert!(all == want, "rank {r}: allgather of {blk}");
+                let mut all: Vec<i64> =
+                    (0..n * blk).map(|j| if j / blk == r { mine[j % blk] } else { -1 }).collect();
+                c.allgather_inplace(&mut all).unwrap();
+                assert!(all == want, "rank {r}: allgather in place of {blk}");
+                let input: Vec<i64> =
+                    (0..n).flat_map(|j| (0..blk).map(move |i| val(r, j + round, i))).collect();
+                let a2a: Vec<i64> =
+                    (0..n).flat_map(|q| (0..blk).map(move |i| val(q, r + round, i))).collect();
+                let mut out = vec![0i64; n * blk];
+                let st = c.all_to_all(&input, &mut out).unwrap();
+                assert_eq!(st.algo, Algo::Direct, "all-to-all of {blk}");
+                assert!(out == a2a, "rank {r}: all-to-all of {blk}");
+                let mut buf = input.clone();
+                c.all_to_all_inplace(&mut buf).unwrap();
+                assert!(buf == a2a, "rank {r}: all-to-all in place of {blk}");
+                let sum = |i: usize| (0..n).map(|q| val(q, r + round, i)).sum::<i64>();
+                let mut out = vec![0i64; blk];
+                let st = c.reduce_scatter(&input, &mut out, ReduceOp::Sum).unwrap();
+                assert_eq!(st.algo, Algo::Direct, "reduce-scatter of {blk}");
+                assert!(out.iter().enumerate().all(|(i, v)| *v == sum(i)), "rank {r}: rs {blk}");
+                let mut buf = input.clone();
+                c.reduce_scatter_inplace(&mut buf, ReduceOp::Sum).unwrap();
+                let got = &buf[r * blk..(r + 1) * blk];
+                assert!(got.iter().enumerate().all(|(i, v)| *v == sum(i)), "rank {r}: rs in place");
+                let mut x = mine.clone();
+                let st = c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+                assert_eq!(st.algo, Algo::Direct, "allreduce of {blk}");
+                let s = |i: usize| (0..n).map(|q| val(q, round, i)).sum::<i64>();
+                assert!(x.iter().enumerate().all(|(i, v)| *v == s(i)), "rank {r}: allreduce");
+                let mut y = vec![0i64; blk];
+                c.allreduce_from(&mine, &mut y, ReduceOp::Max).unwrap();
+                assert!(y.iter().enumerate().all(|(i, v)| *v == val(n - 1, round, i)), "max");
+                // A broadcast of 3 ranks runs on messages unless forced: forced, from each root.
+                for root in 0..n {
+                    let mut b: Vec<i64> =
+                        (0..blk).map(|i| if r == root { val(root, 9, i) } else { 0 }).collect();
+                    let st = c.with_algo(Algo::Direct).broadcast(&mut b, root).unwrap();
+                    assert_eq!(st.algo, Algo::Direct);
+                    assert!(b.iter().enumerate().all(|(i, v)| *v == val(root, 9, i)), "bcast");
+                }
+            }
+            // A call that uses the buffers between small ones.
+            let mut big = vec![r as i64; 400_000];
+            let st = c.allreduce(&mut big, ReduceOp::Sum).unwrap();
+            assert_eq!(st.algo, Algo::Direct);
+            assert!(big.iter().all(|v| *v == 3), "rank {r}: large allreduce");
+        }
+        true
+    });
+    assert!(oks.iter().all(|o| *o));
+});
+
+both!(a_small_count_mismatch_is_named, |kind| {
+    let (errs, t) = run(kind, 3, Duration::from_secs(30), |c| {
+        let n = if c.rank() == 1 { 11 } else { 10 };
+        let mut x = vec![1.0f32; n];
+        c.with_algo(Algo::Direct).allreduce(&mut x, ReduceOp::Sum).map(|_| ())
+    });
+    let errs = errors(errs);
+    assert!(errs.iter().any(|e| e.contains("count 10") && e.contains("count 11")), "{errs:?}");
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
+both!(a_small_call_against_a_large_one_is_named, |kind| {
+    // One rank's call fits the line slots, the others' use the buffers: each side finds the
+    // other's stamp where it does not wait, and names the mismatch, long before the timeout.
+    let (errs, t) = run(kind, 3, Duration::from_secs(30), |c| {
+        let n = if c.rank() == 0 { 4 } else { 100_000 };
+        let mut x = vec![1.0f32; n];
+        c.with_algo(Algo::Direct).allreduce(&mut x, ReduceOp::Sum).map(|_| ())
+    });
+    let errs = errors(errs);
+    assert!(errs.iter().any(|e| e.contains("count 4") && e.contains("count 100000")), "{errs:?}");
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
+both!(a_small_broadcast_root_mismatch_is_named_on_the_roots, |kind| {
+    let (errs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+        let mut x = vec![c.rank() as u8; 64];
+        let st = c.broadcast(&mut x, c.rank())?;
+        assert_eq!(st.algo, Algo::Direct);
+        Ok(())
+    });
+    let errs = errors(errs);
+    assert!(errs.iter().any(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
+both!(a_rank_missing_from_a_small_call_is_a_timeout_naming_it, |kind| {
+    let (errs, t) = run(kind, 3, Duration::from_secs(2), |c| {
+        let mut x = vec![1.0f64; 3];
+        c.allreduce(&mut x, ReduceOp::Sum)?;
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_secs(4));
+            return Err(tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(
+                "skipped".into(),
+            )));
+        }
+        let st = c.allreduce(&mut x, ReduceOp::Sum);
+        st.map(|_| ())
+    });
+    let errs = errors(errs);
+    assert!(errs.iter().any(|e| e.contains("timed out waiting for peer rank 2")), "{errs:?}");
+    assert!(t < Duration::from_secs(8), "{t:?}");
+});
+
+both!(an_abort_wakes_a_rank_waiting_in_a_small_call, |kind| {
+    let (errs, _) = run(kind, 2, Duration::from_secs(60), |c| {
+        let mut x = vec![1.0f32; 2];
+        c.allreduce(&mut x, ReduceOp::Sum)?;
+        let t0 = Instant::now();
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+            c.group().abort("stopping the job");
+            return Err(tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(
+                "aborted".into(),
+            )));
+        }
+        let r = c.allreduce(&mut x, ReduceOp::Sum).map(|_| ());
+        assert!(t0.elapsed() < Duration::from_secs(5), "woken after {:?}", t0.elapsed());
+        r
+    });
+    let errs = errors(errs);
+    assert!(errs[0].contains("stopping the job"), "{errs:?}");
+});

@@ -2,20 +2,25 @@
 //! their peers' memory directly instead of sending it.
 //!
 //! ```text
-//! window (memfd, sealed against resizing), 4 KiB + data bytes
+//! window (memfd, sealed against resizing), 8 KiB + data bytes
 //!   0       stamp: magic, nonce (checked when a peer attaches)
 //!   1024    COUNTERS counters (u64), each on its own cache line, written by the owner only
 //!   1536    waiters: how many peers sleep on the window; 1600: the ticket (futex word),
-//!           bumped at every publish
+//!           bumped at a publish that finds sleepers
 //!   2048    STAMPS slots of STAMP_BYTES, written by the owner (what the data holds now)
-//!   4096    data
+//!   4096    LINES line slots of LINE_BYTES: a generation word (u64), then what the owner
+//!           wrote for that generation (small calls carry their stamp and data here, so a
+//!           reader finds both in the cache lines it waited on)
+//!   8192    data
 //! ```
 //!
 //! The owner writes its data, then [`publishes`](Window::publish) a counter (a release store);
 //! a reader that [`waits`](Window::wait) until the counter reaches a value sees the data written
-//! before it. A waiter spins for a moment, then sleeps on the counter (a futex on the shared
-//! page, so it works across processes) in slices, asking its caller between slices whether to
-//! give up (a lost peer, an abort); the owner wakes sleepers only when some are registered.
+//! before it; a line slot's generation word works the same way
+//! ([`Window::publish_line`], [`Window::wait_line`]). A waiter spins for a moment, then sleeps
+//! on the window (a futex on the shared page, so it works across processes) in slices, asking
+//! its caller between slices whether to give up (a lost peer, an abort); the owner wakes
+//! sleepers only when some are registered.
 //!
 //! Nothing read from a peer's window decides where this rank reads or writes: lengths and
 //! offsets come from the caller, so a peer that writes garbage into its window gives wrong
@@ -33,13 +38,17 @@ use std::time::{Duration, Instant};
 use crate::memfd::Mapping;
 
 /// Bytes before the data.
-pub const HEADER: usize = 4096;
+pub const HEADER: usize = 8192;
 /// Counters in a window.
 pub const COUNTERS: usize = 4;
 /// Stamp slots in a window.
 pub const STAMPS: usize = 4;
 /// Bytes of one stamp slot.
 pub const STAMP_BYTES: usize = 64;
+/// Line slots in a window.
+pub const LINES: usize = 2;
+/// Bytes of one line slot, its generation word included.
+pub const LINE_BYTES: usize = 2048;
 /// Bytes of an encoded [`Offer`].
 pub const OFFER_LEN: usize = 40;
 
@@ -49,9 +58,29 @@ const WAITERS_AT: usize = COUNTERS_AT + 128 * COUNTERS;
 const TICKET_AT: usize = WAITERS_AT + 64;
 const STAMPS_AT: usize = 2048;
 const _: () = assert!(TICKET_AT + 4 <= STAMPS_AT);
-const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= HEADER);
+const LINES_AT: usize = 4096;
+const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= LINES_AT);
+const _: () = assert!(LINES_AT + LINES * LINE_BYTES <= HEADER);
 /// Largest data area a window may have (checked when attaching: an offer is untrusted).
 pub const MAX_DATA: usize = 1 << 30;
+/// Reads of the word between two reads of the clock while spinning hot.
+const SPIN_CHECKS: u32 = 16;
+/// Yields between two calls of the caller's check while spinning (tens of microseconds: an
+/// abort ends a wait that keeps finding its peer busy).
+const CHECK_EVERY: u32 = 32;
+
+/// How a [`Window::wait`] spins before it sleeps: first `hot` without giving the CPU away
+/// (where each rank has a core: the answer often comes within a microsecond), then `yielding`,
+/// giving the CPU away before each look (where ranks share cores: the peer waited for may be
+/// the one that runs next here; a yield costs far less than a sleep and a wake-up). The
+/// caller's check runs every few dozen yields, and before each sleep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Spin {
+    /// Spinning without yielding.
+    pub hot: Duration,
+    /// Then spinning with a yield before each look.
+    pub yielding: Duration,
+}
 /// How long a sleeping waiter sleeps before it asks its caller again.
 const SLICE: Duration = Duration::from_millis(2);
 
@@ -200,6 +229,61 @@ impl Window {
         unsafe { &*self.map.base().add(COUNTERS_AT + 128 * i).cast::<AtomicU64>() }
     }
 
+    /// Line slot `i` (of [`LINES`]), [`LINE_BYTES`] long: its first 8 bytes are the slot's
+    /// generation word (written only through [`Window::publish_line`]); the owner writes the
+    /// rest before publishing, readers read it after [`Window::wait_line`].
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    pub fn line(&self, i: usize) -> *mut u8 {
+        assert!(i < LINES, "line slot {i} of {LINES}");
+        // SAFETY: inside the header, cache-line aligned.
+        unsafe { self.map.base().add(LINES_AT + i * LINE_BYTES) }
+    }
+
+    fn line_ref(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: the slot's first word, 8-byte aligned, valid for the mapping's life; only ever
+        // accessed atomically.
+        unsafe { &*self.line(i).cast::<AtomicU64>() }
+    }
+
+    /// Line slot `i`'s generation word now (an acquire load).
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    pub fn line_gen(&self, i: usize) -> u64 {
+        self.line_ref(i).load(Ordering::Acquire)
+    }
+
+    /// Set line slot `i`'s generation word (of this rank's own window) to `v`, as
+    /// [`Window::publish`] sets a counter.
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    pub fn publish_line(&self, i: usize, v: u64) {
+        self.line_ref(i).store(v, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Wait until line slot `i`'s generation word is at least `at_least`, as
+    /// [`Window::wait`] waits for a counter.
+    ///
+    /// # Errors
+    /// `check`'s.
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    pub fn wait_line<E>(
+        &self,
+        i: usize,
+        at_least: u64,
+        until: Instant,
+        spin: Spin,
+        check: impl FnMut() -> Result<(), E>,
+    ) -> Result<Option<u64>, E> {
+        self.wait_word(self.line_ref(i), at_least, until, spin, check)
+    }
+
     fn waiters(&self) -> &AtomicU32 {
         // SAFETY: as `counter_ref`.
         unsafe { &*self.map.base().add(WAITERS_AT).cast::<AtomicU32>() }
@@ -227,15 +311,25 @@ impl Window {
     /// If `i` is not below [`COUNTERS`].
     pub fn publish(&self, i: usize, v: u64) {
         self.counter_ref(i).store(v, Ordering::SeqCst);
-        let t = self.ticket();
-        t.fetch_add(1, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// After a publishing store: wake the sleepers, if any. A sleeper registers (a SeqCst
+    /// increment of *waiters*) before it reads the ticket and the word it waits on, and the
+    /// publisher reads *waiters* after its SeqCst store: either the publisher sees the sleeper
+    /// (and bumps the ticket, so a sleeper that read the old ticket does not sleep), or the
+    /// sleeper's read of the word comes after the store and sees it. No bump when nobody
+    /// sleeps: the ticket's cache line stays put.
+    fn wake(&self) {
         if self.waiters().load(Ordering::SeqCst) != 0 {
+            let t = self.ticket();
+            t.fetch_add(1, Ordering::SeqCst);
             futex_wake(t.as_ptr());
         }
     }
 
     /// Wait until counter `i` is at least `at_least`: `Ok(Some(value))`; `Ok(None)` when
-    /// `until` passes first. Spins for `spin` (yielding after the first microseconds), then
+    /// `until` passes first. Spins as `spin` says, then
     /// sleeps in slices of a few milliseconds and calls `check` before each: its error ends the
     /// wait.
     ///
@@ -249,27 +343,48 @@ impl Window {
         i: usize,
         at_least: u64,
         until: Instant,
-        spin: Duration,
+        spin: Spin,
+        check: impl FnMut() -> Result<(), E>,
+    ) -> Result<Option<u64>, E> {
+        self.wait_word(self.counter_ref(i), at_least, until, spin, check)
+    }
+
+    fn wait_word<E>(
+        &self,
+        c: &AtomicU64,
+        at_least: u64,
+        until: Instant,
+        spin: Spin,
         mut check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
-        let c = self.counter_ref(i);
         let v = c.load(Ordering::Acquire);
         if v >= at_least {
             return Ok(Some(v));
         }
+        // Spin hot: the word is read after every pause (a pause is tens of nanoseconds, and
+        // the answer of a peer on another core often comes within a microsecond), the clock
+        // after every SPIN_CHECKS of them. Then give the CPU away before each look, for a peer
+        // that may share it.
         let start = Instant::now();
-        let mut k = 0u32;
-        while start.elapsed() < spin {
-            for _ in 0..64 {
+        while start.elapsed() < spin.hot {
+            for _ in 0..SPIN_CHECKS {
                 std::hint::spin_loop();
+                let v = c.load(Ordering::Acquire);
+                if v >= at_least {
+                    return Ok(Some(v));
+                }
             }
+        }
+        let mut yields = 0u32;
+        while start.elapsed() < spin.hot + spin.yielding {
+            std::thread::yield_now();
             let v = c.load(Ordering::Acquire);
             if v >= at_least {
                 return Ok(Some(v));
             }
-            k += 1;
-            if k > 16 {
-                std::thread::yield_now();
+            yields += 1;
+            if yields.is_multiple_of(CHECK_EVERY) {
+                check()?;
             }
         }
         loop {
@@ -340,7 +455,7 @@ mod tests {
         let t = std::thread::spawn(move || {
             let far = Instant::now() + Duration::from_secs(10);
             for g in 1..=200u64 {
-                let v = peer.wait(0, g, far, Duration::ZERO, || Ok::<(), ()>(())).unwrap();
+                let v = peer.wait(0, g, far, Spin::default(), || Ok::<(), ()>(())).unwrap();
                 assert!(v.is_some_and(|v| v >= g));
                 // SAFETY: the owner wrote these bytes before publishing `g`, and does not write
                 // again before we publish our counter below.
@@ -355,7 +470,13 @@ mod tests {
             // SAFETY: the peer is done reading (it published generation g-1 on counter 1).
             unsafe { std::ptr::write_bytes(mine.data(), g as u8, 1 << 16) };
             mine.publish(0, g);
-            let done = mine.wait(1, g, far, Duration::from_micros(5), || Ok::<(), ()>(()));
+            let done = mine.wait(
+                1,
+                g,
+                far,
+                Spin { hot: Duration::from_micros(5), yielding: Duration::ZERO },
+                || Ok::<(), ()>(()),
+            );
             assert_eq!(done, Ok(Some(g)));
         }
         t.join().unwrap();
@@ -365,11 +486,11 @@ mod tests {
     fn a_wait_ends_at_its_deadline_or_when_its_caller_says_so() {
         let (w, _) = Window::create(64).unwrap();
         let t0 = Instant::now();
-        let r = w.wait(2, 1, t0 + Duration::from_millis(30), Duration::ZERO, || Ok::<(), ()>(()));
+        let r = w.wait(2, 1, t0 + Duration::from_millis(30), Spin::default(), || Ok::<(), ()>(()));
         assert_eq!(r, Ok(None));
         assert!(t0.elapsed() >= Duration::from_millis(30));
         let mut calls = 0;
-        let r = w.wait(2, 1, t0 + Duration::from_secs(10), Duration::ZERO, || {
+        let r = w.wait(2, 1, t0 + Duration::from_secs(10), Spin::default(), || {
             calls += 1;
             if calls == 3 {
                 Err("peer lost")
