@@ -445,12 +445,11 @@ impl Comm {
         algo: Algo,
         plan: impl FnOnce(&PlanCtx, Algo, &Topology) -> Result<Plan>,
     ) -> Result<Stats> {
-        let mut start = Instant::now();
         let mut algo = algo;
         if algo == Algo::Direct {
             let ready = self.direct_ready()?;
             // The call's deadline starts after the one-time set-up, whichever way it runs.
-            start = Instant::now();
+            let start = Instant::now();
             match ready {
                 None => return self.execute_direct(req, start),
                 Some(why) if self.sel.forced(req.coll) => {
@@ -465,6 +464,7 @@ impl Comm {
                 Some(_) => algo = self.sel.algo(req.coll, req.bytes, self.size(), req.uniform),
             }
         }
+        let start = Instant::now();
         let op = req.coll.name();
         let cfg = &self.sel.cfg;
         let ctx = PlanCtx {

@@ -30,7 +30,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use std::cell::Cell;
+use std::cell::{Cell, OnceCell};
 
 use tutti_runtime::window::{Offer, Spin, Window, LINE_BYTES, OFFER_LEN};
 use tutti_runtime::wire::{Fingerprint, Header, MsgDesc, Tag, HEADER_LEN};
@@ -265,9 +265,10 @@ impl Direct {
         if self.wins[r].counter(counter) >= at_least {
             return Ok(());
         }
-        let (t, peer, since) = (call.group.transport(), call.global(r), Instant::now());
+        // The wait's start for the dead-peer rule: at the first check (after the spin).
+        let (t, peer, since) = (call.group.transport(), call.global(r), OnceCell::new());
         let check = || {
-            t.check_peer(peer, since)?;
+            t.check_peer(peer, *since.get_or_init(Instant::now))?;
             if counter == POSTED {
                 self.line_call_at(call, r, at_least / GEN)?;
             }
@@ -508,9 +509,9 @@ impl Direct {
     /// return where its data starts (valid until we publish *done* = `g`).
     fn line_read(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
         if self.wins[r].line_gen(s) < g {
-            let (t, peer, since) = (call.group.transport(), call.global(r), Instant::now());
+            let (t, peer, since) = (call.group.transport(), call.global(r), OnceCell::new());
             let check = || {
-                t.check_peer(peer, since)?;
+                t.check_peer(peer, *since.get_or_init(Instant::now))?;
                 self.buffer_call_at(call, r, g)
             };
             let w = self.wins[r].wait_line(s, g, call.deadline, self.spin, check);

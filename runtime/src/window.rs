@@ -363,8 +363,17 @@ impl Window {
         }
         // Spin hot: the word is read after every pause (a pause is tens of nanoseconds, and
         // the answer of a peer on another core often comes within a microsecond), the clock
-        // after every SPIN_CHECKS of them. Then give the CPU away before each look, for a peer
-        // that may share it.
+        // after every SPIN_CHECKS of them — first after them, so a short wait reads no clock.
+        // Then give the CPU away before each look, for a peer that may share it.
+        if !spin.hot.is_zero() {
+            for _ in 0..SPIN_CHECKS {
+                std::hint::spin_loop();
+                let v = c.load(Ordering::Acquire);
+                if v >= at_least {
+                    return Ok(Some(v));
+                }
+            }
+        }
         let start = Instant::now();
         while start.elapsed() < spin.hot {
             for _ in 0..SPIN_CHECKS {
