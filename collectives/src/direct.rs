@@ -220,13 +220,15 @@ impl Direct {
         // Every rank has attached every window: no descriptor needs to stay open.
         wins[me].seal_attachments();
         let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
-        // Where ranks share cores, a waiting rank gives its CPU away at once and keeps looking
-        // for half a millisecond before it sleeps: the rank it waits for is often the one that
+        // Where each rank has a core, a wait spins hot for 5 µs, then gives the CPU away before
+        // each look (another process may have taken the peer's core: spinning on would keep
+        // it off this one). Where ranks share cores, a waiting rank gives its CPU away at once
+        // and keeps looking for half a millisecond before it sleeps: the rank it waits for is often the one that
         // runs next on its core, and a sleep costs a wake-up on both sides (an 8-byte direct
         // allreduce of 4 ranks on 2 cores took 33–38 µs sleeping after 5 µs, 6.5 µs yielding).
         let us = Duration::from_micros;
         let (spin, piece) = if cpus >= n {
-            (Spin { hot: us(20), yielding: us(30) }, PIECE)
+            (Spin { hot: us(5), yielding: us(45) }, PIECE)
         } else {
             (Spin { hot: us(0), yielding: us(500) }, usize::MAX)
         };

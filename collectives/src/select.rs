@@ -206,12 +206,11 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// Whether direct reads ([`Algo::Direct`]) beat messages for a call of `coll` moving `bytes`
 /// (nccl-tests' S) on `n` ranks of one host that map each other's memory. From collbench runs
 /// on the reference machine (2 cores; `docs/algorithms.md`), direct reads against messages
-/// through shared memory, interleaved, in steady state (hundreds of calls of one size): calls
-/// small enough for the line slots win at 2 and 4 ranks, but for a broadcast of 4; past them,
-/// with 2 ranks, each on a core, they win where messages take several steps (broadcast, the
-/// smallest reduce-scatter and all-to-all, a mid-size allreduce); with 4 ranks on 2 cores a
-/// wait often finds its peer not running, so they pay only where they save the most copies
-/// (large allreduce, all-gather, reduce-scatter and broadcast).
+/// through shared memory, interleaved, in steady state (hundreds of calls of one size): with 2
+/// ranks, each on a core, they win up to 16 KiB (64 KiB for a broadcast) and where messages
+/// take several steps (a large broadcast, a mid-size allreduce); with 4 ranks on 2 cores, whose
+/// waits give the CPU to the rank waited for, they win at every size but the broadcasts that
+/// fit a line slot (messages let the root run ahead) and all-to-all past 1 MiB.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
@@ -219,22 +218,15 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     match (coll, n) {
         (_, 0 | 1) => false,
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, _) if !uniform => false,
-        // Calls that fit the line slots: one cache line or a few per rank, no message. A
+        // The smallest calls run on the line slots (one cache line or a few per rank). A
         // broadcast of more ranks than cores is the exception: messages let its root run
         // ahead of ranks that wait for a core, the two line slots do not.
-        (Coll::Broadcast, 2) if crate::direct::on_lines(coll, b, n) => true,
-        (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, _)
-            if crate::direct::on_lines(coll, b, n) =>
-        {
-            true
-        }
-        (Coll::Allreduce, 2) => (256 * K..=4 * M).contains(&b),
-        (Coll::Broadcast, 2) => (4 * K..=64 * K).contains(&b) || b >= M,
-        (Coll::ReduceScatter | Coll::AllToAll, 2) => (4 * K..=16 * K).contains(&b),
-        (Coll::Allgather, 2) => false,
-        (Coll::Allreduce | Coll::ReduceScatter, _) => b >= M,
-        (Coll::Broadcast | Coll::Allgather, _) => b >= 4 * M,
-        (Coll::AllToAll, _) => b > 128 * K && b <= 512 * K,
+        (Coll::Broadcast, 2) => b <= 64 * K || b >= M,
+        (Coll::Broadcast, _) => !crate::direct::on_lines(coll, b, n),
+        (Coll::Allreduce, 2) => b <= 16 * K || (256 * K..=4 * M).contains(&b),
+        (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
+        (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
+        (Coll::AllToAll, _) => b <= M,
         (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
     }
 }
