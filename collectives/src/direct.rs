@@ -98,6 +98,8 @@ pub(crate) struct Direct {
     /// earlier one): a buffer or line slot of generation `g` needs no look at a peer's *done*
     /// when the peer was seen to begin `g − 1`.
     seen: Vec<Cell<u64>>,
+    /// Calls run on the line slots (for the tests).
+    lines: u64,
 }
 
 /// Where a communicator's direct reads stand.
@@ -233,7 +235,7 @@ impl Direct {
             (Spin { hot: us(0), yielding: us(500) }, usize::MAX)
         };
         let seen = (0..n).map(|_| Cell::new(0)).collect();
-        Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin, piece, seen })))
+        Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin, piece, seen, lines: 0 })))
     }
 
     /// Bytes of one buffer.
@@ -249,6 +251,12 @@ impl Direct {
     fn next(&mut self) -> (u64, usize) {
         self.gen += 1;
         (self.gen, (self.gen % 2) as usize)
+    }
+
+    /// The next generation, on the line slots.
+    fn next_line(&mut self) -> (u64, usize) {
+        self.lines += 1;
+        self.next()
     }
 
     /// Wait until rank `r`'s `counter` reaches `at_least` (a timeout names `r`, the generation
@@ -351,19 +359,22 @@ impl Direct {
         }))
     }
 
-    /// The same for a peer that began generation `g` in a buffer while we wait on its line
-    /// slot.
+    /// The same for a peer that made generation `g` in a buffer while we wait on its line
+    /// slot. The peer may be past it already (a broadcast's non-root waits only for its root):
+    /// its stamp for `g`'s buffer counts while it still says generation `g`.
     fn buffer_call_at(
         &self,
         call: &Call<'_>,
         r: usize,
         g: u64,
     ) -> std::result::Result<(), RtError> {
-        if self.wins[r].counter(POSTED) / GEN != g {
+        let began = self.wins[r].counter(POSTED) / GEN;
+        if began != g && began != g + 1 {
             return Ok(());
         }
         let mut raw = [0u8; HEADER_LEN];
-        // SAFETY: the peer's stamp slot for the generation's buffer; torn reads as above.
+        // SAFETY: the peer's stamp slot for the generation's buffer, which it does not write
+        // again before generation g + 2 (it needs us done with g for that).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.wins[r].stamp((g % 2) as usize),
@@ -371,8 +382,11 @@ impl Direct {
                 HEADER_LEN,
             )
         };
-        if self.wins[r].counter(POSTED) / GEN != g {
-            return Ok(());
+        // A stamp of an earlier generation (the peer made g on its line slot, then g + 1 in
+        // a buffer) decides nothing.
+        match Header::decode(&raw) {
+            Ok(h) if h.len == g => {}
+            _ => return Ok(()),
         }
         self.check_stamp(call, r, g, &raw).and(Err(RtError::Protocol {
             rank: call.global(self.me),
@@ -580,7 +594,7 @@ impl Direct {
             // Small: every rank posts its input on its line slot and reduces all of them, in
             // rank order (the same bits everywhere): one wait per peer, on the cache lines that
             // carry the data.
-            let (g, s) = self.next();
+            let (g, s) = self.next_line();
             // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot.
             self.line_post(call, g, s, len, |p| unsafe {
                 std::ptr::copy_nonoverlapping(src, p, len)
@@ -686,7 +700,7 @@ impl Direct {
             // Small: the root posts on its line slot and the others copy it out; the others
             // post their stamp alone, which the root checks (a peer that believes another rank
             // the root, or makes another call, is named on the root too).
-            let (g, s) = self.next();
+            let (g, s) = self.next_line();
             if self.me == root {
                 // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot,
                 // and to its output when out of place.
@@ -884,7 +898,7 @@ impl Direct {
     ) -> Result<()> {
         let (n, me) = (self.wins.len(), self.me);
         let in_place = std::ptr::eq(src, dst);
-        let (g, s) = self.next();
+        let (g, s) = self.next_line();
         let (from, len) = match (coll, in_place) {
             (Coll::Allgather, true) => (me * block, block),
             (Coll::Allgather, false) => (0, block),
@@ -950,6 +964,108 @@ pub(crate) type Shared = Arc<std::sync::Mutex<State>>;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::Comm;
+    use crate::select::Algo;
+
+    /// Run `f` on the `Direct` of `c` (set up).
+    fn with_direct<R>(c: &Comm, f: impl FnOnce(&Direct) -> R) -> R {
+        let st = c.sel.direct.lock().unwrap();
+        let State::Ready(d) = &*st else { panic!("direct reads are not set up") };
+        f(d)
+    }
+
+    #[test]
+    fn small_calls_take_the_line_slots() {
+        let comms = Comm::mem_world(3);
+        std::thread::scope(|s| {
+            for c in comms {
+                s.spawn(move || {
+                    let (r, n) = (c.rank(), c.size());
+                    let mut x = [r as f32 + 1.0; 3];
+                    c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+                    assert_eq!(x, [6.0; 3]);
+                    let mut all = [0i32; 6];
+                    c.allgather(&[r as i32; 2], &mut all).unwrap();
+                    assert_eq!(all, [0, 0, 1, 1, 2, 2]);
+                    let mut out = [0i32; 2];
+                    c.reduce_scatter(&[1i32; 6], &mut out, ReduceOp::Sum).unwrap();
+                    assert_eq!(out, [3; 2]);
+                    let mut out = [0u8; 3];
+                    c.all_to_all(&[r as u8 * 10, r as u8 * 10 + 1, r as u8 * 10 + 2], &mut out)
+                        .unwrap();
+                    assert_eq!(out, [r as u8, 10 + r as u8, 20 + r as u8]);
+                    let mut b = [if r == 1 { 7i64 } else { 0 }; 4];
+                    c.with_algo(Algo::Direct).broadcast(&mut b, 1).unwrap();
+                    assert_eq!(b, [7; 4]);
+                    // One past a line slot: the buffers.
+                    let mut big = vec![1u8; LINE_DATA + 1];
+                    c.with_algo(Algo::Direct).broadcast(&mut big, 0).unwrap();
+                    with_direct(&c, |d| assert_eq!(d.lines, 5, "rank {r} of {n}"));
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_peer_in_the_other_kind_of_call_is_named_from_its_stamp() {
+        // Rank 1 waits in a call of one kind (line slot or buffer) at generation g; rank 0
+        // looks with the checker for the other kind, as its waits do between sleeps.
+        for small_peer in [false, true] {
+            let mut comms = Comm::mem_world(2).into_iter();
+            let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
+            std::thread::scope(|s| {
+                let h = s.spawn(move || {
+                    c1.allreduce(&mut [0f32; 1], ReduceOp::Sum).unwrap();
+                    let mut x = vec![1f32; if small_peer { 4 } else { 100_000 }];
+                    c1.with_algo(Algo::Direct).allreduce(&mut x, ReduceOp::Sum).is_err()
+                });
+                c0.allreduce(&mut [0f32; 1], ReduceOp::Sum).unwrap();
+                with_direct(&c0, |d| {
+                    let g = d.gen + 1;
+                    let s = (g % 2) as usize;
+                    let until = Instant::now() + Duration::from_secs(20);
+                    let stamp = loop {
+                        let at = if small_peer {
+                            (d.wins[1].line_gen(s) == g)
+                                .then(|| d.wins[1].line(s).wrapping_add(LINE_STAMP))
+                        } else {
+                            (d.wins[1].counter(POSTED) / GEN == g).then(|| d.wins[1].stamp(s))
+                        };
+                        if let Some(p) = at {
+                            let mut raw = [0u8; HEADER_LEN];
+                            // SAFETY: the peer's stamp, published; it waits for us now.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(p, raw.as_mut_ptr(), HEADER_LEN)
+                            };
+                            break Header::decode(&raw).unwrap();
+                        }
+                        assert!(Instant::now() < until, "rank 1 never began generation {g}");
+                        std::thread::sleep(Duration::from_millis(1));
+                    };
+                    // Our own call: the peer's with another count.
+                    let fp = Fingerprint { count: stamp.desc.fp.count + 1, ..stamp.desc.fp };
+                    let now = Instant::now();
+                    let call = Call {
+                        group: &c0.group,
+                        op_name: "allreduce",
+                        desc: MsgDesc { fp, ..stamp.desc },
+                        start: now,
+                        deadline: now + Duration::from_secs(10),
+                        bytes: 16,
+                    };
+                    let (other, same) = if small_peer {
+                        (d.line_call_at(&call, 1, g), d.buffer_call_at(&call, 1, g))
+                    } else {
+                        (d.buffer_call_at(&call, 1, g), d.line_call_at(&call, 1, g))
+                    };
+                    assert!(matches!(other, Err(RtError::Mismatch { .. })), "{other:?}");
+                    assert!(same.is_ok(), "the same kind of call decides nothing: {same:?}");
+                });
+                c0.group.abort("the test is done");
+                assert!(h.join().unwrap(), "rank 1's call must end with the abort");
+            });
+        }
+    }
 
     #[test]
     fn buffers_keep_a_group_under_its_bound() {

@@ -427,10 +427,12 @@ mod link_tests {
     fn slow_links_choose_from_the_model() {
         let comms = Comm::mem_world(8);
         let c = &comms[0];
-        // Over memory (and on one host) nothing is measured: the table's choices.
+        // Over memory (and on one host) nothing is measured: the table's choices, direct reads
+        // first (every rank maps every other's memory).
         assert_eq!(c.link_scale().unwrap(), 1.0);
         assert_eq!(c.topology().unwrap().hosts(), 1);
-        assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Tree);
+        assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Direct);
+        assert_eq!(c.algo_for(Coll::AllToAll, 4 << 20, true), Algo::Pairwise);
         // 1 Gbit/s links (8 ns per byte), 50 µs per message, reductions at 2 GB/s.
         let m = Model { alpha: 50e-6, beta: 8e-9, beta_local: 0.4e-9, gamma: 0.5e-9 };
         let one = c.with_hosts(&[0, 1, 2, 3, 4, 5, 6, 7]).unwrap().with_model(m);
@@ -450,13 +452,14 @@ mod link_tests {
         let two = c.with_hosts(&[0, 0, 0, 0, 1, 1, 1, 1]).unwrap().with_model(m);
         assert_eq!(ar(&two, 64 << 20), Algo::TwoLevel);
         assert_ne!(ar(&two, 1 << 20), Algo::RecursiveDoubling);
-        // All-to-all is not moved; a forced algorithm still wins; on one host, the table.
+        // All-to-all is not moved (the table's choice, and no direct reads across hosts); a
+        // forced algorithm still wins; on one host, the table and direct reads.
         assert_eq!(
             two.algo_for(Coll::AllToAll, 64 << 10, true),
-            c.algo_for(Coll::AllToAll, 64 << 10, true)
+            choose(Coll::AllToAll, 64 << 10, 8, true)
         );
         assert_eq!(two.with_algo(Algo::Ring).algo_for(Coll::Allreduce, 8, true), Algo::Ring);
-        assert_eq!(ar(&c.with_hosts(&[0; 8]).unwrap(), 64 << 10), Algo::Tree);
+        assert_eq!(ar(&c.with_hosts(&[0; 8]).unwrap(), 64 << 10), Algo::Direct);
         assert!(c.with_hosts(&[0; 3]).is_err());
     }
 }

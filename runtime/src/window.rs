@@ -289,8 +289,9 @@ impl Window {
         unsafe { &*self.map.base().add(WAITERS_AT).cast::<AtomicU32>() }
     }
 
-    /// The futex word: bumped after every publish, so a sleeper that read it before a publish
-    /// never sleeps through it (a counter's own bits may come back to an earlier value).
+    /// The futex word: bumped by a publish that finds sleepers registered, so a sleeper that
+    /// read it before that publish never sleeps through it (a counter's own bits may come back
+    /// to an earlier value).
     fn ticket(&self) -> &AtomicU32 {
         // SAFETY: as `counter_ref`.
         unsafe { &*self.map.base().add(TICKET_AT).cast::<AtomicU32>() }
@@ -489,6 +490,39 @@ mod tests {
             assert_eq!(done, Ok(Some(g)));
         }
         t.join().unwrap();
+    }
+
+    #[test]
+    fn a_line_slot_carries_what_was_written_before_its_word_and_wakes_a_sleeper() {
+        let (mine, offer) = Window::create(4096).unwrap();
+        let peer = Window::attach(&offer).unwrap();
+        // The peer never spins: every wait that is not already over sleeps on the futex, so a
+        // publish that failed to wake it would cost a 2 ms slice per generation (and 2 s here).
+        let t = std::thread::spawn(move || {
+            let far = Instant::now() + Duration::from_secs(10);
+            let t0 = Instant::now();
+            for g in 1..=1000u64 {
+                let s = (g % 2) as usize;
+                let v = peer.wait_line(s, g, far, Spin::default(), || Ok::<(), ()>(())).unwrap();
+                assert_eq!(v, Some(g));
+                // SAFETY: written before the word; not written again before we publish `g`.
+                let b = unsafe { std::slice::from_raw_parts(peer.line(s).add(8), LINE_BYTES - 8) };
+                assert!(b.iter().all(|x| *x == g as u8), "generation {g}");
+                peer.publish(0, g);
+            }
+            t0.elapsed()
+        });
+        let far = Instant::now() + Duration::from_secs(10);
+        for g in 1..=1000u64 {
+            let s = (g % 2) as usize;
+            // SAFETY: our own slot; the peer is done with generation g - 2 (it published g - 1).
+            unsafe { std::ptr::write_bytes(mine.line(s).add(8), g as u8, LINE_BYTES - 8) };
+            mine.publish_line(s, g);
+            let hot = Spin { hot: Duration::from_micros(50), yielding: Duration::ZERO };
+            assert_eq!(mine.wait(0, g, far, hot, || Ok::<(), ()>(())), Ok(Some(g)));
+        }
+        let took = t.join().unwrap();
+        assert!(took < Duration::from_secs(1), "1000 generations took {took:?}");
     }
 
     #[test]

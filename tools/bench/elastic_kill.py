@@ -103,7 +103,11 @@ def one_round(rng, n, steps, step_ms, transport, sig, deadline):
     ok = len(done) == n - 1 and len(set(done)) == 1
     if ok:
         schedule = done[0].split(" schedule ")[1]
-        ref = subprocess.run([EXAMPLE, "--schedule", schedule], capture_output=True, text=True)
+        # The replay runs in memory with the job's algorithms: no direct reads for a job over
+        # QUIC (a float sum's bits depend on the algorithm).
+        renv = dict(os.environ, TUTTI_DIRECT="0" if transport == "quic" else "1")
+        ref = subprocess.run([EXAMPLE, "--schedule", schedule], capture_output=True, text=True,
+                             env=renv)
         ok = ref.stdout.strip() == "DONE " + done[0]
     took = None if first is None else first - kill_t
     return took, hung, ok, f"victim {victim} at step {at}"

@@ -21,7 +21,8 @@
 //!
 //! Alone, `elastic_dp --schedule 4x17,3x183` replays a schedule with ranks as threads over
 //! memory and prints the same `DONE` line: the reference a test compares the survivors with,
-//! bit for bit.
+//! bit for bit (with the job's algorithms: `TUTTI_DIRECT=0` replays a job over QUIC, which
+//! never reads peers' memory directly).
 
 use candle_core::{DType, Device, Tensor, Var};
 use tutti_parallel::{
@@ -219,6 +220,10 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
 
 /// The same training with the given world per step, ranks as threads over memory.
 fn replay(schedule: &[usize]) -> Result<()> {
+    // The replay takes the settings a job takes from its environment (`TUTTI_DIRECT=0` to
+    // replay a job whose links cannot read peers' memory, over QUIC): the bits of a float sum
+    // depend on the algorithm that adds.
+    let cfg = tutti_collectives::Config::from_env()?;
     let vars = init()?;
     let mut vel: Vec<Tensor> =
         vars.iter().map(|v| v.as_tensor().zeros_like()).collect::<std::result::Result<_, _>>()?;
@@ -232,8 +237,9 @@ fn replay(schedule: &[usize]) -> Result<()> {
         let start_vel: Vec<Tensor> =
             vel.iter().map(|v| v.copy()).collect::<std::result::Result<_, _>>()?;
         let results = std::thread::scope(|s| {
-            let hs: Vec<_> = Comm::mem_world(w)
+            let hs: Vec<_> = tutti_runtime::Group::mem_world(w)
                 .into_iter()
+                .map(|g| Comm::with_config(g, cfg.clone()))
                 .map(|c| {
                     let (start_vals, start_vel) = (&start_vals, &start_vel);
                     s.spawn(move || -> Result<(f64, Vec<Tensor>, Vec<Tensor>)> {
