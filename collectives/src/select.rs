@@ -208,7 +208,7 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// on the reference machine (2 cores; `docs/algorithms.md`), direct reads against messages
 /// through shared memory, interleaved, in steady state (hundreds of calls of one size): with 2
 /// ranks, each on a core, they win up to 16 KiB (64 KiB for a broadcast) and where messages
-/// take several steps (a large broadcast, a mid-size allreduce); with 4 ranks on 2 cores, whose
+/// take several steps (a large broadcast, an allreduce of 1–4 MiB); with 4 ranks on 2 cores, whose
 /// waits give the CPU to the rank waited for, they win at every size but the broadcasts that
 /// fit a line slot (messages let the root run ahead) and all-to-all past 1 MiB.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
@@ -223,7 +223,7 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
         // ahead of ranks that wait for a core, the two line slots do not.
         (Coll::Broadcast, 2) => b <= 64 * K || b >= M,
         (Coll::Broadcast, _) => !crate::direct::on_lines(coll, b, n),
-        (Coll::Allreduce, 2) => b <= 16 * K || (256 * K..=4 * M).contains(&b),
+        (Coll::Allreduce, 2) => b <= 16 * K || (M..=4 * M).contains(&b),
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
         (Coll::AllToAll, _) => b <= M,
