@@ -106,10 +106,12 @@ both!(an_op_mismatch_is_named, |kind| {
     assert!(t < Duration::from_secs(10), "{t:?}");
 });
 
-both!(a_missing_rank_is_a_timeout_naming_it, |kind| {
+/// A rank that never makes the second call of `count` elements (a buffer's worth, or a line
+/// slot's): the others time out naming it.
+fn missing_rank(kind: Kind, count: usize) {
     let (errs, t) = run(kind, 3, Duration::from_secs(2), |c| {
         let c = c.with_algo(Algo::Direct);
-        let mut x = vec![1.0f64; 50_000];
+        let mut x = vec![1.0f64; count];
         c.allreduce(&mut x, ReduceOp::Sum)?;
         if c.rank() == 2 {
             // Alive, but never makes the second call.
@@ -122,16 +124,20 @@ both!(a_missing_rank_is_a_timeout_naming_it, |kind| {
     });
     let errs = errors(errs);
     for e in &errs[..2] {
-        assert!(e.contains("rank 2"), "{errs:?}");
+        assert!(e.contains("rank 2"), "{count}: {errs:?}");
     }
     assert!(errs.iter().any(|e| e.contains("timed out waiting for peer rank 2")), "{errs:?}");
-    assert!(t < Duration::from_secs(8), "{t:?}");
-});
+    assert!(t < Duration::from_secs(8), "{count}: {t:?}");
+}
 
-both!(an_abort_wakes_a_waiting_rank, |kind| {
+both!(a_missing_rank_is_a_timeout_naming_it, |kind| missing_rank(kind, 50_000));
+both!(a_rank_missing_from_a_small_call_is_a_timeout_naming_it, |kind| missing_rank(kind, 3));
+
+/// An abort from one rank wakes the other, waiting in a call of `count` elements.
+fn abort_wakes(kind: Kind, count: usize) {
     let (errs, _) = run(kind, 2, Duration::from_secs(60), |c| {
         let c = c.with_algo(Algo::Direct);
-        let mut x = vec![1.0f32; 100_000];
+        let mut x = vec![1.0f32; count];
         c.allreduce(&mut x, ReduceOp::Sum)?;
         let t0 = Instant::now();
         if c.rank() == 1 {
@@ -146,8 +152,11 @@ both!(an_abort_wakes_a_waiting_rank, |kind| {
         r
     });
     let errs = errors(errs);
-    assert!(errs[0].contains("stopping the job"), "{errs:?}");
-});
+    assert!(errs[0].contains("stopping the job"), "{count}: {errs:?}");
+}
+
+both!(an_abort_wakes_a_waiting_rank, |kind| abort_wakes(kind, 100_000));
+both!(an_abort_wakes_a_rank_waiting_in_a_small_call, |kind| abort_wakes(kind, 2));
 
 #[test]
 fn without_shared_memory_the_choice_falls_back_and_a_forced_direct_is_refused() {
@@ -442,42 +451,4 @@ both!(a_small_broadcast_root_mismatch_is_named_on_the_roots, |kind| {
     let errs = errors(errs);
     assert!(errs.iter().all(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
     assert!(t < Duration::from_secs(10), "{t:?}");
-});
-
-both!(a_rank_missing_from_a_small_call_is_a_timeout_naming_it, |kind| {
-    let (errs, t) = run(kind, 3, Duration::from_secs(2), |c| {
-        let mut x = vec![1.0f64; 3];
-        c.allreduce(&mut x, ReduceOp::Sum)?;
-        if c.rank() == 2 {
-            std::thread::sleep(Duration::from_secs(4));
-            return Err(tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(
-                "skipped".into(),
-            )));
-        }
-        let st = c.allreduce(&mut x, ReduceOp::Sum);
-        st.map(|_| ())
-    });
-    let errs = errors(errs);
-    assert!(errs.iter().any(|e| e.contains("timed out waiting for peer rank 2")), "{errs:?}");
-    assert!(t < Duration::from_secs(8), "{t:?}");
-});
-
-both!(an_abort_wakes_a_rank_waiting_in_a_small_call, |kind| {
-    let (errs, _) = run(kind, 2, Duration::from_secs(60), |c| {
-        let mut x = vec![1.0f32; 2];
-        c.allreduce(&mut x, ReduceOp::Sum)?;
-        let t0 = Instant::now();
-        if c.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(300));
-            c.group().abort("stopping the job");
-            return Err(tutti_collectives::Error::Runtime(tutti_runtime::Error::Config(
-                "aborted".into(),
-            )));
-        }
-        let r = c.allreduce(&mut x, ReduceOp::Sum).map(|_| ());
-        assert!(t0.elapsed() < Duration::from_secs(5), "woken after {:?}", t0.elapsed());
-        r
-    });
-    let errs = errors(errs);
-    assert!(errs[0].contains("stopping the job"), "{errs:?}");
 });
