@@ -236,9 +236,17 @@ impl TcpTransport {
     /// Once poisoned, leave the abort reason in the store ([`abort_key`], signed as addresses
     /// are), once: a peer that dials this rank after it closed (or its process ended) reads it.
     fn note_failure(&self) {
-        let reason = self.wire.engine().lock().core.abort_reason().map(str::to_string);
-        let Some(reason) = reason else { return };
         let c = &self.connector;
+        // The note is for peers that have not connected to us yet (they read it when they
+        // dial). With none left to connect, every peer hears the abort frame, and the store is
+        // not asked: its server may be the rank that failed (a stopped rank 0 would hold this
+        // rank for the store's timeout).
+        let (reason, waiting) = {
+            let g = self.wire.engine().lock();
+            let waiting = (0..c.id.world).any(|p| p != self.rank && g.core.is_pending(p));
+            (g.core.abort_reason().map(str::to_string), waiting)
+        };
+        let Some(reason) = reason.filter(|_| waiting) else { return };
         if c.noted.swap(true, Ordering::SeqCst) {
             return;
         }
