@@ -269,16 +269,14 @@ impl Direct {
         at_least: u64,
         done: usize,
     ) -> Result<()> {
-        // Between sleeps: the transport's failure, the dead-peer rule for the rank waited for
-        // (nothing is posted to it, so no operation applies the rule), and whether the peer
-        // made a call on its line slots at this generation instead (a mismatch).
+        // Between sleeps: whether the peer is alive, and whether it made a call on its line
+        // slots at this generation instead (a mismatch).
         if self.wins[r].counter(counter) >= at_least {
             return Ok(());
         }
-        // The wait's start for the dead-peer rule: at the first check (after the spin).
-        let (t, peer, since) = (call.group.transport(), call.global(r), OnceCell::new());
+        let alive = Self::alive(call, r);
         let check = || {
-            t.check_peer(peer, *since.get_or_init(Instant::now))?;
+            alive()?;
             if counter == POSTED {
                 self.line_call_at(call, r, at_least / GEN)?;
             }
@@ -286,6 +284,17 @@ impl Direct {
         };
         let w = self.wins[r].wait(counter, at_least, call.deadline, self.spin, check);
         self.waited(call, w, r, done)
+    }
+
+    /// What a wait on peer `r` asks between sleeps: the transport's failure, and the dead-peer
+    /// rule for `r` (nothing is posted to it, so no operation applies the rule), timed from
+    /// the first ask (after the spin).
+    fn alive<'c>(
+        call: &'c Call<'_>,
+        r: usize,
+    ) -> impl Fn() -> std::result::Result<(), RtError> + 'c {
+        let (t, peer, since) = (call.group.transport(), call.global(r), OnceCell::new());
+        move || t.check_peer(peer, *since.get_or_init(Instant::now))
     }
 
     /// A wait's outcome: `None` (the deadline passed) is a timeout naming `r` and the
@@ -329,26 +338,16 @@ impl Direct {
         Ok(())
     }
 
-    /// Whether peer `r` made a call on its line slots at generation `g` (while we wait for it
-    /// in a buffer, or the other way round): then the call it made, as a mismatch. Read like a
-    /// seqlock: a stamp the peer rewrote meanwhile decides nothing.
+    /// Whether peer `r` made a call on its line slots at generation `g` while we wait for it in
+    /// a buffer: then the call it made, as a mismatch.
     fn line_call_at(&self, call: &Call<'_>, r: usize, g: u64) -> std::result::Result<(), RtError> {
         let s = (g % 2) as usize;
         if self.wins[r].line_gen(s) != g {
             return Ok(());
         }
-        let mut raw = [0u8; HEADER_LEN];
-        // SAFETY: the peer's line slot; a torn read is discarded below.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.wins[r].line(s).add(LINE_STAMP),
-                raw.as_mut_ptr(),
-                HEADER_LEN,
-            )
-        };
-        if self.wins[r].line_gen(s) != g {
-            return Ok(());
-        }
+        // SAFETY: the peer's line slot, which holds generation `g` until the peer begins
+        // `g + 2` (it needs us done with `g` for that).
+        let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
         self.check_stamp(call, r, g, &raw).and(Err(RtError::Protocol {
             rank: call.global(self.me),
             peer: call.global(r),
@@ -372,16 +371,9 @@ impl Direct {
         if began != g && began != g + 1 {
             return Ok(());
         }
-        let mut raw = [0u8; HEADER_LEN];
         // SAFETY: the peer's stamp slot for the generation's buffer, which it does not write
         // again before generation g + 2 (it needs us done with g for that).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.wins[r].stamp((g % 2) as usize),
-                raw.as_mut_ptr(),
-                HEADER_LEN,
-            )
-        };
+        let raw = unsafe { Self::read_stamp(self.wins[r].stamp((g % 2) as usize)) };
         // A stamp of an earlier generation (the peer made g on its line slot, then g + 1 in
         // a buffer) decides nothing.
         match Header::decode(&raw) {
@@ -396,6 +388,17 @@ impl Direct {
                 call.op_name
             ),
         }))
+    }
+
+    /// The 48-byte stamp at `p` (in a peer's window).
+    ///
+    /// # Safety
+    /// `p..p+HEADER_LEN` lies inside a mapped window.
+    unsafe fn read_stamp(p: *const u8) -> [u8; HEADER_LEN] {
+        let mut raw = [0u8; HEADER_LEN];
+        // SAFETY: forwarded contract; `raw` is ours.
+        unsafe { std::ptr::copy_nonoverlapping(p, raw.as_mut_ptr(), HEADER_LEN) };
+        raw
     }
 
     /// Whether `raw`, read from peer `r`'s window for generation `g`, stamps this call: a
@@ -483,12 +486,9 @@ impl Direct {
         // as a mismatch, not waited for), then the bytes.
         self.wait(call, r, POSTED, g * GEN, done)?;
         self.saw(r, g);
-        let mut raw = [0u8; HEADER_LEN];
         // SAFETY: the peer's stamp slot, written before it published `g`; it does not write it
         // again before we publish *done* = `g`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.wins[r].stamp(b), raw.as_mut_ptr(), HEADER_LEN)
-        };
+        let raw = unsafe { Self::read_stamp(self.wins[r].stamp(b)) };
         self.check_stamp(call, r, g, &raw).map_err(Error::Runtime)?;
         if need > 0 {
             self.wait(call, r, POSTED, g * GEN + need as u64, done)?;
@@ -525,47 +525,64 @@ impl Direct {
     /// return where its data starts (valid until we publish *done* = `g`).
     fn line_read(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
         if self.wins[r].line_gen(s) < g {
-            let (t, peer, since) = (call.group.transport(), call.global(r), OnceCell::new());
+            let alive = Self::alive(call, r);
             let check = || {
-                t.check_peer(peer, *since.get_or_init(Instant::now))?;
+                alive()?;
                 self.buffer_call_at(call, r, g)
             };
             let w = self.wins[r].wait_line(s, g, call.deadline, self.spin, check);
             self.waited(call, w, r, 0)?;
         }
         self.saw(r, g);
-        let slot = self.wins[r].line(s);
-        let mut raw = [0u8; HEADER_LEN];
         // SAFETY: the peer's line slot, written before it published `g`; it does not write it
         // again before we publish *done* = `g`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(slot.add(LINE_STAMP), raw.as_mut_ptr(), HEADER_LEN)
-        };
+        let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
         self.check_stamp(call, r, g, &raw).map_err(Error::Runtime)?;
-        // SAFETY: inside the slot.
-        Ok(unsafe { slot.add(LINE_DATA_AT) })
+        Ok(self.line_data(r, s))
     }
 
     fn finish(&self, g: u64) {
         self.wins[self.me].publish(DONE, g);
     }
 
-    /// `out` = the `out.len()` bytes at `at` of buffer `b` of every window reduced with `op`,
-    /// rank 0's first and then every other rank's in rank order, so that whichever rank does it
-    /// gets the same bits.
+    /// `out` = the `out.len()` bytes at `at` of buffer `b` of every window reduced with `op`
+    /// ([`Direct::reduce_ranks`]).
     ///
     /// # Safety
-    /// Every window's bytes there are posted and not written before we publish *done*; `out`
-    /// does not overlap any window.
+    /// As [`Direct::reduce_ranks`].
     unsafe fn reduce_from(&self, b: usize, at: usize, out: &mut [u8], dtype: DType, op: ReduceOp) {
         // SAFETY: forwarded contract.
+        unsafe { self.reduce_ranks(|r| self.buf(r, b).add(at), out, dtype, op) }
+    }
+
+    /// `out` = the `out.len()` bytes at `base(r)` of every rank `r` reduced with `op`, rank 0's
+    /// first and then every other rank's in rank order, so that whichever rank does it gets the
+    /// same bits.
+    ///
+    /// # Safety
+    /// Every rank's bytes there are posted and not written before we publish *done*; `out`
+    /// does not overlap any of them.
+    unsafe fn reduce_ranks(
+        &self,
+        base: impl Fn(usize) -> *const u8,
+        out: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) {
+        // SAFETY: forwarded contract.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.buf(0, b).add(at), out.as_mut_ptr(), out.len());
+            std::ptr::copy_nonoverlapping(base(0), out.as_mut_ptr(), out.len());
             for r in 1..self.wins.len() {
-                let theirs = std::slice::from_raw_parts(self.buf(r, b).add(at), out.len());
+                let theirs = std::slice::from_raw_parts(base(r), out.len());
                 kernel::reduce_into(dtype, op, out, theirs);
             }
         }
+    }
+
+    /// Where rank `r`'s data starts in its line slot `s`.
+    fn line_data(&self, r: usize, s: usize) -> *const u8 {
+        // SAFETY: inside the slot.
+        unsafe { self.wins[r].line(s).add(LINE_DATA_AT).cast_const() }
     }
 
     /// The peers, in rank order.
@@ -606,12 +623,8 @@ impl Direct {
             // before we publish *done*; `dst` is the caller's, and its input is already in our
             // slot.
             unsafe {
-                let slot = |r: usize| self.wins[r].line(s).add(LINE_DATA_AT).cast_const();
                 let out = std::slice::from_raw_parts_mut(dst, len);
-                std::ptr::copy_nonoverlapping(slot(0), out.as_mut_ptr(), len);
-                for r in 1..n {
-                    kernel::reduce_into(dtype, op, out, std::slice::from_raw_parts(slot(r), len));
-                }
+                self.reduce_ranks(|r| self.line_data(r, s), out, dtype, op);
                 if let Some(f) = finish {
                     kernel::finish_raw(dtype, f, out.as_mut_ptr(), len);
                 }
@@ -911,7 +924,6 @@ impl Direct {
         // SAFETY: every slot read below was posted (and checked) by `line_read`, and is not
         // written again before we publish *done*; every write is inside the caller's output.
         unsafe {
-            let slot = |r: usize| self.wins[r].line(s).add(LINE_DATA_AT).cast_const();
             match coll {
                 Coll::Allgather => {
                     if !in_place {
@@ -928,7 +940,7 @@ impl Direct {
                     }
                     for r in 0..n {
                         std::ptr::copy_nonoverlapping(
-                            slot(r).add(me * block),
+                            self.line_data(r, s).add(me * block),
                             dst.add(r * block),
                             block,
                         );
@@ -940,11 +952,7 @@ impl Direct {
                     }
                     let at = if in_place { me * block } else { 0 };
                     let out = std::slice::from_raw_parts_mut(dst.add(at), block);
-                    std::ptr::copy_nonoverlapping(slot(0).add(me * block), out.as_mut_ptr(), block);
-                    for r in 1..n {
-                        let theirs = std::slice::from_raw_parts(slot(r).add(me * block), block);
-                        kernel::reduce_into(dtype, op, out, theirs);
-                    }
+                    self.reduce_ranks(|r| self.line_data(r, s).add(me * block), out, dtype, op);
                 }
             }
         }

@@ -366,23 +366,21 @@ impl Window {
         // the answer of a peer on another core often comes within a microsecond), the clock
         // after every SPIN_CHECKS of them — first after them, so a short wait reads no clock.
         // Then give the CPU away before each look, for a peer that may share it.
-        if !spin.hot.is_zero() {
-            for _ in 0..SPIN_CHECKS {
+        let looks = || {
+            (0..SPIN_CHECKS).find_map(|_| {
                 std::hint::spin_loop();
-                let v = c.load(Ordering::Acquire);
-                if v >= at_least {
-                    return Ok(Some(v));
-                }
+                Some(c.load(Ordering::Acquire)).filter(|v| *v >= at_least)
+            })
+        };
+        if !spin.hot.is_zero() {
+            if let Some(v) = looks() {
+                return Ok(Some(v));
             }
         }
         let start = Instant::now();
         while start.elapsed() < spin.hot {
-            for _ in 0..SPIN_CHECKS {
-                std::hint::spin_loop();
-                let v = c.load(Ordering::Acquire);
-                if v >= at_least {
-                    return Ok(Some(v));
-                }
+            if let Some(v) = looks() {
+                return Ok(Some(v));
             }
         }
         let mut yields = 0u32;
