@@ -59,8 +59,7 @@ fn check<T: Element>(kind: Kind, n: usize, count: usize, cfg: StagingConfig) {
             bits(&want),
             "allreduce n={n} count={count}"
         );
-        let seg = (cfg.segment_bytes / size_of::<T>()).max(1);
-        assert_eq!(s.segments, count.div_ceil(seg));
+        assert_eq!(s.segments, count.div_ceil(cfg.segment_elems(count, size_of::<T>())));
         // Allreduce out of place: the input stays.
         let (bi, bo) = (up(&*dev, &x), dev.alloc(count * size_of::<T>()).unwrap());
         st.allreduce_from::<T>(&*bi, &*bo, count, op).unwrap();
@@ -118,13 +117,51 @@ fn staged_collectives_are_bit_exact_mem() {
         for (count, seg_bytes, depth) in
             [(0, 64, 3), (1, 64, 3), (1000, 256, 3), (1001, 400, 2), (5000, 1 << 20, 3)]
         {
-            let cfg = StagingConfig { segment_bytes: seg_bytes, depth };
+            let cfg = StagingConfig { segment_bytes: seg_bytes, depth, ..StagingConfig::default() };
             check::<f32>(Kind::Mem, n, count, cfg);
         }
-        check::<f64>(Kind::Mem, n, 777, StagingConfig { segment_bytes: 512, depth: 3 });
-        check::<i32>(Kind::Mem, n, 777, StagingConfig { segment_bytes: 100, depth: 2 });
-        check::<half::bf16>(Kind::Mem, n, 300, StagingConfig { segment_bytes: 64, depth: 3 });
+        check::<f64>(
+            Kind::Mem,
+            n,
+            777,
+            StagingConfig { segment_bytes: 512, depth: 3, ..StagingConfig::default() },
+        );
+        check::<i32>(
+            Kind::Mem,
+            n,
+            777,
+            StagingConfig { segment_bytes: 100, depth: 2, ..StagingConfig::default() },
+        );
+        check::<half::bf16>(
+            Kind::Mem,
+            n,
+            300,
+            StagingConfig { segment_bytes: 64, depth: 3, ..StagingConfig::default() },
+        );
     }
+}
+
+#[test]
+fn pieces_cut_a_call_of_one_segment_and_stay_exact() {
+    let cfg = StagingConfig { pieces: 4, min_piece_bytes: 1024, ..StagingConfig::default() };
+    // 4,000 bytes: four pieces of 1,000 would be under the 1,024-byte floor.
+    assert_eq!(cfg.segment_elems(1000, 4), 256);
+    // Under the floor: one piece, the call's own size.
+    assert_eq!(cfg.segment_elems(100, 4), 100);
+    // Large calls keep whole segments.
+    assert_eq!(cfg.segment_elems(1 << 24, 4), (4 << 20) / 4);
+    assert_eq!(StagingConfig::default().segment_elems(1 << 20, 4), 1 << 20);
+    for n in 1..=3 {
+        check::<f32>(Kind::Mem, n, 5000, cfg);
+        check::<half::bf16>(Kind::Mem, n, 3001, cfg);
+    }
+    world(Kind::Mem, 2, |c: Comm| {
+        let dev = device();
+        let st = c.staged(dev.clone(), cfg);
+        let b = dev.alloc(4 * 5000).unwrap();
+        let s = st.allreduce::<f32>(&*b, 5000, ReduceOp::Sum).unwrap();
+        assert_eq!(s.segments, 4);
+    });
 }
 
 #[test]
@@ -136,14 +173,22 @@ fn staged_allreduce_with_default_segments() {
 
 #[test]
 fn staged_collectives_are_bit_exact_tcp() {
-    check::<f32>(Kind::Tcp, 3, 10_007, StagingConfig { segment_bytes: 4096, depth: 3 });
+    check::<f32>(
+        Kind::Tcp,
+        3,
+        10_007,
+        StagingConfig { segment_bytes: 4096, depth: 3, ..StagingConfig::default() },
+    );
 }
 
 #[test]
 fn the_next_copy_down_is_queued_before_the_collective() {
     world(Kind::Mem, 2, |c: Comm| {
         let dev = device();
-        let st = c.staged(dev.clone(), StagingConfig { segment_bytes: 1024, depth: 3 });
+        let st = c.staged(
+            dev.clone(),
+            StagingConfig { segment_bytes: 1024, depth: 3, ..StagingConfig::default() },
+        );
         let b = dev.alloc(4 * 10_000).unwrap();
         let s = st.allreduce::<f32>(&*b, 10_000, ReduceOp::Sum).unwrap();
         let a = st.take_actions();
@@ -167,7 +212,10 @@ fn a_failing_copy_is_reported_on_every_rank() {
         let fail_at = if c.rank() == 1 { Some(5) } else { None };
         let dev: Arc<dyn Device> =
             Arc::new(SimDevice::new(SimConfig { fail_at, ..SimConfig::default() }));
-        let st = c.staged(dev.clone(), StagingConfig { segment_bytes: 256, depth: 2 });
+        let st = c.staged(
+            dev.clone(),
+            StagingConfig { segment_bytes: 256, depth: 2, ..StagingConfig::default() },
+        );
         let b = dev.alloc(4 * 4000).unwrap();
         let t = std::time::Instant::now();
         let e = st.allreduce::<f32>(&*b, 4000, ReduceOp::Sum).unwrap_err();
@@ -322,7 +370,7 @@ fn staging_slots_fit_the_call_and_the_pool_stays_bounded() {
             largest: 0.into(),
             live: Arc::new(0.into()),
         });
-        let cfg = StagingConfig { segment_bytes: 1 << 20, depth: 3 };
+        let cfg = StagingConfig { segment_bytes: 1 << 20, depth: 3, ..StagingConfig::default() };
         let st = c.staged(dev.clone(), cfg);
         // A call far smaller than a segment gets a slot of its own size, not a segment's.
         let b = dev.alloc(40).unwrap();

@@ -8,6 +8,7 @@
 
 use std::any::Any;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -126,6 +127,16 @@ struct Recycled {
 
 /// Free pinned buffers a device keeps (a few calls' worth of staging slots).
 const KEEP_PINNED: usize = 16;
+
+/// `cuMemHostAlloc` calls made by this process's CUDA devices so far.
+static PINNED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// How many page-locked buffers this process's CUDA devices have allocated (`cuMemHostAlloc`
+/// calls) so far. A stage served from a device's kept buffers does not count: a loop of staged
+/// calls of the same sizes (a training step) stops adding to it after its first iteration.
+pub fn pinned_allocations() -> u64 {
+    PINNED_ALLOCATIONS.load(Ordering::Relaxed)
+}
 
 // SAFETY: the pointers are page-locked host memory owned by this list, touched only under its
 // lock (to hand out or free).
@@ -328,6 +339,7 @@ impl Device for CudaDevice {
         // SAFETY: a plain page-locked allocation (flags 0: portable to this context only,
         // cached), given back to `pinned` by `PinnedStage::drop` and freed by it.
         let ptr = unsafe { result::malloc_host(len, 0) }.map_err(|e| dev_err("alloc_stage", e))?;
+        PINNED_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         Ok(Box::new(PinnedStage { ptr: ptr.cast(), len, home }))
     }
 

@@ -185,16 +185,24 @@ pub struct StagingConfig {
     /// Host staging slots in the pool (each holds one segment in and out). Default 3: one being
     /// copied down, one on the network, one being copied up (2 and 4 measured no better).
     pub depth: usize,
+    /// The fewest segments a call is cut into, while each stays at least `min_piece_bytes` (per
+    /// block). A call of one segment runs its copy down, its collective and its copy up one
+    /// after the other; cut into pieces, the copies of one piece run while another is on the
+    /// network. Default 1 (no cutting).
+    pub pieces: usize,
+    /// The smallest piece `pieces` cuts a call into. Default 256 KiB.
+    pub min_piece_bytes: usize,
 }
 
 impl Default for StagingConfig {
     fn default() -> Self {
-        StagingConfig { segment_bytes: 4 << 20, depth: 3 }
+        StagingConfig { segment_bytes: 4 << 20, depth: 3, pieces: 1, min_piece_bytes: 256 << 10 }
     }
 }
 
 impl StagingConfig {
-    /// The defaults, overridden by `TUTTI_STAGE_SEGMENT_BYTES` and `TUTTI_STAGE_DEPTH`.
+    /// The defaults, overridden by `TUTTI_STAGE_SEGMENT_BYTES`, `TUTTI_STAGE_DEPTH`,
+    /// `TUTTI_STAGE_PIECES` and `TUTTI_STAGE_MIN_PIECE_BYTES`.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a value that is not a positive integer.
@@ -220,7 +228,24 @@ impl StagingConfig {
         if let Some(v) = get("TUTTI_STAGE_DEPTH")? {
             c.depth = v.max(2);
         }
+        if let Some(v) = get("TUTTI_STAGE_PIECES")? {
+            c.pieces = v;
+        }
+        if let Some(v) = get("TUTTI_STAGE_MIN_PIECE_BYTES")? {
+            c.min_piece_bytes = v;
+        }
         Ok(c)
+    }
+
+    /// Elements of one block per segment for a call of `count` elements of `esz` bytes per
+    /// block: a whole segment, or less where `pieces` cuts the call, never more than the call.
+    pub fn segment_elems(&self, count: usize, esz: usize) -> usize {
+        let mut bytes = self.segment_bytes;
+        if self.pieces > 1 {
+            let piece = count.saturating_mul(esz).div_ceil(self.pieces).max(self.min_piece_bytes);
+            bytes = bytes.min(piece);
+        }
+        (bytes / esz.max(1)).max(1).min(count.max(1))
     }
 }
 
@@ -297,7 +322,12 @@ impl Comm {
         Staged {
             comm: self.clone(),
             device,
-            cfg: StagingConfig { segment_bytes: cfg.segment_bytes.max(1), depth: cfg.depth.max(2) },
+            cfg: StagingConfig {
+                segment_bytes: cfg.segment_bytes.max(1),
+                depth: cfg.depth.max(2),
+                pieces: cfg.pieces.max(1),
+                min_piece_bytes: cfg.min_piece_bytes,
+            },
             pool: Mutex::new(Vec::new()),
             trace: Mutex::new(Vec::new()),
             actions: Mutex::new(Vec::new()),
@@ -565,7 +595,7 @@ impl Staged {
         let start = Instant::now();
         let esz = size_of::<T>();
         // A call smaller than a segment gets slots of its own size, not a whole segment's.
-        let seg = (self.cfg.segment_bytes / esz).max(1).min(shape.count.max(1));
+        let seg = self.cfg.segment_elems(shape.count, esz);
         let nseg = shape.count.div_ceil(seg);
         let depth = self.cfg.depth;
         let mut slots = Vec::with_capacity(depth.min(nseg));
