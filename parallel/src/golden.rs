@@ -705,11 +705,22 @@ pub fn main() -> std::process::ExitCode {
     )]
     struct Args {
         /// The case's json file (it names its safetensors file).
-        #[arg(long)]
-        case: PathBuf,
+        #[arg(long, required_unless_present = "bench_moves")]
+        case: Option<PathBuf>,
         /// dp, accum, tp, tp-sp, ulysses, vocab or pp (which apply depends on the case).
+        #[arg(long, required_unless_present = "bench_moves")]
+        strategy: Option<String>,
+        /// Run the case this many times (each run checked); rank 0 prints each run's time and,
+        /// with CUDA tensors, the pinned buffers it allocated.
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
+        /// Instead of a case: time the communication ops' forward and backward on f32 tensors
+        /// of these sizes per rank (bytes, with K/M/G suffixes, comma-separated).
         #[arg(long)]
-        strategy: String,
+        bench_moves: Option<String>,
+        /// Timed steps per op and size for `--bench-moves` (after 3 untimed ones).
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
         /// Micro-batches per rank for `accum`.
         #[arg(long, default_value_t = 4)]
         micro_batches: usize,
@@ -732,17 +743,63 @@ pub fn main() -> std::process::ExitCode {
         eprintln!("tutti-golden: {msg}");
         std::process::ExitCode::from(2)
     };
-    let Some(strategy) = Strategy::parse(&a.strategy) else {
-        return fail(format!(
-            "unknown strategy {:?} (dp, accum, tp, tp-sp, ulysses, vocab, pp)",
-            a.strategy
-        ));
-    };
     let device = match golden_device(&a.device) {
         Ok(d) => d,
         Err(e) => return fail(e),
     };
-    let case = match Case::load_on(&a.case, &device) {
+    let threads = a.threads.unwrap_or(1);
+    let launched = a.threads.is_none() && crate::ranks::launched();
+    let on_ranks = |f: &(dyn Fn(&Comm) -> Result<String> + Sync)| -> Result<String> {
+        let mut v = if launched {
+            crate::run_ranks(1, |c| Ok((f(&c)?, c.rank())))?
+        } else {
+            crate::ranks::run_threads(threads, |c| Ok((f(&c)?, c.rank())))?
+        };
+        v.sort_by_key(|(_, r)| *r);
+        Ok(v.swap_remove(0).0)
+    };
+    if let Some(list) = &a.bench_moves {
+        let mut sizes = Vec::new();
+        for s in list.split(',') {
+            match parse_bytes(s) {
+                Some(b) => sizes.push(b),
+                None => return fail(format!("--bench-moves: {s:?} is not a size (1M, 16M, …)")),
+            }
+        }
+        let table = on_ranks(&|c: &Comm| {
+            let rows = crate::movebench::bench(c, &device, &sizes, 3, a.steps.max(1))?;
+            let mut t = format!(
+                "# moves  world {}  device {:?}  {} steps (median ms, forward + backward)\n",
+                c.size(),
+                device.location(),
+                a.steps
+            );
+            for r in rows {
+                let pinned = r.pinned_after_warmup.map_or("-".into(), |p| p.to_string());
+                t += &format!(
+                    "moves bytes={} median_ms={:.3} pinned_after_warmup={} op={}\n",
+                    r.bytes, r.median_ms, pinned, r.op
+                );
+            }
+            Ok(t)
+        });
+        return match table {
+            Ok(t) => {
+                print!("{t}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => fail(e.to_string()),
+        };
+    }
+    let (Some(case_path), Some(strategy_name)) = (&a.case, &a.strategy) else {
+        return fail("--case and --strategy are required".into());
+    };
+    let Some(strategy) = Strategy::parse(strategy_name) else {
+        return fail(format!(
+            "unknown strategy {strategy_name:?} (dp, accum, tp, tp-sp, ulysses, vocab, pp)"
+        ));
+    };
+    let case = match Case::load_on(case_path, &device) {
         Ok(c) => c,
         Err(e) => return fail(e.to_string()),
     };
@@ -751,12 +808,38 @@ pub fn main() -> std::process::ExitCode {
     };
     let opts =
         Options { micro_batches: a.micro_batches, pp_micro_batches: a.pp_micro_batches, schedule };
-    let threads = a.threads.unwrap_or(1);
-    let report = if a.threads.is_none() && crate::ranks::launched() {
-        crate::run_ranks(1, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))
-            .map(|mut v| v.swap_remove(0))
+    let repeat = a.repeat.max(1);
+    // Each run is checked; the last run's report is printed, with every run's time and (CUDA)
+    // the pinned buffers it allocated.
+    let run_all = |c: &Comm| -> Result<(Report, String)> {
+        let mut lines = String::new();
+        let mut last = None;
+        for i in 0..repeat {
+            let (p0, t) = (crate::movebench::pinned(), std::time::Instant::now());
+            let r = run(&case, strategy, c, &opts)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let pinned =
+                crate::movebench::pinned().zip(p0).map_or("-".into(), |(b, a)| (b - a).to_string());
+            lines += &format!(
+                "run {} of {repeat}: {ms:.2} ms, pinned allocations {pinned}, {}\n",
+                i + 1,
+                if r.ok() { "PASS" } else { "FAIL" }
+            );
+            if !r.ok() {
+                return Ok((r, lines));
+            }
+            last = Some(r);
+        }
+        let r = last.ok_or_else(|| Error::Golden {
+            case: case.path.display().to_string(),
+            detail: "--repeat 0".into(),
+        })?;
+        Ok((r, lines))
+    };
+    let report = if launched {
+        crate::run_ranks(1, |c| Ok((run_all(&c)?, c.rank()))).map(|mut v| v.swap_remove(0))
     } else {
-        crate::ranks::run_threads(threads, |c| Ok((run(&case, strategy, &c, &opts)?, c.rank())))
+        crate::ranks::run_threads(threads, |c| Ok((run_all(&c)?, c.rank())))
             .map(|mut v| v.swap_remove(0))
     };
     let (report, rank) = match report {
@@ -764,9 +847,12 @@ pub fn main() -> std::process::ExitCode {
         Err(e) => (Err(e), 0),
     };
     match report {
-        Ok(r) => {
+        Ok((r, lines)) => {
             if rank == 0 {
                 println!("tensors on {:?}", device.location());
+                if repeat > 1 {
+                    print!("{lines}");
+                }
                 println!("{r}");
             }
             if r.ok() {
@@ -777,4 +863,16 @@ pub fn main() -> std::process::ExitCode {
         }
         Err(e) => fail(e.to_string()),
     }
+}
+
+/// `1M`, `16M`, `4096`, `1G`: bytes.
+fn parse_bytes(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.char_indices().last()? {
+        (i, 'K' | 'k') => (&s[..i], 1 << 10),
+        (i, 'M' | 'm') => (&s[..i], 1 << 20),
+        (i, 'G' | 'g') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mul)
 }

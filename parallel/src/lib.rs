@@ -53,6 +53,7 @@ pub mod elastic;
 mod error;
 pub mod golden;
 pub mod lm;
+pub mod movebench;
 pub mod ops;
 pub mod pipeline;
 mod ranks;

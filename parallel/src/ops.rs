@@ -171,22 +171,13 @@ fn unsupported(comm: &Comm, layer: &'static str, dtype: DType) -> Error {
     )
 }
 
-/// Eager `mv` on a tensor (any layout; CPU).
+/// Eager `mv` on a tensor (any layout, any device): the op's forward, recording no graph.
 fn move_tensor(comm: &Comm, layer: &'static str, mv: Move, t: &Tensor) -> Result<Tensor> {
     if mv == Move::Identity {
         return Ok(t.clone());
     }
-    let shape = t.dims().to_vec();
-    let flat = t.flatten_all()?;
-    with_dtype!(
-        t.dtype(),
-        T => {
-            let data = flat.to_vec1::<T>()?;
-            let (out, out_shape) = run_move(comm, layer, mv, Cow::Owned(data), &shape)?;
-            Ok(Tensor::from_vec(out, out_shape, t.device())?)
-        },
-        |d| Err(unsupported(comm, layer, d))
-    )
+    let op = CommOp { comm: comm.clone(), name: layer, fwd: mv, bwd: Move::Identity };
+    Ok(t.contiguous()?.apply_op1_no_bwd(&op)?)
 }
 
 /// A communication step with its adjoint, as a candle op.
@@ -240,6 +231,8 @@ impl CustomOp1 for CommOp {
         )
     }
 
+    /// The adjoint move runs as an op of its own (recording no graph), so a CUDA gradient takes
+    /// the same path as a CUDA forward.
     fn bwd(
         &self,
         _arg: &Tensor,
@@ -252,12 +245,17 @@ impl CustomOp1 for CommOp {
 
 /// CUDA tensors: an allreduce goes through tutti's staging engine (pinned host buffers,
 /// copies overlapped with the wire) straight from and to the tensors' device memory; the other
-/// moves copy the tensor to the host, run the same code as the CPU path and copy the result back
-/// (their reshuffles around the collective are host code).
+/// moves copy the tensor down into a pinned buffer, run the same code as the CPU path on it and
+/// copy the result up from another (their reshuffles around the collective are host code).
+/// The pinned buffers come from the device's kept buffers, so a training loop pins memory only
+/// in its first steps. `TUTTI_CUDA_MOVES=pageable` makes the other moves use candle's pageable
+/// copies instead (for comparison).
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::borrow::Cow;
     use std::sync::{Arc, Mutex, OnceLock};
+
+    use tutti_collectives::device::Device;
 
     use candle_core::backend::BackendDevice;
     use candle_core::cuda::cudarc::driver::{DevicePtr, DeviceRepr};
@@ -324,10 +322,59 @@ mod cuda {
             }
             return Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(shape.to_vec())));
         }
-        let host: Vec<T> = dev.clone_dtoh(&view)?;
-        let (out, out_shape) = run_move(comm, name, mv, Cow::Owned(host), shape)?;
-        let s = dev.clone_htod(&out)?;
+        if pageable() || n == 0 {
+            let host: Vec<T> = dev.clone_dtoh(&view)?;
+            let (out, out_shape) = run_move(comm, name, mv, Cow::Owned(host), shape)?;
+            let s = dev.clone_htod(&out)?;
+            return Ok((CudaStorage::wrap_cuda_slice(s, dev), Shape::from(out_shape)));
+        }
+        let DeviceLocation::Cuda { gpu_id } = dev.location() else {
+            return Err(candle_core::Error::Msg(format!("{name}: not a CUDA device")));
+        };
+        let tdev = device(gpu_id)?;
+        let stream = dev.cuda_stream();
+        let esz = size_of::<T>();
+        // The input is complete before tutti's copy stream reads it.
+        stream.synchronize().map_err(candle_core::Error::wrap)?;
+        let down = tdev.alloc_stage(n * esz).map_err(Error::from)?;
+        {
+            let (pi, _ri) = view.device_ptr(&stream);
+            // SAFETY: candle's allocation on this GPU's primary context, complete (synchronised
+            // above) and alive for this block; the copy is waited for before the block ends.
+            let vi = unsafe { CudaView::new(pi, n * esz) };
+            // SAFETY: both ranges are in bounds, and nothing else touches them until the wait.
+            unsafe { tdev.d2h(&vi, 0, &*down, 0, n * esz) }.map_err(Error::from)?;
+            tdev.wait(tdev.record().map_err(Error::from)?).map_err(Error::from)?;
+        }
+        // SAFETY: the stage holds n elements, copied down and waited for above; stages are
+        // aligned to 16 bytes.
+        let host = unsafe { std::slice::from_raw_parts(down.ptr().cast::<T>(), n) };
+        let (out, out_shape) = run_move(comm, name, mv, Cow::Borrowed(host), shape)?;
+        drop(down);
+        let ob = out.len() * esz;
+        let up = tdev.alloc_stage(ob).map_err(Error::from)?;
+        // SAFETY: the stage holds at least `ob` bytes and is not in any copy.
+        unsafe { std::ptr::copy_nonoverlapping(out.as_ptr().cast::<u8>(), up.ptr(), ob) };
+        // SAFETY: every element is written by the copy up below before anyone reads it.
+        let s = unsafe { dev.alloc::<T>(out.len())? };
+        // candle's allocation is ordered on its own stream: done before tutti's stream writes.
+        stream.synchronize().map_err(candle_core::Error::wrap)?;
+        {
+            let (po, _ro) = s.device_ptr(&stream);
+            // SAFETY: as for the input: candle's allocation of `ob` bytes (or more), alive here,
+            // written only by this copy, which is waited for before the block ends.
+            let vo = unsafe { CudaView::new(po, ob) };
+            // SAFETY: in bounds; the stage is not touched until the wait.
+            unsafe { tdev.h2d(&*up, 0, &vo, 0, ob) }.map_err(Error::from)?;
+            tdev.wait(tdev.record().map_err(Error::from)?).map_err(Error::from)?;
+        }
         Ok((CudaStorage::wrap_cuda_slice(s, dev), Shape::from(out_shape)))
+    }
+
+    /// `TUTTI_CUDA_MOVES=pageable`: the moves other than allreduce use candle's pageable copies.
+    fn pageable() -> bool {
+        static P: OnceLock<bool> = OnceLock::new();
+        *P.get_or_init(|| std::env::var("TUTTI_CUDA_MOVES").is_ok_and(|v| v == "pageable"))
     }
 }
 
