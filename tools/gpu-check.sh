@@ -10,21 +10,24 @@
 # that, stripped). Default DIR: target/release.
 #
 # Phases (default all, in this order): info suite copy correct fault nccl sanitizer perf tune
-# overlap golden. Each writes OUT/<phase>.log; the summary table at the end is read from those logs.
+# overlap golden moves. Each writes OUT/<phase>.log; the summary table at the end is read from
+# those logs. Settings from the environment: PERF_MAX (largest perf size, default 1G),
+# PERF_PIECES (TUTTI_STAGE_PIECES values timed in each perf round up to 16 MiB, default "2 4"),
+# GOLDEN_REPEAT (runs of each golden case, default 3), MOVES_SIZES (default 1M,16M).
 # torch (for the gloo-CUDA comparison), compute-sanitizer and NCCL (a wheel's libnccl.so.2) are
 # used when present and reported missing otherwise.
 set -u
 BIN=target/release
 OUT=gpu-check-out
 ROUNDS=3
-PHASES="info suite copy correct fault nccl sanitizer perf tune overlap golden"
+PHASES="info suite copy correct fault nccl sanitizer perf tune overlap golden moves"
 while [ $# -gt 0 ]; do
     case "$1" in
         --bin) BIN=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
         --phases) PHASES=$(echo "$2" | tr , ' '); shift 2 ;;
-        -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,20p "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -132,17 +135,27 @@ phase_sanitizer() {
     fi
 }
 
-SIZES=1M,4M,16M,64M,256M,1G
-gloo_sizes=1048576,4194304,16777216,67108864,268435456,1073741824
-PERF_MAX=1G
+# The perf sweep: 1 MiB to PERF_MAX by factors of 4.
+PERF_MAX=${PERF_MAX:-1G}
 # PERF_MAX_256M=1: stop the timing sweep at 256 MiB (a shorter run).
-if [ -n "${PERF_MAX_256M:-}" ]; then gloo_sizes=${gloo_sizes%,*}; PERF_MAX=256M; fi
+if [ -n "${PERF_MAX_256M:-}" ]; then PERF_MAX=256M; fi
+gloo_sizes=$("$PY" -c 'import sys
+u = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+m = sys.argv[1]
+top = int(m[:-1]) * u[m[-1]] if m[-1] in u else int(m)
+s, out = 1 << 20, []
+while s <= top:
+    out.append(str(s)); s *= 4
+print(",".join(out))' "$PERF_MAX")
+PERF_PIECES=${PERF_PIECES-2 4}
 phase_perf() {
     local have_torch=1
     "$PY" -c 'import torch, torch.distributed' 2>/dev/null || have_torch=0
+    local devs="host cuda"
+    for p in $PERF_PIECES; do devs="$devs cudap$p"; done
     for r in $(seq 1 "$ROUNDS"); do
         for n in 2 4; do
-            for dev in host cuda gloo; do
+            for dev in $devs gloo; do
                 log "perf round=$r n=$n dev=$dev"
                 case $dev in
                     gloo)
@@ -150,6 +163,11 @@ phase_perf() {
                         run 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" \
                             "$HERE/bench/gloo_cuda.py" --sizes "$gloo_sizes" --iters 5 \
                             --json "$OUT/perf-r$r-n$n-gloo.json" ;;
+                    cudap*)
+                        # The same staged allreduce with a call cut into pieces, up to 16 MiB.
+                        run 240 env TUTTI_STAGE_PIECES="${dev#cudap}" "$BIN/collbench" allreduce \
+                            -b 1M -e 16M -f 4 -n 5 -w 1 --np "$n" --device cuda \
+                            -J "$OUT/perf-r$r-n$n-$dev.json" ;;
                     *)
                         run 240 "$BIN/collbench" allreduce -b 1M -e "$PERF_MAX" -f 4 -n 5 -w 1 --np "$n" \
                             --device "$dev" -J "$OUT/perf-r$r-n$n-$dev.json" ;;
@@ -211,8 +229,28 @@ phase_golden() {
             log "golden case=${spec%:*} strategy=${spec#*:} n=$n"
             run 120 env LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}" "$BIN/tutti-run" \
                 --nproc "$n" --no-prefix "$BIN/tutti-golden" --case "$g/${spec%:*}.json" \
-                --strategy "${spec#*:}" --device cuda
+                --strategy "${spec#*:}" --device cuda --repeat "${GOLDEN_REPEAT:-3}"
             log "golden-rc case=${spec%:*} strategy=${spec#*:} n=$n rc=$?"
+        done
+    done
+}
+
+# The communication ops' forward and backward on CUDA tensors (tutti-golden --bench-moves):
+# pinned staging (the default) against candle's pageable copies, two interleaved rounds.
+phase_moves() {
+    if [ ! -x "$BIN/tutti-golden" ]; then log "moves: $BIN/tutti-golden missing"; return; fi
+    local libdirs
+    libdirs=$(find / \( -path /proc -o -path /sys -o -path /dev \) -prune -o \( \
+        -name 'libcublas.so.13' -o -name 'libcurand.so.10' -o -name 'libcudart.so.13' \) \
+        -print 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+    for r in 1 2; do
+        for n in 2 4; do
+            for mode in pinned pageable; do
+                log "moves-case round=$r n=$n mode=$mode"
+                run 120 env LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}" \
+                    TUTTI_CUDA_MOVES=$mode "$BIN/tutti-run" --nproc "$n" --no-prefix \
+                    "$BIN/tutti-golden" --bench-moves "${MOVES_SIZES:-1M,16M}" --steps 5 --device cuda
+            done
         done
     done
 }

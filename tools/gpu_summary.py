@@ -177,6 +177,23 @@ def main():
                 sb = med(c) / bound if bound == bound else float("nan")
                 print(f"  {n:>2}  {human(b):>7}  {med(h):>10.0f} {med(c):>10.0f} {med(g):>13.0f}  {med(ch):>11.2f}  {med(gc):>11.2f}  {bound:>8.0f}  {sb:>12.2f}")
 
+    # Calls cut into pieces (TUTTI_STAGE_PIECES) against whole segments, same rounds.
+    pieces = sorted({d for (_, d) in perf if d.startswith("cudap")}, key=lambda d: int(d[5:]))
+    if pieces:
+        print("\nstaged allreduce cut into pieces: mean µs per call (median over rounds); pP/1 = per-round median ratio to whole segments")
+        print("   n     size   pieces=1" + "".join(f"  pieces={d[5:]:<3} p{d[5:]}/1" for d in pieces))
+        for n in sorted({k[0] for k in perf}):
+            one = perf.get((n, "cuda"), {})
+            sizes = sorted({b for d in pieces for rr in perf.get((n, d), {}).values() for b in rr})
+            for b in sizes:
+                row = f"  {n:>2}  {human(b):>7}  {med([one[r][b] for r in one if b in one[r]]):>9.0f}"
+                for d in pieces:
+                    pc = perf.get((n, d), {})
+                    v = [pc[r][b] for r in pc if b in pc[r]]
+                    rat = [pc[r][b] / one[r][b] for r in pc if b in pc[r] and b in one.get(r, {})]
+                    row += f"  {med(v):>10.0f} {med(rat):>5.2f}"
+                print(row)
+
     tune = {}
     for f in glob.glob(os.path.join(out, "tune-r*-n*-*.json")):
         m = re.search(r"tune-r(\d+)-n(\d+)-(.+)\.json", f)
@@ -215,6 +232,39 @@ def main():
             if r[3] != "0":
                 print(f"  FAIL {r[0]} {r[1]} n={r[2]} rc={r[3]}")
         ok &= bool(rcs) and len(good) == len(rcs)
+        # --repeat: pinned buffers allocated by each run of a case; after the first, none.
+        runs = re.findall(r"^run (\d+) of (\d+): [\d.]+ ms, pinned allocations (\d+)", gold, re.M)
+        if runs:
+            first = [int(p) for (i, _, p) in runs if i == "1"]
+            later = [int(p) for (i, _, p) in runs if i != "1"]
+            print(f"  pinned allocations per run (rank 0): first runs {min(first, default=0)}-{max(first, default=0)}, "
+                  f"later runs {min(later, default=0)}-{max(later, default=0)} over {len(later)} runs")
+            ok &= all(p == 0 for p in later)
+
+    mv = read(out, "moves.log")
+    if mv:
+        cur, res, warm = None, {}, []
+        for line in mv.splitlines():
+            m = re.match(r"moves-case round=(\d+) n=(\d+) mode=(\w+)", line)
+            if m:
+                cur = (int(m.group(1)), int(m.group(2)), m.group(3))
+                continue
+            m = re.match(r"moves bytes=(\d+) median_ms=([\d.]+) pinned_after_warmup=(\S+) op=(\S+)", line)
+            if m and cur:
+                r, n, mode = cur
+                res.setdefault((n, m.group(4), int(m.group(1))), {}).setdefault(mode, {})[r] = float(m.group(2))
+                if mode == "pinned" and m.group(3) != "-":
+                    warm.append(int(m.group(3)))
+        if res:
+            print("\nparallel ops on CUDA tensors, forward + backward, median ms over steps (median over rounds); pinned/pageable per-round median")
+            print("   n     size  pinned  pageable  ratio  op")
+            for (n, op, b) in sorted(res):
+                d = res[(n, op, b)]
+                pi, pa = d.get("pinned", {}), d.get("pageable", {})
+                rat = [pi[r] / pa[r] for r in pi if r in pa and pa[r] > 0]
+                print(f"  {n:>2}  {human(b):>7}  {med(list(pi.values())):>6.2f}  {med(list(pa.values())):>8.2f}  {med(rat):>5.2f}  {op}")
+            print(f"  pinned allocations after warm-up (every rank 0 op and size): {sorted(set(warm))}")
+            ok &= all(w == 0 for w in warm)
     print(f"\ngpu-check: {'all checks passed' if ok else 'SOME CHECKS FAILED'}")
     return 0 if ok else 1
 

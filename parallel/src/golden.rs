@@ -756,7 +756,10 @@ pub fn main() -> std::process::ExitCode {
             crate::ranks::run_threads(threads, |c| Ok((f(&c)?, c.rank())))?
         };
         v.sort_by_key(|(_, r)| *r);
-        Ok(v.swap_remove(0).0)
+        // The lowest rank here: rank 0 when it runs in this process, else another rank, which
+        // prints nothing.
+        let (text, rank) = v.swap_remove(0);
+        Ok(if rank == 0 { text } else { String::new() })
     };
     if let Some(list) = &a.bench_moves {
         let mut sizes = Vec::new();
