@@ -16,8 +16,10 @@ for b in collbench tutti-run gpucheck; do
     strip -o "$DIR/$b" "target/release/$b"
 done
 strip -o "$DIR/staging-tests" "$test_bin"
-# tutti-golden with CUDA tensors needs candle's CUDA build (nvcc, docs/gpu.md); bundled when built.
+# tutti-golden with CUDA tensors needs candle's CUDA build (nvcc and the CUDA libraries to link,
+# from NVIDIA's wheels: tools/cuda-link.sh, docs/gpu.md); bundled when built.
 if [ -n "${WITH_GOLDEN:-}" ]; then
+    eval "$("$(dirname "$0")/cuda-link.sh")"
     cargo build --release -p tutti-parallel --features cuda --bin tutti-golden
     strip -o "$DIR/tutti-golden" target/release/tutti-golden
 fi
