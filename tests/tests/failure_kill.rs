@@ -176,6 +176,35 @@ fn a_stopped_rank_0_is_named_within_ten_seconds_over_tcp_alone() {
     stopped_in(&mut job, 4, 0);
 }
 
+#[test]
+fn a_stopped_store_does_not_hold_a_failed_call_whose_rank_has_links_to_connect() {
+    // Rank 0 holds the store (MASTER_ADDR) and talks only with rank 1, as ranks 2 and 3 talk
+    // only with each other (lazy connections: most pairs never connect). When rank 0 stops,
+    // rank 1's failed call leaves its reason in the store for the peers it never connected
+    // with; that write waits for the stopped store, off the call's thread. The call still
+    // returns at the dead-peer limit (5 s), not 10 s later at the store's timeout.
+    let mut job = LiveJob::start_with(
+        Path::new(EXE),
+        &["pairloop"],
+        4,
+        &[("TUTTI_SHM", "0"), ("TUTTI_CONNECT", "lazy")],
+        &Rendezvous::Master,
+    );
+    assert!(job.wait_all("READY", Duration::from_secs(60)));
+    std::thread::sleep(Duration::from_millis(200));
+    let t = now_us();
+    job.signal(0, libc::SIGSTOP);
+    let exited = job.wait_exit(&[1], Duration::from_secs(30));
+    for r in 0..4 {
+        job.signal(r, libc::SIGKILL);
+    }
+    assert!(exited, "rank 1 hung on a stopped rank 0");
+    let line = job.line(1, "ERR ").expect("error line");
+    let ts: u128 = line.split(' ').nth(1).and_then(|v| v.parse().ok()).unwrap();
+    assert!(ts - t < 9_000_000, "rank 1 took {} ms: {line}", (ts - t) / 1000);
+    assert!(line.contains("rank 0"), "{line}");
+}
+
 fn stopped_rank(env: &[(&str, &str)]) {
     stopped_rank_of(4, 1, env);
 }

@@ -292,6 +292,31 @@ fn main() {
         }
         "topology" => topology(&comm),
         "loop" => loop_until_error(&comm),
+        "pairloop" => {
+            // Ranks 2k and 2k + 1 exchange small messages, forever, and with no one else: a
+            // lazily connected job where most pairs never connect. The error ends as in `loop`.
+            let peer = comm.rank() ^ 1;
+            let mut buf = [0u8; 64];
+            let mut round = |i: u64| -> Result<(), String> {
+                let e = |e: tutti_collectives::Error| format!("{} {e}", now_us());
+                if peer >= comm.size() {
+                    std::thread::sleep(Duration::from_millis(1));
+                    return Ok(());
+                }
+                if comm.rank() % 2 == 0 {
+                    comm.send(&i.to_le_bytes(), peer, 7).map_err(e)?;
+                    comm.recv(&mut buf[..8], peer, 7).map_err(e)?;
+                } else {
+                    comm.recv(&mut buf[..8], peer, 7).map_err(e)?;
+                    comm.send(&i.to_le_bytes(), peer, 7).map_err(e)?;
+                }
+                Ok(())
+            };
+            round(0).and_then(|()| {
+                println!("READY {}", comm.rank());
+                (1..).try_for_each(&mut round)
+            })
+        }
         "loop-pid" => {
             // As `loop`, after printing `PID <rank> <pid>` (for a test that kills one rank of a
             // job whose launcher it does not control, e.g. srun's or mpirun's). SIGTERM is
@@ -401,7 +426,7 @@ fn main() {
     match r {
         Ok(()) => println!("OK {}", comm.rank()),
         Err(e) => {
-            if scenario == "loop" || scenario == "loop-pid" || scenario == "orphan" {
+            if ["loop", "loop-pid", "orphan", "pairloop"].contains(&scenario) {
                 println!("ERR {e}");
             } else {
                 println!("ERR rank {}: {e}", comm.rank());

@@ -145,6 +145,7 @@ impl TcpTransport {
             handshakes: Arc::new(AtomicUsize::new(0)),
             failure: Mutex::new(None),
             noted: AtomicBool::new(false),
+            noting: AtomicUsize::new(0),
         });
         let mut core_cfg = CoreConfig::from_link(cfg, driver::EAGER_MAX, true);
         core_cfg.lazy = true;
@@ -250,16 +251,28 @@ impl TcpTransport {
         if c.noted.swap(true, Ordering::SeqCst) {
             return;
         }
-        let key = abort_key(self.rank);
-        let signed = crate::store::set_signed(
-            c.store.as_ref(),
-            &c.id.key,
-            c.id.job,
-            &key,
-            reason.as_bytes(),
-        );
-        if let Err(e) = signed {
-            debug!(rank = self.rank, "could not leave the abort reason in the store: {e}");
+        // Written by a thread of its own: the failed call returns at once, even when the
+        // store's server is the rank that failed (a stopped rank 0 would hold the write for the
+        // store's timeout). Dropping the transport waits for the note, within a bound.
+        let (rank, conn) = (self.rank, c.clone());
+        c.noting.fetch_add(1, Ordering::SeqCst);
+        let spawned =
+            std::thread::Builder::new().name(format!("tutti-note-{rank}")).spawn(move || {
+                let signed = crate::store::set_signed(
+                    conn.store.as_ref(),
+                    &conn.id.key,
+                    conn.id.job,
+                    &abort_key(rank),
+                    reason.as_bytes(),
+                );
+                if let Err(e) = signed {
+                    debug!(rank, "could not leave the abort reason in the store: {e}");
+                }
+                conn.noting.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            c.noting.fetch_sub(1, Ordering::SeqCst);
+            debug!(rank, "could not start a thread to leave the abort reason in the store: {e}");
         }
     }
 }
@@ -332,8 +345,10 @@ pub(crate) struct Connector {
     handshakes: Arc<AtomicUsize>,
     /// The first dial that failed, with its own error (the core holds the poisoning).
     failure: Mutex<Option<Error>>,
-    /// The abort reason is in the store ([`TcpTransport::note_failure`]).
+    /// The abort reason is in the store, or on its way there ([`TcpTransport::note_failure`]).
     noted: AtomicBool,
+    /// Notes still being written (0 or 1).
+    noting: AtomicUsize,
 }
 
 impl Connector {
@@ -866,10 +881,14 @@ impl Drop for TcpTransport {
         // Handshakes under way, the acceptor's and our dials', finish first (within their
         // deadline; dials start no new attempt once stopped), so their connections join the
         // engine before it shuts down and carry its abort or close frame: a peer connecting
-        // with us just as we failed or finished hears why, not a bare end of stream.
+        // with us just as we failed or finished hears why, not a bare end of stream. The abort
+        // note finishes too, within the same bound (a stopped store server holds it longer;
+        // then the peers that dial later learn of this rank's end without its reason).
         let c = &self.connector;
         let until = Instant::now() + c.cfg.handshake_timeout;
-        while (c.handshakes.load(Ordering::SeqCst) > 0 || c.workers.load(Ordering::SeqCst) > 0)
+        while (c.handshakes.load(Ordering::SeqCst) > 0
+            || c.workers.load(Ordering::SeqCst) > 0
+            || c.noting.load(Ordering::SeqCst) > 0)
             && Instant::now() < until
         {
             std::thread::sleep(Duration::from_millis(1));
