@@ -22,15 +22,26 @@ if [ ! -e "$LIB/libcuda.so" ]; then
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform manylinux2010_x86_64 -d "$DIR/whl" \
         nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-cuda-nvrtc==13.0.88 >&2
-    for w in "$DIR"/whl/*.whl; do "$PY" -m zipfile -e "$w" "$DIR/x" >&2; done
+    for w in "$DIR"/whl/nvidia_cublas-13.0.2.14-*.whl "$DIR"/whl/nvidia_curand-10.4.0.35-*.whl \
+        "$DIR"/whl/nvidia_cuda_nvrtc-13.0.88-*.whl; do
+        "$PY" -m zipfile -e "$w" "$DIR/x" >&2
+    done
     for f in "$DIR"/x/nvidia/cu13/lib/*.so.* "$CUDA_ROOT"/lib/libcudart.so.*; do
         [ -e "$f" ] || continue
         b=$(basename "$f")
         ln -sf "$f" "$LIB/$b"
         ln -sf "$b" "$LIB/${b%%.so*}.so"
     done
-    # The driver symbols of the cudarc that candle links (the newest 0.19 in cargo's registry).
-    sys=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/driver/sys/mod.rs | sort -V | tail -1)
+    # The driver symbols of the cudarc that candle links (Cargo.lock's 0.19; `cargo fetch`
+    # puts its sources in cargo's registry).
+    ver=$(awk '/^name = "cudarc"/ { getline; print $3 }' "$HERE/../Cargo.lock" | tr -d '"' \
+        | grep '^0\.19\.' | head -1)
+    sys=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"cudarc-$ver"/src/driver/sys/mod.rs \
+        2>/dev/null | head -1)
+    if [ -z "$ver" ] || [ -z "$sys" ]; then
+        echo "cuda-link: cudarc 0.19's sources not found in cargo's registry (run cargo fetch)" >&2
+        exit 2
+    fi
     grep -oE '\bfn cu[A-Za-z0-9_]*\(' "$sys" | sed -E 's/fn (.*)\(/int \1(void) { return 100; }/' \
         | sort -u >"$DIR/stub.c"
     cc -shared -fPIC -o "$LIB/libcuda.so.1" "$DIR/stub.c" -Wl,-soname,libcuda.so.1

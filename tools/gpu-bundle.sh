@@ -19,7 +19,8 @@ strip -o "$DIR/staging-tests" "$test_bin"
 # tutti-golden with CUDA tensors needs candle's CUDA build (nvcc and the CUDA libraries to link,
 # from NVIDIA's wheels: tools/cuda-link.sh, docs/gpu.md); bundled when built.
 if [ -n "${WITH_GOLDEN:-}" ]; then
-    eval "$("$(dirname "$0")/cuda-link.sh")"
+    envs=$("$(dirname "$0")/cuda-link.sh")
+    eval "$envs"
     cargo build --release -p tutti-parallel --features cuda --bin tutti-golden
     strip -o "$DIR/tutti-golden" target/release/tutti-golden
 fi

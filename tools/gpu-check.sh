@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
         --out) OUT=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
         --phases) PHASES=$(echo "$2" | tr , ' '); shift 2 ;;
-        -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,18p "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -146,8 +146,11 @@ top = int(m[:-1]) * u[m[-1]] if m[-1] in u else int(m)
 s, out = 1 << 20, []
 while s <= top:
     out.append(str(s)); s *= 4
-print(",".join(out))' "$PERF_MAX")
-PERF_PIECES=${PERF_PIECES-2 4}
+print(",".join(out))' "$PERF_MAX") && [ -n "$gloo_sizes" ] || {
+    echo "gpu-check: PERF_MAX=$PERF_MAX: expected a size of at least 1M, such as 256M or 1G" >&2
+    exit 2
+}
+PERF_PIECES=$(echo "${PERF_PIECES-2 4}" | tr , ' ')
 phase_perf() {
     local have_torch=1
     "$PY" -c 'import torch, torch.distributed' 2>/dev/null || have_torch=0
@@ -250,6 +253,7 @@ phase_moves() {
                 run 120 env LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}" \
                     TUTTI_CUDA_MOVES=$mode "$BIN/tutti-run" --nproc "$n" --no-prefix \
                     "$BIN/tutti-golden" --bench-moves "${MOVES_SIZES:-1M,16M}" --steps 5 --device cuda
+                log "moves-rc round=$r n=$n mode=$mode rc=$?"
             done
         done
     done

@@ -153,6 +153,8 @@ def main():
     perf = {}
     for f in glob.glob(os.path.join(out, "perf-r*-n*-*.json")):
         m = re.search(r"perf-r(\d+)-n(\d+)-(\w+)\.json", f)
+        if not m:
+            continue
         r, n, dev = int(m.group(1)), int(m.group(2)), m.group(3)
         t = gloo_times(f) if dev == "gloo" else collbench_times(f, "ip")
         perf.setdefault((n, dev), {})[r] = t
@@ -265,6 +267,11 @@ def main():
                 print(f"  {n:>2}  {human(b):>7}  {med(list(pi.values())):>6.2f}  {med(list(pa.values())):>8.2f}  {med(rat):>5.2f}  {op}")
             print(f"  pinned allocations after warm-up (every rank 0 op and size): {sorted(set(warm))}")
             ok &= all(w == 0 for w in warm)
+        rcs = re.findall(r"^moves-rc round=(\d+) n=(\d+) mode=(\w+) rc=(\d+)", mv, re.M)
+        bad = [r for r in rcs if r[3] != "0"]
+        for r in bad:
+            print(f"  FAIL moves round={r[0]} n={r[1]} mode={r[2]} rc={r[3]}")
+        ok &= bool(res) and bool(rcs) and not bad
     print(f"\ngpu-check: {'all checks passed' if ok else 'SOME CHECKS FAILED'}")
     return 0 if ok else 1
 

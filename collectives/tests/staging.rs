@@ -144,13 +144,20 @@ fn staged_collectives_are_bit_exact_mem() {
 #[test]
 fn pieces_cut_a_call_of_one_segment_and_stay_exact() {
     let cfg = StagingConfig { pieces: 4, min_piece_bytes: 1024, ..StagingConfig::default() };
-    // 4,000 bytes: four pieces of 1,000 would be under the 1,024-byte floor.
-    assert_eq!(cfg.segment_elems(1000, 4), 256);
+    // 4,000 bytes: four pieces of 1,000 would be under the 1,024-byte floor, so three of 334
+    // elements (1,336 bytes; the last 332).
+    assert_eq!(cfg.segment_elems(1000, 4), 334);
+    // 20,000 bytes: four equal pieces.
+    assert_eq!(cfg.segment_elems(5000, 4), 1250);
+    // An odd count: four pieces, never a fifth for the remainder.
+    assert_eq!(cfg.segment_elems(1_048_577, 4), 262_145);
+    assert_eq!(1_048_577usize.div_ceil(262_145), 4);
     // Under the floor: one piece, the call's own size.
     assert_eq!(cfg.segment_elems(100, 4), 100);
     // Large calls keep whole segments.
     assert_eq!(cfg.segment_elems(1 << 24, 4), (4 << 20) / 4);
     assert_eq!(StagingConfig::default().segment_elems(1 << 20, 4), 1 << 20);
+    assert_eq!(StagingConfig::default().segment_elems(0, 4), 1);
     for n in 1..=3 {
         check::<f32>(Kind::Mem, n, 5000, cfg);
         check::<half::bf16>(Kind::Mem, n, 3001, cfg);

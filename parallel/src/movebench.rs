@@ -20,7 +20,8 @@ pub struct MoveTiming {
     pub bytes: usize,
     /// Median time of forward plus backward, in milliseconds.
     pub median_ms: f64,
-    /// Pinned buffers allocated during the timed steps (`None` off CUDA).
+    /// Pinned buffers this process allocated during the timed steps (`None` without the `cuda`
+    /// feature).
     pub pinned_after_warmup: Option<u64>,
 }
 

@@ -322,6 +322,11 @@ mod cuda {
             }
             return Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(shape.to_vec())));
         }
+        if mv == Move::Identity {
+            // A copy on the device, in candle's stream order.
+            let s = dev.cuda_stream().clone_dtod(&view).map_err(candle_core::Error::wrap)?;
+            return Ok((CudaStorage::wrap_cuda_slice(s, dev), Shape::from(shape.to_vec())));
+        }
         if pageable() || n == 0 {
             let host: Vec<T> = dev.clone_dtoh(&view)?;
             let (out, out_shape) = run_move(comm, name, mv, Cow::Owned(host), shape)?;
@@ -336,15 +341,26 @@ mod cuda {
         let esz = size_of::<T>();
         // The input is complete before tutti's copy stream reads it.
         stream.synchronize().map_err(candle_core::Error::wrap)?;
+        // A copy queued on tutti's stream is done before anything it touches is dropped, on
+        // every path: after a failed record or wait, the whole stream is waited for.
+        let settle = |r: tutti_collectives::Result<()>| -> crate::error::Result<()> {
+            if r.is_err() {
+                let _ = tdev.stream().synchronize();
+            }
+            r.map_err(Error::from)
+        };
         let down = tdev.alloc_stage(n * esz).map_err(Error::from)?;
         {
             let (pi, _ri) = view.device_ptr(&stream);
             // SAFETY: candle's allocation on this GPU's primary context, complete (synchronised
             // above) and alive for this block; the copy is waited for before the block ends.
             let vi = unsafe { CudaView::new(pi, n * esz) };
-            // SAFETY: both ranges are in bounds, and nothing else touches them until the wait.
-            unsafe { tdev.d2h(&vi, 0, &*down, 0, n * esz) }.map_err(Error::from)?;
-            tdev.wait(tdev.record().map_err(Error::from)?).map_err(Error::from)?;
+            // SAFETY: both ranges are in bounds, and nothing else touches them until the wait
+            // (or, after an error, the stream's synchronisation in `settle`).
+            settle(unsafe { tdev.d2h(&vi, 0, &*down, 0, n * esz) }.and_then(|()| {
+                let t = tdev.record()?;
+                tdev.wait(t)
+            }))?;
         }
         // SAFETY: the stage holds n elements, copied down and waited for above; stages are
         // aligned to 16 bytes.
@@ -364,9 +380,11 @@ mod cuda {
             // SAFETY: as for the input: candle's allocation of `ob` bytes (or more), alive here,
             // written only by this copy, which is waited for before the block ends.
             let vo = unsafe { CudaView::new(po, ob) };
-            // SAFETY: in bounds; the stage is not touched until the wait.
-            unsafe { tdev.h2d(&*up, 0, &vo, 0, ob) }.map_err(Error::from)?;
-            tdev.wait(tdev.record().map_err(Error::from)?).map_err(Error::from)?;
+            // SAFETY: in bounds; the stage is not touched until the wait (or `settle`).
+            settle(unsafe { tdev.h2d(&*up, 0, &vo, 0, ob) }.and_then(|()| {
+                let t = tdev.record()?;
+                tdev.wait(t)
+            }))?;
         }
         Ok((CudaStorage::wrap_cuda_slice(s, dev), Shape::from(out_shape)))
     }

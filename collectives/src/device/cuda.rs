@@ -128,6 +128,10 @@ struct Recycled {
 /// Free pinned buffers a device keeps (a few calls' worth of staging slots).
 const KEEP_PINNED: usize = 16;
 
+/// The most page-locked memory a device keeps free, in bytes: past it the largest kept buffers
+/// are freed (whole tensors staged by the parallel layers' moves can be large).
+const KEEP_PINNED_BYTES: usize = 512 << 20;
+
 /// `cuMemHostAlloc` calls made by this process's CUDA devices so far.
 static PINNED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 
@@ -152,7 +156,8 @@ impl Recycled {
         Some(free.swap_remove(i))
     }
 
-    /// Keep a buffer; when too many are kept, free the smallest.
+    /// Keep a buffer; when too many are kept, free the smallest, and when they hold too much,
+    /// the largest.
     fn give(&self, ptr: *mut u8, cap: usize) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         free.push((ptr, cap));
@@ -161,6 +166,11 @@ impl Recycled {
                 let (p, _) = free.swap_remove(i);
                 self.release(p);
             }
+        }
+        while free.iter().map(|f| f.1).sum::<usize>() > KEEP_PINNED_BYTES {
+            let Some(i) = (0..free.len()).max_by_key(|&i| free[i].1) else { break };
+            let (p, _) = free.swap_remove(i);
+            self.release(p);
         }
     }
 
@@ -400,8 +410,10 @@ impl Device for CudaDevice {
     }
 
     fn record(&self) -> Result<Ticket> {
-        let ev = self.stream.record_event(None).map_err(|e| dev_err("record", e))?;
+        // Recorded under the lock, so tickets follow the events' order on the stream when
+        // threads share the device (`wait` relies on it).
         let mut g = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let ev = self.stream.record_event(None).map_err(|e| dev_err("record", e))?;
         g.0 += 1;
         let t = g.0;
         g.1.push_back((t, Arc::new(ev)));

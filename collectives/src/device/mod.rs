@@ -240,14 +240,13 @@ impl StagingConfig {
     }
 
     /// Elements of one block per segment for a call of `count` elements of `esz` bytes per
-    /// block: a whole segment, or less where `pieces` cuts the call, never more than the call.
+    /// block: a whole segment, or less where `pieces` cuts the call (into as many equal pieces
+    /// as `pieces` asks and `min_piece_bytes` allows), never more than the call.
     pub fn segment_elems(&self, count: usize, esz: usize) -> usize {
-        let mut bytes = self.segment_bytes;
-        if self.pieces > 1 {
-            let piece = count.saturating_mul(esz).div_ceil(self.pieces).max(self.min_piece_bytes);
-            bytes = bytes.min(piece);
-        }
-        (bytes / esz.max(1)).max(1).min(count.max(1))
+        let esz = esz.max(1);
+        let whole = (self.segment_bytes / esz).max(1);
+        let cut = self.pieces.min(count.saturating_mul(esz) / self.min_piece_bytes.max(1)).max(1);
+        whole.min(count.div_ceil(cut)).max(1)
     }
 }
 
