@@ -214,15 +214,21 @@ phase_overlap() {
     done
 }
 
+# The folders of the CUDA 13 libraries tutti-golden's candle links (cuBLAS, cuRAND, the runtime),
+# wherever this machine has them, as an LD_LIBRARY_PATH prefix.
+cuda_libdirs() {
+    find / \( -path /proc -o -path /sys -o -path /dev \) -prune -o \( \
+        -name 'libcublas.so.13' -o -name 'libcurand.so.10' -o -name 'libcudart.so.13' \) \
+        -print 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':'
+}
+
 # The parallel layers with CUDA tensors: the golden cases G1-G3 under each strategy at worlds 1,
-# 2 and 4 (processes over TCP, one GPU shared), against PyTorch's reference within each case's
+# 2 and 4 (processes on one host, one GPU shared), against PyTorch's reference within each case's
 # tolerance. Needs tutti-golden built with tutti-parallel's `cuda` feature (docs/gpu.md).
 phase_golden() {
     if [ ! -x "$BIN/tutti-golden" ]; then log "golden: $BIN/tutti-golden missing"; return; fi
     local libdirs
-    libdirs=$(find / \( -path /proc -o -path /sys -o -path /dev \) -prune -o \( \
-        -name 'libcublas.so.13' -o -name 'libcurand.so.10' -o -name 'libcudart.so.13' \) \
-        -print 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+    libdirs=$(cuda_libdirs)
     log "golden: CUDA libraries from ${libdirs:-nowhere}"
     local g=${GOLDEN_DIR:-$HERE/../parallel/golden}
     for spec in g1_linear_step:dp g1_linear_step:accum g1_linear_step:tp g2_mlp_train:dp \
@@ -243,9 +249,7 @@ phase_golden() {
 phase_moves() {
     if [ ! -x "$BIN/tutti-golden" ]; then log "moves: $BIN/tutti-golden missing"; return; fi
     local libdirs
-    libdirs=$(find / \( -path /proc -o -path /sys -o -path /dev \) -prune -o \( \
-        -name 'libcublas.so.13' -o -name 'libcurand.so.10' -o -name 'libcudart.so.13' \) \
-        -print 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+    libdirs=$(cuda_libdirs)
     for r in 1 2; do
         for n in 2 4; do
             for mode in pinned pageable; do
