@@ -215,9 +215,10 @@ phase_overlap() {
 }
 
 # The folders of the CUDA 13 libraries tutti-golden's candle links (cuBLAS, cuRAND, the runtime),
-# wherever this machine has them, as an LD_LIBRARY_PATH prefix.
+# wherever this machine has them, as an LD_LIBRARY_PATH prefix (never tools/cuda-link.sh's
+# folder, whose libcuda.so.1 is a stub for linking).
 cuda_libdirs() {
-    find / \( -path /proc -o -path /sys -o -path /dev \) -prune -o \( \
+    find / \( -path /proc -o -path /sys -o -path /dev -o -name cuda13-link \) -prune -o \( \
         -name 'libcublas.so.13' -o -name 'libcurand.so.10' -o -name 'libcudart.so.13' \) \
         -print 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':'
 }
