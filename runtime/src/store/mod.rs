@@ -87,6 +87,13 @@ pub trait Store: Send + Sync {
 
     /// Where the store lives, for messages.
     fn describe(&self) -> String;
+
+    /// Whether a thread of tutti's own may call this store while the caller goes on (and, at
+    /// exit, after the caller has given up waiting for it). Stores backed by an interpreter
+    /// (Python objects, which a thread must not call once the interpreter is finalizing) say no.
+    fn detached_calls(&self) -> bool {
+        true
+    }
 }
 
 /// A shared store is a store.
@@ -114,6 +121,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn describe(&self) -> String {
         (**self).describe()
+    }
+    fn detached_calls(&self) -> bool {
+        (**self).detached_calls()
     }
 }
 
@@ -311,6 +321,9 @@ impl Store for PrefixStore {
     }
     fn describe(&self) -> String {
         format!("{} under {}", self.inner.describe(), self.prefix)
+    }
+    fn detached_calls(&self) -> bool {
+        self.inner.detached_calls()
     }
 }
 

@@ -264,10 +264,12 @@ pub trait Transport: Send + Sync {
         Ok(())
     }
 
-    /// Make this transport's failure known to the peers not connected to it yet, before the
-    /// process may exit (TCP, whose links connect on first use: its abort reason in the store,
-    /// where a peer that dials it later reads it). Called by [`Group::fail`](crate::Group::fail)
-    /// after recording a failure; does nothing when not poisoned, or done already.
+    /// Make this transport's failure known to the peers not connected to it yet (TCP, whose
+    /// links connect on first use: its abort reason in the store, where a peer that dials it
+    /// later reads it). Called by [`Group::fail`](crate::Group::fail) after recording a
+    /// failure; does nothing when not poisoned, or done already. It may only start the work
+    /// (TCP writes the note on a thread of its own); dropping the transport waits for it,
+    /// within a bound.
     fn publish_failure(&self) {}
 
     /// Whether the link to `peer` is connected now (always, for transports that connect

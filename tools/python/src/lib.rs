@@ -406,6 +406,10 @@ impl Store for PyStore {
     fn describe(&self) -> String {
         self.name.clone()
     }
+    fn detached_calls(&self) -> bool {
+        // A thread of ours must not ask for the GIL while the interpreter finalizes.
+        false
+    }
 }
 
 /// A communicator: the ranks of a group and their connections.

@@ -253,29 +253,57 @@ impl TcpTransport {
         }
         // Written by a thread of its own: the failed call returns at once, even when the
         // store's server is the rank that failed (a stopped rank 0 would hold the write for the
-        // store's timeout). Dropping the transport waits for the note, within a bound.
-        let (rank, conn) = (self.rank, c.clone());
-        c.noting.fetch_add(1, Ordering::SeqCst);
-        let spawned =
-            std::thread::Builder::new().name(format!("tutti-note-{rank}")).spawn(move || {
-                let signed = crate::store::set_signed(
-                    conn.store.as_ref(),
-                    &conn.id.key,
-                    conn.id.job,
-                    &abort_key(rank),
-                    reason.as_bytes(),
-                );
-                if let Err(e) = signed {
-                    debug!(rank, "could not leave the abort reason in the store: {e}");
+        // store's timeout). Dropping the transport waits for the note, within [`NOTE_WAIT`].
+        // A store that no detached thread may call (a Python object) is written here.
+        let rank = self.rank;
+        if c.store.detached_calls() {
+            let (conn, note) = (c.clone(), reason.clone());
+            c.noting.fetch_add(1, Ordering::SeqCst);
+            let spawned =
+                std::thread::Builder::new().name(format!("tutti-note-{rank}")).spawn(move || {
+                    // Counted down however the write ends (a store that panics included).
+                    let _done = Noting(&conn.noting);
+                    write_note(&conn, rank, &note);
+                });
+            match spawned {
+                Ok(_) => return,
+                Err(e) => {
+                    c.noting.fetch_sub(1, Ordering::SeqCst);
+                    debug!(rank, "no thread for the abort note, written here: {e}");
                 }
-                conn.noting.fetch_sub(1, Ordering::SeqCst);
-            });
-        if let Err(e) = spawned {
-            c.noting.fetch_sub(1, Ordering::SeqCst);
-            debug!(rank, "could not start a thread to leave the abort reason in the store: {e}");
+            }
         }
+        write_note(c, rank, &reason);
     }
 }
+
+/// Leave `rank`'s abort `reason` in the store ([`abort_key`], signed as addresses are).
+fn write_note(c: &Connector, rank: usize, reason: &str) {
+    let signed = crate::store::set_signed(
+        c.store.as_ref(),
+        &c.id.key,
+        c.id.job,
+        &abort_key(rank),
+        reason.as_bytes(),
+    );
+    if let Err(e) = signed {
+        debug!(rank, "could not leave the abort reason in the store: {e}");
+    }
+}
+
+/// Counts a note in flight down when dropped.
+struct Noting<'a>(&'a AtomicUsize);
+
+impl Drop for Noting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How long dropping a transport waits for its abort note to reach the store. A store that
+/// has not taken it by then is most likely served by a rank that stopped; the peers that dial
+/// this rank later then learn that it ended, without its reason.
+const NOTE_WAIT: Duration = Duration::from_secs(5);
 
 /// Count this rank in and wait until every rank of the job has published its address: one
 /// `add` per rank, one `set` by the last, one (parked) `get` per rank — O(1) store requests
@@ -869,8 +897,12 @@ impl Drop for TcpTransport {
     fn drop(&mut self) {
         // After a failure, peers that never connected to us and dial later find the listener
         // closed: leave them the reason first, while the listener still answers (if the call
-        // that failed has not already).
+        // that failed has not already), waiting for the note's write within `NOTE_WAIT`.
         self.note_failure();
+        let until = Instant::now() + NOTE_WAIT;
+        while self.connector.noting.load(Ordering::SeqCst) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         // The connections shut down when `wire` drops, after this. Dials under way stop at
         // their next look; a connection completing now joins the closing engine, which
         // answers it with the abort or close frame (or refuses it once closed).
@@ -881,14 +913,10 @@ impl Drop for TcpTransport {
         // Handshakes under way, the acceptor's and our dials', finish first (within their
         // deadline; dials start no new attempt once stopped), so their connections join the
         // engine before it shuts down and carry its abort or close frame: a peer connecting
-        // with us just as we failed or finished hears why, not a bare end of stream. The abort
-        // note finishes too, within the same bound (a stopped store server holds it longer;
-        // then the peers that dial later learn of this rank's end without its reason).
+        // with us just as we failed or finished hears why, not a bare end of stream.
         let c = &self.connector;
         let until = Instant::now() + c.cfg.handshake_timeout;
-        while (c.handshakes.load(Ordering::SeqCst) > 0
-            || c.workers.load(Ordering::SeqCst) > 0
-            || c.noting.load(Ordering::SeqCst) > 0)
+        while (c.handshakes.load(Ordering::SeqCst) > 0 || c.workers.load(Ordering::SeqCst) > 0)
             && Instant::now() < until
         {
             std::thread::sleep(Duration::from_millis(1));
