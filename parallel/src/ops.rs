@@ -35,6 +35,8 @@ enum Move {
     ReduceScatter(usize),
     /// All-to-all: split the first dim across ranks, concatenate along the second.
     AllToAll(usize, usize),
+    /// Broadcast from the root (eager only).
+    Broadcast(usize),
 }
 
 fn shape_err(comm: &Comm, layer: &'static str, detail: String) -> Error {
@@ -116,6 +118,11 @@ fn run_move<T: Element>(
             comm.reduce_scatter(&packed, &mut out, ReduceOp::Sum)?;
             out_shape[dim] /= n;
             out
+        }
+        Move::Broadcast(root) => {
+            let mut v = data.into_owned();
+            comm.broadcast(&mut v, root)?;
+            v
         }
         Move::AllToAll(sd, gd) => {
             check_divides(comm, layer, shape, sd)?;
@@ -524,15 +531,5 @@ pub fn reduce_scatter(x: &Tensor, comm: &Comm, dim: usize) -> Result<Tensor> {
 /// # Errors
 /// Collective errors, unsupported dtypes.
 pub fn broadcast(x: &Tensor, comm: &Comm, root: usize) -> Result<Tensor> {
-    let shape = x.dims().to_vec();
-    let flat = x.flatten_all()?;
-    with_dtype!(
-        x.dtype(),
-        T => {
-            let mut data = flat.to_vec1::<T>()?;
-            comm.broadcast(&mut data, root)?;
-            Ok(Tensor::from_vec(data, shape, x.device())?)
-        },
-        |d| Err(unsupported(comm, "broadcast", d))
-    )
+    move_tensor(comm, "broadcast", Move::Broadcast(root), x)
 }

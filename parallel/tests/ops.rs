@@ -85,6 +85,27 @@ fn check_all(kind: Kind, n: usize) {
         let g = grad(&loss(&y, 70 + r), &x);
         let blocks: Vec<Tensor> = (0..n).map(|q| part(&ints(y.dims(), 70 + q), 1, r, n)).collect();
         assert_exact(&g, &Tensor::cat(&blocks, 2).unwrap(), "all_to_all backward");
+
+        // The eager moves (no graph), on a non-contiguous view too.
+        let xt = x.as_tensor().transpose(1, 2).unwrap();
+        let allt: Vec<Tensor> = all.iter().map(|t| t.transpose(1, 2).unwrap()).collect();
+        assert_exact(
+            &ops::all_reduce(&xt, &c, tutti_parallel::ReduceOp::Sum).unwrap(),
+            &sum.transpose(1, 2).unwrap(),
+            "eager all_reduce",
+        );
+        assert_exact(
+            &ops::all_gather(&xt, &c, 2).unwrap(),
+            &Tensor::cat(&allt, 2).unwrap(),
+            "eager all_gather",
+        );
+        assert_exact(
+            &ops::reduce_scatter(&xt, &c, 2).unwrap(),
+            &part(&sum.transpose(1, 2).unwrap(), 2, r, n),
+            "eager reduce_scatter",
+        );
+        let root = n - 1;
+        assert_exact(&ops::broadcast(&xt, &c, root).unwrap(), &allt[root], "eager broadcast");
     });
 }
 
