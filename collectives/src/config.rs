@@ -89,3 +89,37 @@ impl Config {
         Ok(c)
     }
 }
+
+/// Parse a size in bytes: `8`, `1K`, `32M`, `1G` (binary multiples, as nccl-tests write them).
+///
+/// # Errors
+/// A message for anything else.
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .ok_or_else(|| format!("{s:?} is not a size (like 8, 64K, 32M, 1G)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_take_binary_suffixes_and_refuse_the_rest() {
+        assert_eq!(parse_size("8"), Ok(8));
+        assert_eq!(parse_size(" 64k "), Ok(64 << 10));
+        assert_eq!(parse_size("32M"), Ok(32 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        for bad in ["", "M", "1X", "1.5M", "-1", "99999999999999999999G"] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -43,7 +43,7 @@ pub mod verify;
 
 pub use coll::Coll;
 pub use comm::{Comm, Stats};
-pub use config::{Config, DEFAULT_CHUNK, DEFAULT_SEGMENT};
+pub use config::{parse_size, Config, DEFAULT_CHUNK, DEFAULT_SEGMENT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use nonblocking::{Lent, Pending, Scope};

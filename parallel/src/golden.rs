@@ -716,8 +716,8 @@ pub fn main() -> std::process::ExitCode {
         repeat: u64,
         /// Instead of a case: time the communication ops' forward and backward on f32 tensors
         /// of these sizes per rank (bytes, with K/M/G suffixes, comma-separated).
-        #[arg(long)]
-        bench_moves: Option<String>,
+        #[arg(long, value_delimiter = ',', value_parser = tutti_collectives::parse_size)]
+        bench_moves: Option<Vec<u64>>,
         /// Timed steps per op and size for `--bench-moves` (after 3 untimed ones).
         #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
         steps: u64,
@@ -747,29 +747,9 @@ pub fn main() -> std::process::ExitCode {
         Ok(d) => d,
         Err(e) => return fail(e),
     };
-    let threads = a.threads.unwrap_or(1);
-    let launched = a.threads.is_none() && crate::ranks::launched();
-    let on_ranks = |f: &(dyn Fn(&Comm) -> Result<String> + Sync)| -> Result<String> {
-        let mut v = if launched {
-            crate::run_ranks(1, |c| Ok((f(&c)?, c.rank())))?
-        } else {
-            crate::ranks::run_threads(threads, |c| Ok((f(&c)?, c.rank())))?
-        };
-        v.sort_by_key(|(_, r)| *r);
-        // The lowest rank here: rank 0 when it runs in this process, else another rank, which
-        // prints nothing.
-        let (text, rank) = v.swap_remove(0);
-        Ok(if rank == 0 { text } else { String::new() })
-    };
-    if let Some(list) = &a.bench_moves {
-        let mut sizes = Vec::new();
-        for s in list.split(',') {
-            match parse_bytes(s) {
-                Some(b) => sizes.push(b),
-                None => return fail(format!("--bench-moves: {s:?} is not a size (1M, 16M, …)")),
-            }
-        }
-        let table = on_ranks(&|c: &Comm| {
+    if let Some(sizes) = &a.bench_moves {
+        let sizes: Vec<usize> = sizes.iter().map(|&b| b as usize).collect();
+        let table = lowest_rank(a.threads, |c: &Comm| {
             let rows = crate::movebench::bench(c, &device, &sizes, 3, a.steps as usize)?;
             let mut t = format!(
                 "# moves  world {}  device {:?}  {} steps (median ms, forward + backward)\n",
@@ -787,8 +767,11 @@ pub fn main() -> std::process::ExitCode {
             Ok(t)
         });
         return match table {
-            Ok(t) => {
-                print!("{t}");
+            Ok((t, rank)) => {
+                // Only rank 0 prints (the lowest rank here may be another, under a launcher).
+                if rank == 0 {
+                    print!("{t}");
+                }
                 std::process::ExitCode::SUCCESS
             }
             Err(e) => fail(e.to_string()),
@@ -838,13 +821,7 @@ pub fn main() -> std::process::ExitCode {
         }
         Ok((r, lines))
     };
-    let report = if launched {
-        crate::run_ranks(1, |c| Ok((run_all(&c)?, c.rank()))).map(|mut v| v.swap_remove(0))
-    } else {
-        crate::ranks::run_threads(threads, |c| Ok((run_all(&c)?, c.rank())))
-            .map(|mut v| v.swap_remove(0))
-    };
-    let (report, rank) = match report {
+    let (report, rank) = match lowest_rank(a.threads, run_all) {
         Ok((r, rank)) => (Ok(r), rank),
         Err(e) => (Err(e), 0),
     };
@@ -867,14 +844,16 @@ pub fn main() -> std::process::ExitCode {
     }
 }
 
-/// `1M`, `16M`, `4096`, `1G`: bytes.
-fn parse_bytes(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mul) = match s.char_indices().last()? {
-        (i, 'K' | 'k') => (&s[..i], 1 << 10),
-        (i, 'M' | 'm') => (&s[..i], 1 << 20),
-        (i, 'G' | 'g') => (&s[..i], 1 << 30),
-        _ => (s, 1),
+/// Run `f` on this process's ranks (under a launcher its one rank, unless `--threads` asks
+/// for that many in-memory ranks) and return the lowest one's result, with its rank.
+fn lowest_rank<T: Send>(
+    threads: Option<usize>,
+    f: impl Fn(&Comm) -> Result<T> + Sync,
+) -> Result<(T, usize)> {
+    let mut v = match threads {
+        None if crate::ranks::launched() => crate::run_ranks(1, |c| Ok((f(&c)?, c.rank())))?,
+        t => crate::ranks::run_threads(t.unwrap_or(1), |c| Ok((f(&c)?, c.rank())))?,
     };
-    num.parse::<usize>().ok()?.checked_mul(mul)
+    v.sort_by_key(|(_, r)| *r);
+    Ok(v.swap_remove(0))
 }

@@ -348,9 +348,10 @@ mod cuda {
         let esz = size_of::<T>();
         // The input is complete before tutti's copy stream reads it.
         stream.synchronize().map_err(candle_core::Error::wrap)?;
-        // A copy queued on tutti's stream is done before anything it touches is dropped, on
-        // every path: after a failed record or wait, the whole stream is waited for.
-        let settle = |r: tutti_collectives::Result<()>| -> crate::error::Result<()> {
+        // Wait for a queued copy. It is done before anything it touches is dropped, on every
+        // path: after a failed queue, record or wait, the whole stream is waited for.
+        let settle = |queued: tutti_collectives::Result<()>| -> crate::error::Result<()> {
+            let r = queued.and_then(|()| tdev.wait(tdev.record()?));
             if r.is_err() {
                 let _ = tdev.stream().synchronize();
             }
@@ -364,10 +365,7 @@ mod cuda {
             let vi = unsafe { CudaView::new(pi, n * esz) };
             // SAFETY: both ranges are in bounds, and nothing else touches them until the wait
             // (or, after an error, the stream's synchronisation in `settle`).
-            settle(unsafe { tdev.d2h(&vi, 0, &*down, 0, n * esz) }.and_then(|()| {
-                let t = tdev.record()?;
-                tdev.wait(t)
-            }))?;
+            settle(unsafe { tdev.d2h(&vi, 0, &*down, 0, n * esz) })?;
         }
         // SAFETY: the stage holds n elements, copied down and waited for above; stages are
         // aligned to 16 bytes.
@@ -388,10 +386,7 @@ mod cuda {
             // written only by this copy, which is waited for before the block ends.
             let vo = unsafe { CudaView::new(po, ob) };
             // SAFETY: in bounds; the stage is not touched until the wait (or `settle`).
-            settle(unsafe { tdev.h2d(&*up, 0, &vo, 0, ob) }.and_then(|()| {
-                let t = tdev.record()?;
-                tdev.wait(t)
-            }))?;
+            settle(unsafe { tdev.h2d(&*up, 0, &vo, 0, ob) })?;
         }
         Ok((CudaStorage::wrap_cuda_slice(s, dev), Shape::from(out_shape)))
     }

@@ -327,7 +327,7 @@ impl Comm {
                 segment_bytes: cfg.segment_bytes.max(1),
                 depth: cfg.depth.max(2),
                 pieces: cfg.pieces.max(1),
-                min_piece_bytes: cfg.min_piece_bytes,
+                ..cfg
             },
             pool: Mutex::new(Vec::new()),
             trace: Mutex::new(Vec::new()),

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use tutti_collectives::{Algo, Coll, Comm, Config, DType, ReduceOp};
+use tutti_collectives::{parse_size, Algo, Coll, Comm, Config, DType, ReduceOp};
 
 pub mod bench;
 pub mod report;
@@ -33,23 +33,6 @@ pub const COLLECTIVES: [&str; 10] = [
     "sendrecv",
     "barrier",
 ];
-
-/// Parse `8`, `1K`, `32M`, `1G` (binary multiples, as nccl-tests).
-///
-/// # Errors
-/// A message for anything else.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M') => (&s[..s.len() - 1], 1 << 20),
-        Some('G') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("{s:?} is not a size (like 8, 64K, 32M, 1G)"))
-}
 
 /// What `collbench --help` prints after the flags.
 const AFTER_HELP: &str = "\

@@ -145,7 +145,7 @@ impl TcpTransport {
             handshakes: Arc::new(AtomicUsize::new(0)),
             failure: Mutex::new(None),
             noted: AtomicBool::new(false),
-            noting: AtomicUsize::new(0),
+            note: Mutex::new(None),
         });
         let mut core_cfg = CoreConfig::from_link(cfg, driver::EAGER_MAX, true);
         core_cfg.lazy = true;
@@ -258,19 +258,15 @@ impl TcpTransport {
         let rank = self.rank;
         if c.store.detached_calls() {
             let (conn, note) = (c.clone(), reason.clone());
-            c.noting.fetch_add(1, Ordering::SeqCst);
-            let spawned =
-                std::thread::Builder::new().name(format!("tutti-note-{rank}")).spawn(move || {
-                    // Counted down however the write ends (a store that panics included).
-                    let _done = Noting(&conn.noting);
-                    write_note(&conn, rank, &note);
-                });
+            let spawned = std::thread::Builder::new()
+                .name(format!("tutti-note-{rank}"))
+                .spawn(move || write_note(&conn, rank, &note));
             match spawned {
-                Ok(_) => return,
-                Err(e) => {
-                    c.noting.fetch_sub(1, Ordering::SeqCst);
-                    debug!(rank, "no thread for the abort note, written here: {e}");
+                Ok(h) => {
+                    *c.note.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
+                    return;
                 }
+                Err(e) => debug!(rank, "no thread for the abort note, written here: {e}"),
             }
         }
         write_note(c, rank, &reason);
@@ -288,15 +284,6 @@ fn write_note(c: &Connector, rank: usize, reason: &str) {
     );
     if let Err(e) = signed {
         debug!(rank, "could not leave the abort reason in the store: {e}");
-    }
-}
-
-/// Counts a note in flight down when dropped.
-struct Noting<'a>(&'a AtomicUsize);
-
-impl Drop for Noting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -375,8 +362,8 @@ pub(crate) struct Connector {
     failure: Mutex<Option<Error>>,
     /// The abort reason is in the store, or on its way there ([`TcpTransport::note_failure`]).
     noted: AtomicBool,
-    /// Notes still being written (0 or 1).
-    noting: AtomicUsize,
+    /// The thread writing the abort note, once started.
+    note: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Connector {
@@ -899,10 +886,8 @@ impl Drop for TcpTransport {
         // closed: leave them the reason first, while the listener still answers (if the call
         // that failed has not already), waiting for the note's write within `NOTE_WAIT`.
         self.note_failure();
-        let until = Instant::now() + NOTE_WAIT;
-        while self.connector.noting.load(Ordering::SeqCst) > 0 && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let note = self.connector.note.lock().unwrap_or_else(|p| p.into_inner()).take();
+        wait_while(Instant::now() + NOTE_WAIT, || note.as_ref().is_some_and(|h| !h.is_finished()));
         // The connections shut down when `wire` drops, after this. Dials under way stop at
         // their next look; a connection completing now joins the closing engine, which
         // answers it with the abort or close frame (or refuses it once closed).
@@ -915,11 +900,15 @@ impl Drop for TcpTransport {
         // engine before it shuts down and carry its abort or close frame: a peer connecting
         // with us just as we failed or finished hears why, not a bare end of stream.
         let c = &self.connector;
-        let until = Instant::now() + c.cfg.handshake_timeout;
-        while (c.handshakes.load(Ordering::SeqCst) > 0 || c.workers.load(Ordering::SeqCst) > 0)
-            && Instant::now() < until
-        {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_while(Instant::now() + c.cfg.handshake_timeout, || {
+            c.handshakes.load(Ordering::SeqCst) > 0 || c.workers.load(Ordering::SeqCst) > 0
+        });
+    }
+}
+
+/// Sleep in steps of a millisecond while `busy()`, until `until` at the latest.
+fn wait_while(until: Instant, busy: impl Fn() -> bool) {
+    while busy() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
