@@ -521,6 +521,7 @@ impl Comm {
         if let crate::direct::State::Unknown = *st {
             *st = crate::direct::Direct::setup(
                 &self.group,
+                self.topo_now().hosts() <= 1,
                 |mine, all| self.exec_allgather(Algo::Ring, mine, all),
                 |x| {
                     let mut v = [x];

@@ -3,7 +3,9 @@
 //!
 //! Every rank of the group maps every other rank's [`Window`] (shared memory, set up once per
 //! group at its first direct call: an all-gather of the offers over the group's authenticated
-//! links, then an agreement that every rank attached every window). A call runs in
+//! links, then an agreement that every rank attached every window). The set-up connects only
+//! the links its own all-gather and agreement use: a group of many ranks does not connect its
+//! full mesh for its windows. A call runs in
 //! *generations* of at most one window buffer each; every rank counts the same generations, and
 //! each window has two buffers, used by turns. In generation `g`, on buffer `g mod 2`:
 //!
@@ -23,9 +25,11 @@
 //! Per generation an allreduce moves `S` into the window, reads `S` to reduce `S/n` and copies
 //! `S` out: no byte crosses a socket or a ring, and no rank forwards another's data. Waits spin
 //! briefly and then sleep on the peer's window; between sleeps they ask the transport whether
-//! the group failed and apply the dead-peer rule to the peer waited for
-//! (`Transport::check_peer`), and give up at the call's deadline with a timeout that names the
-//! peer and the generation.
+//! the group failed and apply the dead-peer rule to the peer waited for — from its link
+//! (`Transport::check_peer`), or, with no link to it connected, from what the kernel says of
+//! the process that owns its window (`Transport::check_process`: ended, or stopped for the
+//! dead-peer limit) — and give up at the call's deadline with a timeout that names the peer
+//! and the generation.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -155,18 +159,23 @@ impl Direct {
     /// The exchange's errors (a lost peer, named).
     pub(crate) fn setup(
         group: &tutti_runtime::Group,
+        one_host: bool,
         allgather: impl FnOnce(&[u8], &mut [u8]) -> Result<()>,
         agree: impl FnOnce(f64) -> Result<f64>,
     ) -> Result<State> {
         let (n, me) = (group.size(), group.rank());
         let t = group.transport();
-        // Every rank reads every other's window: connect the links that were not needed yet
-        // (a transport that connects on first use), so each link says how it travels.
-        let globals: Vec<usize> = (0..n).map(|r| group.global_rank(r)).collect();
-        t.connect_peers(&globals, group.timeout())?;
-        let apart = (0..n)
-            .map(|r| group.global_rank(r))
-            .find(|&g| g != t.rank() && !t.shares_memory_with(g));
+        // Every rank reads every other's window, but needs no link to every other: a link
+        // connected now says whether it goes through shared memory; one not connected yet
+        // would, on one host, where this rank offers it (a peer that does not makes no
+        // window, and every rank learns so below). A wait on a peer with no link learns
+        // whether it ended or stopped from the kernel (`Window::owner`), so a group of many
+        // ranks does not connect its full mesh for its windows.
+        let apart = (0..n).map(|r| group.global_rank(r)).find(|&g| {
+            g != t.rank()
+                && !t.shares_memory_with(g)
+                && (t.is_connected(g) || !one_host || !t.offers_shared_memory())
+        });
         let made = match apart {
             Some(g) => Err(format!("rank {g} does not share memory with rank {}", t.rank())),
             None => Window::create(2 * buffer_for(n)).map_err(|e| e.to_string()),
@@ -274,7 +283,7 @@ impl Direct {
         if self.wins[r].counter(counter) >= at_least {
             return Ok(());
         }
-        let alive = Self::alive(call, r);
+        let alive = self.alive(call, r);
         let check = || {
             alive()?;
             if counter == POSTED {
@@ -288,13 +297,23 @@ impl Direct {
 
     /// What a wait on peer `r` asks between sleeps: the transport's failure, and the dead-peer
     /// rule for `r` (nothing is posted to it, so no operation applies the rule), timed from
-    /// the first ask (after the spin).
+    /// the first ask (after the spin) — from `r`'s link, or, where none is connected, from
+    /// what the kernel says of the process that owns `r`'s window.
     fn alive<'c>(
+        &'c self,
         call: &'c Call<'_>,
         r: usize,
     ) -> impl Fn() -> std::result::Result<(), RtError> + 'c {
         let (t, peer, since) = (call.group.transport(), call.global(r), OnceCell::new());
-        move || t.check_peer(peer, *since.get_or_init(Instant::now))
+        let owner = self.wins[r].owner();
+        move || {
+            let since = *since.get_or_init(Instant::now);
+            t.check_peer(peer, since)?;
+            match owner {
+                Some(p) if !t.is_connected(peer) => t.check_process(peer, &p.state(), since),
+                _ => Ok(()),
+            }
+        }
     }
 
     /// A wait's outcome: `None` (the deadline passed) is a timeout naming `r` and the
@@ -525,7 +544,7 @@ impl Direct {
     /// return where its data starts (valid until we publish *done* = `g`).
     fn line_read(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
         if self.wins[r].line_gen(s) < g {
-            let alive = Self::alive(call, r);
+            let alive = self.alive(call, r);
             let check = || {
                 alive()?;
                 self.buffer_call_at(call, r, g)

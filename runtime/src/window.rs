@@ -31,6 +31,7 @@
 //! checks: sealed, same user, right size, the nonce). The file has no name, and the kernel frees
 //! it once the last process that mapped it has exited or unmapped it.
 
+use std::cell::Cell;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -147,13 +148,16 @@ pub struct Window {
     data_len: usize,
     /// The owner keeps its descriptor while peers may still attach.
     fd: Option<OwnedFd>,
+    /// A peer's window: its owner's process, as the kernel sees it.
+    owner: Option<Process>,
 }
 
 impl std::fmt::Debug for Window {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Window")
             .field("data_len", &self.data_len)
-            .field("owner", &self.fd.is_some())
+            .field("own", &self.fd.is_some())
+            .field("owner", &self.owner)
             .finish()
     }
 }
@@ -177,10 +181,11 @@ impl Window {
             data_len: data_len as u64,
             nonce,
         };
-        Ok((Window { map, data_len, fd: Some(fd) }, offer))
+        Ok((Window { map, data_len, fd: Some(fd), owner: None }, offer))
     }
 
-    /// Map the window a peer of this host offered.
+    /// Map the window a peer of this host offered, and watch its owner's process
+    /// ([`Window::owner`]).
     ///
     /// # Errors
     /// [`WindowError`] when it cannot be opened (another host, another user, the owner gone) or
@@ -190,9 +195,20 @@ impl Window {
             .ok()
             .filter(|l| *l <= MAX_DATA)
             .ok_or_else(|| WindowError("the offered window is over the limit".into()))?;
+        // The process first, then its descriptor: the nonce found through `/proc/<pid>/fd`
+        // proves that the process watched is the owner (had the owner ended in between, the
+        // pid's new process would not hold the window).
+        let owner = Process::watch(offer.pid).map_err(WindowError)?;
         let map = Mapping::attach(offer.pid, offer.fd, HEADER + data_len, MAGIC, 0, &offer.nonce)
             .map_err(WindowError)?;
-        Ok(Window { map, data_len, fd: None })
+        Ok(Window { map, data_len, fd: None, owner: Some(owner) })
+    }
+
+    /// The process that owns this window, for a window attached from a peer (`None` for this
+    /// rank's own): whether it still runs tells a wait on the window whether to go on, where
+    /// no link to the owner says it (see [`Process`]).
+    pub fn owner(&self) -> Option<&Process> {
+        self.owner.as_ref()
     }
 
     /// Close the owner's descriptor: no peer attaches any more (the mappings stay).
@@ -452,6 +468,118 @@ fn futex_wake(word: *mut u32) {
     }
 }
 
+/// A process of this host, watched through `/proc/<pid>/stat` (no descriptor held): whether it
+/// runs, is stopped, or ended. The process is the one that ran when the watch began (its start
+/// time is kept: a pid used again by a new process reads as ended).
+#[derive(Debug)]
+pub struct Process {
+    pid: u32,
+    start: u64,
+    /// The last look: when, and what it found (the kernel is asked at most every
+    /// [`LOOK_EVERY`]).
+    last: Cell<Option<(Instant, Seen)>>,
+    /// Since when the process has been seen stopped without a break.
+    stopped: Cell<Option<Instant>>,
+}
+
+/// What a look at a process found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    Running,
+    Stopped,
+    /// Gone from `/proc`, or a zombie (it exited or was killed; its parent has not reaped it).
+    Ended,
+    /// Its pid now names another process.
+    Replaced,
+}
+
+/// How often [`Process::state`] reads `/proc` (a read costs a few microseconds; a wait asks
+/// every few dozen yields).
+const LOOK_EVERY: Duration = Duration::from_millis(5);
+
+/// What the kernel says of a watched [`Process`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProcessState {
+    /// It runs (or sleeps, or waits in the kernel).
+    Running,
+    /// It is stopped (SIGSTOP, a debugger), and has been without a break since this instant
+    /// (the first look that saw it stopped).
+    Stopped {
+        /// The first look that saw it stopped.
+        since: Instant,
+    },
+    /// It ended: how it was seen to.
+    Ended(String),
+}
+
+impl Process {
+    /// Watch process `pid` as it runs now.
+    ///
+    /// # Errors
+    /// When `/proc/<pid>/stat` cannot be read or parsed (no such process, another pid
+    /// namespace).
+    pub fn watch(pid: u32) -> Result<Process, String> {
+        let (_, start) = stat(pid).map_err(|e| format!("process {pid} cannot be watched: {e}"))?;
+        Ok(Process { pid, start, last: Cell::new(None), stopped: Cell::new(None) })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// What the kernel says of the process now (read at most every few milliseconds; between
+    /// reads, the last answer).
+    pub fn state(&self) -> ProcessState {
+        let now = Instant::now();
+        let seen = match self.last.get() {
+            Some((at, seen)) if now.saturating_duration_since(at) < LOOK_EVERY => seen,
+            _ => {
+                let seen = match stat(self.pid) {
+                    Ok((_, start)) if start != self.start => Seen::Replaced,
+                    Ok(('T' | 't', _)) => Seen::Stopped,
+                    Ok(('Z' | 'X' | 'x', _)) | Err(_) => Seen::Ended,
+                    Ok(_) => Seen::Running,
+                };
+                self.last.set(Some((now, seen)));
+                seen
+            }
+        };
+        if seen != Seen::Stopped {
+            self.stopped.set(None);
+        }
+        match seen {
+            Seen::Running => ProcessState::Running,
+            Seen::Stopped => {
+                let since = self.stopped.get().unwrap_or(now);
+                self.stopped.set(Some(since));
+                ProcessState::Stopped { since }
+            }
+            Seen::Ended => ProcessState::Ended(format!("process {} ended", self.pid)),
+            Seen::Replaced => ProcessState::Ended(format!(
+                "process {} ended (its pid now names another process)",
+                self.pid
+            )),
+        }
+    }
+}
+
+/// The state letter and the start time (clock ticks since boot) of process `pid`, from
+/// `/proc/<pid>/stat`: `pid (comm) S ppid … starttime …`, where `comm` may hold spaces and
+/// parentheses, so the fields are counted after its last `)`.
+fn stat(pid: u32) -> Result<(char, u64), String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| e.to_string())?;
+    let rest = text.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let mut fields = rest.split_whitespace();
+    let state = fields.next().and_then(|f| f.chars().next());
+    // Field 22 (start time) is the 20th after the state (field 3).
+    let start = fields.nth(18).and_then(|f| f.parse::<u64>().ok());
+    match (state, start) {
+        (Some(s), Some(t)) => Ok((s, t)),
+        _ => Err(format!("/proc/{pid}/stat could not be parsed")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -562,5 +690,53 @@ mod tests {
         let mut w = w;
         w.seal_attachments();
         assert!(Window::attach(&offer).is_err());
+    }
+
+    /// Waits until `p`'s state (read afresh, past the look cache) satisfies `ok`.
+    fn until(p: &Process, ok: impl Fn(&ProcessState) -> bool) -> ProcessState {
+        let far = Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = p.state();
+            if ok(&st) || Instant::now() > far {
+                return st;
+            }
+            std::thread::sleep(LOOK_EVERY);
+        }
+    }
+
+    #[test]
+    fn a_watched_process_reads_running_stopped_and_ended() {
+        assert_eq!(Process::watch(std::process::id()).unwrap().state(), ProcessState::Running);
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        let p = Process::watch(pid).unwrap();
+        assert_eq!(p.state(), ProcessState::Running);
+        // SAFETY: signalling our own child, which has not been reaped.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let st = until(&p, |s| matches!(s, ProcessState::Stopped { .. }));
+        let ProcessState::Stopped { since } = st else { panic!("{st:?}") };
+        // Seen stopped without a break: the first look's instant stays.
+        std::thread::sleep(LOOK_EVERY * 2);
+        assert_eq!(p.state(), ProcessState::Stopped { since });
+        // SAFETY: as above.
+        unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+        assert_eq!(until(&p, |s| *s == ProcessState::Running), ProcessState::Running);
+        // Killed and not reaped (a zombie), then reaped (gone from /proc): ended both times.
+        child.kill().unwrap();
+        let st = until(&p, |s| matches!(s, ProcessState::Ended(_)));
+        assert!(
+            matches!(&st, ProcessState::Ended(how) if how.contains(&pid.to_string())),
+            "{st:?}"
+        );
+        child.wait().unwrap();
+        std::thread::sleep(LOOK_EVERY * 2);
+        assert!(matches!(p.state(), ProcessState::Ended(_)));
+        // A pid that names a process started at another time is not the one watched.
+        let me = Process::watch(std::process::id()).unwrap();
+        let other = Process { start: me.start + 1, ..me };
+        assert!(
+            matches!(other.state(), ProcessState::Ended(how) if how.contains("another process"))
+        );
+        assert!(Process::watch(u32::MAX).is_err());
     }
 }

@@ -205,6 +205,39 @@ fn a_stopped_store_does_not_hold_a_failed_call_whose_rank_has_links_to_connect()
     assert!(line.contains("rank 0"), "{line}");
 }
 
+/// Direct reads connect only the links their set-up uses: with 4 ranks on one host some
+/// survivor has no link to the victim, and learns of its end from the kernel (or from the
+/// survivors that have one). Killed: every survivor names it within 1 s; stopped: within 10 s.
+#[test]
+fn a_rank_that_a_survivor_has_no_link_to_is_named_when_killed_or_stopped() {
+    let n = 4;
+    let start = || {
+        let job = LiveJob::start(Path::new(EXE), &["loop"], n, &[]);
+        assert!(job.wait_all("READY", Duration::from_secs(60)), "the job did not start");
+        // (survivor, victim): a pair never connected.
+        let pair = (0..n).find_map(|s| {
+            let line = job.line(s, "UNLINKED ").expect("UNLINKED line");
+            let list = line.split(' ').nth(2).unwrap_or("-").to_string();
+            list.split(',').find_map(|v| v.parse::<usize>().ok()).map(|v| (s, v))
+        });
+        let (s, v) = pair.unwrap_or_else(|| panic!("every pair connected: {:?}", job.lines));
+        (job, s, v)
+    };
+    let (mut job, s, v) = start();
+    let t_kill = now_us();
+    job.signal(v, libc::SIGKILL);
+    let survivors: Vec<usize> = (0..n).filter(|r| *r != v).collect();
+    assert!(job.wait_exit(&survivors, Duration::from_secs(20)), "a survivor hung on {v}");
+    for r in survivors {
+        let line = job.line(r, "ERR ").unwrap_or_else(|| panic!("rank {r} printed no error"));
+        let ts: u128 = line.split(' ').nth(1).and_then(|t| t.parse().ok()).expect("timestamp");
+        assert!(line.contains(&format!("rank {v}")), "rank {r} (unlinked: {s}): {line}");
+        assert!(ts.saturating_sub(t_kill) < 1_000_000, "rank {r} (unlinked: {s}): {line}");
+    }
+    let (mut job, _, v) = start();
+    stopped_in_ready(&mut job, n, v);
+}
+
 fn stopped_rank(env: &[(&str, &str)]) {
     stopped_rank_of(4, 1, env);
 }
@@ -218,6 +251,11 @@ fn stopped_rank_of(n: usize, victim: usize, env: &[(&str, &str)]) {
 /// 10 s.
 fn stopped_in(job: &mut LiveJob, n: usize, victim: usize) {
     assert!(job.wait_all("READY", Duration::from_secs(60)));
+    stopped_in_ready(job, n, victim);
+}
+
+/// [`stopped_in`], for a job whose ranks are ready.
+fn stopped_in_ready(job: &mut LiveJob, n: usize, victim: usize) {
     std::thread::sleep(Duration::from_millis(200));
     let t = now_us();
     job.signal(victim, libc::SIGSTOP);

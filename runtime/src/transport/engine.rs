@@ -81,6 +81,11 @@ pub(crate) trait Driver: Send + 'static {
     fn link_kind(&self, _peer: usize) -> Option<&'static str> {
         None
     }
+    /// Whether a link to a peer of this host, connected now, would go through shared memory
+    /// ([`Transport::offers_shared_memory`]).
+    fn offers_shared_memory(&self) -> bool {
+        false
+    }
     /// Start connecting `peer`, whose link the core holds pending (a lazy core's first use of
     /// it); the connection joins through [`Engine::with_driver`], or the core hears that it
     /// failed. Drivers that connect every link up front never see this.
@@ -554,6 +559,55 @@ impl<D: Driver> Engine<D> {
         r
     }
 
+    /// [`Transport::check_process`]: the dead-peer rule from what the kernel says of `peer`'s
+    /// process.
+    pub(crate) fn check_process(
+        &self,
+        peer: usize,
+        state: &crate::window::ProcessState,
+        since: Instant,
+    ) -> Result<()> {
+        use crate::window::ProcessState;
+        let mut guard = self.lock();
+        let s = &mut *guard;
+        let mut failed = false;
+        if peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
+            let now = Instant::now();
+            let fail = match state {
+                ProcessState::Running => None,
+                ProcessState::Ended(how) => Some(LinkFail::Lost(format!(
+                    "rank {peer}'s {how} (seen by the kernel while this rank waited on its \
+                     memory)"
+                ))),
+                ProcessState::Stopped { since: stopped } => {
+                    let quiet = now.saturating_duration_since((*stopped).max(since));
+                    (quiet >= s.core.dead_after()).then(|| {
+                        LinkFail::Silent(format!(
+                            "rank {peer}'s process has been stopped (SIGSTOP, or a debugger) \
+                             for {quiet:.1?}, seen by the kernel while this rank waited on its \
+                             memory"
+                        ))
+                    })
+                }
+            };
+            if let Some(f) = fail {
+                s.core.peer_process_gone(peer, f);
+                s.flush_all(now);
+                failed = true;
+            }
+        }
+        let r = match s.core.poisoned() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        };
+        drop(guard);
+        if failed {
+            self.ended.notify_all();
+            self.pipe.wake();
+        }
+        r
+    }
+
     pub(crate) fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
         crate::transport::matcher::check_peer(self.rank, self.world, peer, "probe")?;
         let mut guard = self.lock();
@@ -760,6 +814,10 @@ impl<T: Wired> Transport for T {
         self.engine().lock().driver.link_kind(peer).unwrap_or(T::NAME)
     }
 
+    fn offers_shared_memory(&self) -> bool {
+        self.engine().lock().driver.offers_shared_memory()
+    }
+
     fn connect_peers(&self, peers: &[usize], timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         self.engine().connect_peers(peers, peers, deadline, || Ok(())).map_err(|e| match e {
@@ -829,6 +887,15 @@ impl<T: Wired> Transport for T {
 
     fn check_peer(&self, peer: usize, since: Instant) -> Result<()> {
         self.engine().check_peer(peer, since)
+    }
+
+    fn check_process(
+        &self,
+        peer: usize,
+        state: &crate::window::ProcessState,
+        since: Instant,
+    ) -> Result<()> {
+        self.engine().check_process(peer, state, since)
     }
 
     fn poisoned(&self) -> Option<Error> {

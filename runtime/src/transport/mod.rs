@@ -286,6 +286,15 @@ pub trait Transport: Send + Sync {
         peer != self.rank() && matches!(self.link_kind(peer), "shm" | "mem")
     }
 
+    /// Whether this rank offers shared memory to the ranks of its host (`LinkConfig::shm`):
+    /// a link to a peer of this host, connected now, would go through it (given the peer
+    /// offers it too). What the collectives ask of a peer whose link is not connected yet
+    /// ([`is_connected`](Transport::is_connected)), where
+    /// [`shares_memory_with`](Transport::shares_memory_with) cannot say.
+    fn offers_shared_memory(&self) -> bool {
+        false
+    }
+
     /// Post a send of `len` bytes at `data` to `peer` under `desc`.
     ///
     /// # Safety
@@ -376,6 +385,29 @@ pub trait Transport: Send + Sync {
     /// The error that poisoned the transport (this peer's loss, or any earlier failure).
     fn check_peer(&self, peer: usize, since: Instant) -> Result<()> {
         let _ = (peer, since);
+        match self.poisoned() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// For a wait on `peer`'s memory (direct reads) with no link to `peer` connected, which
+    /// would tell: the dead-peer rule from what the kernel says of its process (`state`, of the
+    /// owner of `peer`'s [window](crate::window::Window::owner)). Ended: `peer` is lost at once;
+    /// stopped for the dead-peer limit since the later of the first look that saw it stopped
+    /// and `since`: lost as a silent peer. Either fails the transport as a lost link does:
+    /// operations with `peer` name it, the transport is poisoned, the connected peers are
+    /// told. Then report the transport's failure.
+    ///
+    /// # Errors
+    /// The error that poisoned the transport (this peer's loss, or any earlier failure).
+    fn check_process(
+        &self,
+        peer: usize,
+        state: &crate::window::ProcessState,
+        since: Instant,
+    ) -> Result<()> {
+        let _ = (peer, state, since);
         match self.poisoned() {
             Some(e) => Err(e),
             None => Ok(()),

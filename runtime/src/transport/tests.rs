@@ -716,3 +716,39 @@ fn a_rank_that_failed_before_it_connected_passes_its_abort_on() {
         }
     }
 }
+
+/// A wait on a peer's memory with no link to it (direct reads) learns from the kernel: an
+/// ended process is lost at once, a stopped one once it stayed stopped for the dead-peer limit
+/// since the later of the first look that saw it stopped and the wait's start; either fails
+/// the transport as a lost link does, and the peer counts among the lost.
+#[test]
+fn a_peer_seen_gone_by_the_kernel_fails_the_transport_without_a_link() {
+    use crate::window::ProcessState;
+    for kind in [Kind::Tcp, Kind::Shm] {
+        // Not ended, not stopped long enough: nothing happens, the link stays unconnected.
+        let ts = world(kind, 3).unwrap();
+        let now = Instant::now();
+        assert!(!ts[0].is_connected(2), "{kind:?}");
+        ts[0].check_process(2, &ProcessState::Running, now).unwrap();
+        let long_ago = now.checked_sub(Duration::from_secs(60)).unwrap();
+        // Stopped since long ago, but the wait began now: the limit counts from now.
+        ts[0].check_process(2, &ProcessState::Stopped { since: long_ago }, now).unwrap();
+        ts[0].check_process(2, &ProcessState::Stopped { since: now }, long_ago).unwrap();
+        assert!(ts[0].poisoned().is_none() && ts[0].lost_peers().is_empty(), "{kind:?}");
+        // Stopped past the limit (5 s by default) on both counts: a silent peer.
+        let e = ts[0]
+            .check_process(2, &ProcessState::Stopped { since: long_ago }, long_ago)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 2") && e.contains("stopped"), "{kind:?}: {e}");
+        assert_eq!(ts[0].lost_peers(), vec![2], "{kind:?}");
+        // Ended: lost at once, named with how it was seen.
+        let ts = world(kind, 3).unwrap();
+        let how = "process 4242 ended".to_string();
+        let e = ts[1].check_process(0, &ProcessState::Ended(how), now).unwrap_err().to_string();
+        assert!(e.contains("rank 0") && e.contains("process 4242 ended"), "{kind:?}: {e}");
+        assert_eq!(ts[1].lost_peers(), vec![0], "{kind:?}");
+        // Later calls report the same failure, whatever they are told.
+        assert!(ts[1].check_process(2, &ProcessState::Running, now).is_err(), "{kind:?}");
+    }
+}

@@ -125,6 +125,17 @@ fn loop_until_error(c: &Comm) -> Result<(), String> {
     for b in bufs.iter_mut() {
         c.allreduce(b, ReduceOp::Max).map_err(|e| format!("{} {e}", now_us()))?;
     }
+    // The peers this rank has no link to (`-`: none), for the tests that need such a pair.
+    let t = c.group().transport();
+    let unlinked: Vec<String> = (0..c.size())
+        .filter(|p| *p != c.rank() && !t.is_connected(*p))
+        .map(|p| p.to_string())
+        .collect();
+    println!(
+        "UNLINKED {} {}",
+        c.rank(),
+        if unlinked.is_empty() { "-".into() } else { unlinked.join(",") }
+    );
     println!("READY {}", c.rank());
     let mut i = 0usize;
     loop {

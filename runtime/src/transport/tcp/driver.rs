@@ -57,6 +57,8 @@ pub(crate) struct TcpDriver {
     hot: bool,
     /// The congestion control set on each connection (`LinkConfig::tcp_congestion`).
     congestion: Option<String>,
+    /// This rank offers shared memory to the ranks of its host (`LinkConfig::shm`).
+    offers_shm: bool,
     /// Dials the links the core asks for (`None`: nothing connects after start, in tests).
     connector: Option<Arc<Connector>>,
 }
@@ -95,6 +97,7 @@ impl TcpDriver {
     pub(crate) fn empty(
         world: usize,
         congestion: Option<String>,
+        offers_shm: bool,
         connector: Option<Arc<Connector>>,
     ) -> TcpDriver {
         TcpDriver {
@@ -104,6 +107,7 @@ impl TcpDriver {
             any_shm: false,
             hot: false,
             congestion,
+            offers_shm,
             connector,
         }
     }
@@ -327,6 +331,10 @@ impl Driver for TcpDriver {
         // Not connected (yet: links connect on first use; or no more).
         let Some(c) = self.conns.get(peer)?.as_ref() else { return Some("unconnected") };
         Some(if c.shm.is_some() { "shm" } else { "tcp" })
+    }
+
+    fn offers_shared_memory(&self) -> bool {
+        self.offers_shm
     }
 
     fn hot_spin(&self) -> bool {

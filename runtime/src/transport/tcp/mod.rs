@@ -152,7 +152,7 @@ impl TcpTransport {
         let core = Core::new(rank, world, core_cfg, Instant::now());
         let engine = Engine::new(
             core,
-            TcpDriver::empty(world, cfg.tcp_congestion.clone(), Some(connector.clone())),
+            TcpDriver::empty(world, cfg.tcp_congestion.clone(), cfg.shm, Some(connector.clone())),
             cfg.spin,
         )
         .map_err(|e| Error::io(rank, "configuring connections", &e))?;
