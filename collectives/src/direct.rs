@@ -1103,5 +1103,15 @@ mod tests {
         }
         assert_eq!(buffer_for(4), 1 << 20);
         assert_eq!(buffer_for(256), 512 << 10);
+        // With the shared-memory links' rings (every pair connected, every ring filled), the
+        // world's windows keep a host's ranks under 1 GiB, up to 111 ranks on one host.
+        for w in 2..=111usize {
+            let rings = w * (w - 1) / 2 * tutti_runtime::transport::tcp::shared_pair_bytes(w);
+            let windows = w * (tutti_runtime::window::HEADER + 2 * buffer_for(w));
+            assert!(rings + windows < 1 << 30, "{w} ranks: {rings} + {windows} bytes");
+            if w == 64 {
+                assert!(rings + windows < 641 << 20, "{w} ranks: {rings} + {windows} bytes");
+            }
+        }
     }
 }

@@ -77,6 +77,14 @@ impl std::fmt::Debug for TcpTransport {
     }
 }
 
+/// The most shared memory one pair of same-host ranks of a job of `world` ranks can hold: its
+/// segment's header page and a ring each way (only touched pages are allocated). A host's
+/// ranks hold at most `world (world − 1) / 2` of these (every pair connected, every ring
+/// filled): 504 MiB of rings and 8 MiB of header pages at 64 ranks.
+pub fn shared_pair_bytes(world: usize) -> usize {
+    shm::segment_bytes(shm::ring_for(world))
+}
+
 /// Store key under which rank `r` publishes its listening address.
 pub fn addr_key(r: usize) -> String {
     format!("tutti/addr/{r}")

@@ -41,11 +41,13 @@
 //! leaves the pair on TCP.
 //!
 //! **Memory.** One segment per pair of same-host ranks that are connected, of which only the
-//! pages touched are allocated: at most `2 × R` per pair, with the ring size R from the job's
-//! world size `w` ([`ring_for`]): the largest power of two at most 1 GiB / (w (w − 1)), between
-//! 64 KiB and 1 MiB. So however many of a job's ranks share a host, they hold at most 1 GiB
-//! (up to 128 ranks on one host; 64 ranks: R = 256 KiB, 1008 MiB), and a small job gets 1 MiB
-//! rings, which a 2 MiB collective crosses in two ring-fulls instead of eight.
+//! pages touched are allocated: a 4 KiB header page and at most `2 × R` per pair, with the ring
+//! size R from the job's world size `w` ([`ring_for`]): the largest power of two at most
+//! 768 MiB / (w (w − 1)), between 64 KiB and 1 MiB. So however many of a job's ranks share a
+//! host, their rings hold at most 768 MiB (up to 111 ranks on one host; 64 ranks: R = 128 KiB,
+//! 504 MiB), which leaves room under 1 GiB for the header pages and the world's windows for
+//! direct reads (`window.rs`), and a small job (up to 28 ranks) gets 1 MiB rings, which a 2 MiB
+//! collective crosses in two ring-fulls instead of eight.
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -59,8 +61,10 @@ use std::time::Instant;
 pub(crate) const RING_MIN: usize = 64 << 10;
 /// Largest ring: larger ones measured no faster (2 and 64 MiB collectives, 2 ranks).
 pub(crate) const RING_MAX: usize = 1 << 20;
-/// What all the rings of a job on one host may hold together ([`ring_for`]).
-const HOST_BUDGET: usize = 1 << 30;
+/// What all the rings of a job on one host may hold together ([`ring_for`]): three quarters
+/// of a GiB, so that with the header pages and the world's windows (at most 128.5 MiB up to
+/// 128 ranks) a host's ranks stay under 1 GiB.
+const RING_BUDGET: usize = 768 << 20;
 /// Most bytes copied into or out of a ring between two publications of a position: the
 /// writer and the reader work on different pieces of the ring at once instead of taking turns
 /// over the whole of it.
@@ -68,17 +72,17 @@ pub(crate) const PIECE_BYTES: usize = 32 << 10;
 /// Bytes of the first page: header and control blocks.
 const HEAD_PAGE: usize = 4096;
 /// Bytes of each direction's ring in a job of `world` ranks: the largest power of two that
-/// lets every pair of the job, all on one host, hold at most 1 GiB in rings, within
+/// lets every pair of the job, all on one host, hold at most [`RING_BUDGET`] in rings, within
 /// [`RING_MIN`]..=[`RING_MAX`].
 pub(crate) fn ring_for(world: usize) -> usize {
     let pairs = world.max(2) * (world.max(2) - 1);
-    let fit = HOST_BUDGET / pairs;
+    let fit = RING_BUDGET / pairs;
     let pow2 = if fit == 0 { 0 } else { 1usize << (usize::BITS - 1 - fit.leading_zeros()) };
     pow2.clamp(RING_MIN, RING_MAX)
 }
 
 /// Bytes of one pair's segment with rings of `ring` bytes.
-fn segment_bytes(ring: usize) -> usize {
+pub(crate) fn segment_bytes(ring: usize) -> usize {
     HEAD_PAGE + 2 * ring
 }
 /// Magic at the start of a segment.

@@ -161,19 +161,20 @@ fn attaching_checks_the_segment_is_the_announced_one() {
 }
 
 #[test]
-fn rings_shrink_with_the_world_so_one_host_holds_at_most_1_gib() {
+fn rings_shrink_with_the_world_so_one_host_holds_at_most_768_mib_of_them() {
     assert_eq!(ring_for(1), RING_MAX);
     assert_eq!(ring_for(2), RING_MAX);
-    assert_eq!(ring_for(32), 1 << 20);
-    assert_eq!(ring_for(33), 512 << 10);
-    assert_eq!(ring_for(64), 256 << 10);
-    assert_eq!(ring_for(128), 64 << 10);
+    assert_eq!(ring_for(28), 1 << 20);
+    assert_eq!(ring_for(29), 512 << 10);
+    assert_eq!(ring_for(64), 128 << 10);
+    assert_eq!(ring_for(111), 64 << 10);
     assert_eq!(ring_for(100_000), RING_MIN);
-    for w in 2..=128usize {
+    for w in 2..=111usize {
         let r = ring_for(w);
         assert!(r.is_power_of_two());
-        assert!(w * (w - 1) * r <= 1 << 30, "world {w}: {r}-byte rings hold more than 1 GiB");
+        assert!(w * (w - 1) * r <= 768 << 20, "world {w}: {r}-byte rings hold more than 768 MiB");
     }
+    assert_eq!(super::super::shared_pair_bytes(64), 4096 + 2 * (128 << 10));
     // A segment whose ring size is not ours is refused before anything is opened.
     let e = Segment::attach(std::process::id(), 0, &[0; 16], 3 << 10).err().unwrap();
     assert!(e.contains("ring size"), "{e}");
