@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use std::cell::{Cell, OnceCell};
 
-use tutti_runtime::window::{Offer, Spin, Window, LINE_BYTES, OFFER_LEN};
+use tutti_runtime::window::{Offer, ProcessState, Spin, Window, LINE_BYTES, OFFER_LEN};
 use tutti_runtime::wire::{Fingerprint, Header, MsgDesc, Tag, HEADER_LEN};
 use tutti_runtime::{Error as RtError, OpContext};
 
@@ -283,7 +283,7 @@ impl Direct {
         if self.wins[r].counter(counter) >= at_least {
             return Ok(());
         }
-        let alive = self.alive(call, r);
+        let alive = self.alive(call, r, || self.wins[r].counter(counter) >= at_least);
         let check = || {
             alive()?;
             if counter == POSTED {
@@ -298,11 +298,15 @@ impl Direct {
     /// What a wait on peer `r` asks between sleeps: the transport's failure, and the dead-peer
     /// rule for `r` (nothing is posted to it, so no operation applies the rule), timed from
     /// the first ask (after the spin) — from `r`'s link, or, where none is connected, from
-    /// what the kernel says of the process that owns `r`'s window.
+    /// what the kernel says of the process that owns `r`'s window. `met` says whether what
+    /// the wait needs is there: read again after the kernel said the process ended or
+    /// stopped (a peer that published it and then exited, which closed no link with us, is
+    /// no failure; an ended process writes nothing more, so a second look is final).
     fn alive<'c>(
         &'c self,
         call: &'c Call<'_>,
         r: usize,
+        met: impl Fn() -> bool + 'c,
     ) -> impl Fn() -> std::result::Result<(), RtError> + 'c {
         let (t, peer, since) = (call.group.transport(), call.global(r), OnceCell::new());
         let owner = self.wins[r].owner();
@@ -310,7 +314,13 @@ impl Direct {
             let since = *since.get_or_init(Instant::now);
             t.check_peer(peer, since)?;
             match owner {
-                Some(p) if !t.is_connected(peer) => t.check_process(peer, &p.state(), since),
+                Some(p) if !t.is_connected(peer) => {
+                    let state = p.state();
+                    if state != ProcessState::Running && met() {
+                        return Ok(());
+                    }
+                    t.check_process(peer, &state, since)
+                }
                 _ => Ok(()),
             }
         }
@@ -544,7 +554,7 @@ impl Direct {
     /// return where its data starts (valid until we publish *done* = `g`).
     fn line_read(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
         if self.wins[r].line_gen(s) < g {
-            let alive = self.alive(call, r);
+            let alive = self.alive(call, r, || self.wins[r].line_gen(s) >= g);
             let check = || {
                 alive()?;
                 self.buffer_call_at(call, r, g)
@@ -1092,6 +1102,67 @@ mod tests {
                 assert!(h.join().unwrap(), "rank 1's call must end with the abort");
             });
         }
+    }
+
+    /// A wait on a peer this rank has no link to learns from the kernel that the peer's
+    /// process ended (the windows' set-up connected only the links it used): 4 ranks as
+    /// threads, a pair never connected, and the one's window watched as if a child process
+    /// that is killed owned it. The other rank, waiting for it in a call, names it at the end
+    /// of the grace after the kill, well before the call's deadline.
+    #[test]
+    fn a_wait_without_a_link_learns_from_the_kernel_that_its_peer_ended() {
+        use tutti_runtime::testing::{groups, Kind};
+        use tutti_runtime::window::Process;
+        let gs = groups(Kind::Shm, 4).unwrap();
+        let comms: Vec<Comm> = gs.into_iter().map(Comm::new).collect();
+        // Set up direct reads; then find a pair that never connected.
+        std::thread::scope(|s| {
+            for c in &comms {
+                c.group().set_timeout(Duration::from_secs(30));
+                s.spawn(move || {
+                    c.with_algo(Algo::Direct).allreduce(&mut [1f32; 4], ReduceOp::Sum).unwrap()
+                });
+            }
+        });
+        let (w, v) = (0..4)
+            .flat_map(|a| (0..4).map(move |b| (a, b)))
+            .find(|&(a, b)| a != b && !comms[a].group().transport().is_connected(b))
+            .expect("a pair the set-up did not connect");
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        {
+            let mut st = comms[w].sel.direct.lock().unwrap();
+            let State::Ready(d) = &mut *st else { panic!("not set up") };
+            d.wins[v].watch_as_owner(Process::watch(child.id()).unwrap());
+        }
+        child.kill().unwrap();
+        // Rank w waits for rank v, which never comes (its thread makes no call); the others
+        // make the call too.
+        let start = Instant::now();
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .filter(|r| *r != v)
+                .map(|r| {
+                    let c = &comms[r];
+                    s.spawn(move || {
+                        c.with_algo(Algo::Direct)
+                            .allreduce(&mut [1f32; 4], ReduceOp::Sum)
+                            .unwrap_err()
+                            .to_string()
+                    })
+                })
+                .collect();
+            let got = hs.into_iter().map(|h| h.join().unwrap()).collect();
+            comms[v].group().abort("the test is done");
+            got
+        });
+        child.wait().unwrap();
+        let took = start.elapsed();
+        let mine = &errs[(0..4).filter(|r| *r != v).position(|r| r == w).unwrap()];
+        assert!(
+            mine.contains(&format!("rank {v}")) && mine.contains("seen by the kernel"),
+            "{mine}"
+        );
+        assert!(took < Duration::from_secs(10), "named after {took:?}");
     }
 
     #[test]

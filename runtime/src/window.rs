@@ -204,6 +204,14 @@ impl Window {
         Ok(Window { map, data_len, fd: None, owner: Some(owner) })
     }
 
+    /// Watch `owner` as this window's owner (tests: a real process that can be killed, where
+    /// the ranks are threads of one process).
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn watch_as_owner(&mut self, owner: Process) {
+        self.owner = Some(owner);
+    }
+
     /// The process that owns this window, for a window attached from a peer (`None` for this
     /// rank's own): whether it still runs tells a wait on the window whether to go on, where
     /// no link to the owner says it (see [`Process`]).
@@ -480,6 +488,8 @@ pub struct Process {
     last: Cell<Option<(Instant, Seen)>>,
     /// Since when the process has been seen stopped without a break.
     stopped: Cell<Option<Instant>>,
+    /// The first look that saw it ended (an end is final).
+    ended: Cell<Option<Instant>>,
 }
 
 /// What a look at a process found.
@@ -487,7 +497,8 @@ pub struct Process {
 enum Seen {
     Running,
     Stopped,
-    /// Gone from `/proc`, or a zombie (it exited or was killed; its parent has not reaped it).
+    /// Gone from `/proc`, or a zombie (it exited or was killed; its parent has not reaped it)
+    /// with no thread left.
     Ended,
     /// Its pid now names another process.
     Replaced,
@@ -508,8 +519,13 @@ pub enum ProcessState {
         /// The first look that saw it stopped.
         since: Instant,
     },
-    /// It ended: how it was seen to.
-    Ended(String),
+    /// It ended (or its pid now names another process).
+    Ended {
+        /// The first look that saw it ended.
+        since: Instant,
+        /// How it was seen to end.
+        how: String,
+    },
 }
 
 impl Process {
@@ -519,8 +535,17 @@ impl Process {
     /// When `/proc/<pid>/stat` cannot be read or parsed (no such process, another pid
     /// namespace).
     pub fn watch(pid: u32) -> Result<Process, String> {
-        let (_, start) = stat(pid).map_err(|e| format!("process {pid} cannot be watched: {e}"))?;
-        Ok(Process { pid, start, last: Cell::new(None), stopped: Cell::new(None) })
+        let (_, start) = stat(pid).map_err(|e| match e {
+            Stat::Gone => format!("process {pid} cannot be watched: no such process"),
+            Stat::Unreadable => format!("process {pid} cannot be watched: /proc/{pid}/stat"),
+        })?;
+        Ok(Process {
+            pid,
+            start,
+            last: Cell::new(None),
+            stopped: Cell::new(None),
+            ended: Cell::new(None),
+        })
     }
 
     /// The process id.
@@ -529,17 +554,24 @@ impl Process {
     }
 
     /// What the kernel says of the process now (read at most every few milliseconds; between
-    /// reads, the last answer).
+    /// reads, the last answer). Only a process gone from `/proc` (or replaced, or a zombie
+    /// with no thread left) reads as ended: a read that fails otherwise (no descriptor left
+    /// to open the file, say) keeps the last answer.
     pub fn state(&self) -> ProcessState {
         let now = Instant::now();
         let seen = match self.last.get() {
             Some((at, seen)) if now.saturating_duration_since(at) < LOOK_EVERY => seen,
-            _ => {
+            last => {
+                let was = last.map_or(Seen::Running, |(_, seen)| seen);
                 let seen = match stat(self.pid) {
+                    _ if matches!(was, Seen::Ended | Seen::Replaced) => was,
                     Ok((_, start)) if start != self.start => Seen::Replaced,
                     Ok(('T' | 't', _)) => Seen::Stopped,
-                    Ok(('Z' | 'X' | 'x', _)) | Err(_) => Seen::Ended,
+                    // A zombie leader whose other threads still run is a live process.
+                    Ok(('Z' | 'X' | 'x', _)) if !threads_left(self.pid) => Seen::Ended,
                     Ok(_) => Seen::Running,
+                    Err(Stat::Gone) => Seen::Ended,
+                    Err(Stat::Unreadable) => was,
                 };
                 self.last.set(Some((now, seen)));
                 seen
@@ -555,20 +587,45 @@ impl Process {
                 self.stopped.set(Some(since));
                 ProcessState::Stopped { since }
             }
-            Seen::Ended => ProcessState::Ended(format!("process {} ended", self.pid)),
-            Seen::Replaced => ProcessState::Ended(format!(
-                "process {} ended (its pid now names another process)",
-                self.pid
-            )),
+            Seen::Ended | Seen::Replaced => {
+                let since = self.ended.get().unwrap_or(now);
+                self.ended.set(Some(since));
+                let how = if seen == Seen::Ended {
+                    format!("process {} ended", self.pid)
+                } else {
+                    format!("process {} ended (its pid now names another process)", self.pid)
+                };
+                ProcessState::Ended { since, how }
+            }
         }
     }
+}
+
+/// Why `/proc/<pid>/stat` gave no answer.
+enum Stat {
+    /// No such process (gone from `/proc`).
+    Gone,
+    /// Any other failure (no descriptor left, an unexpected format): says nothing of the
+    /// process.
+    Unreadable,
+}
+
+/// Whether process `pid` still has a thread other than its (zombie) leader.
+fn threads_left(pid: u32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|d| d.take(2).count() > 1)
 }
 
 /// The state letter and the start time (clock ticks since boot) of process `pid`, from
 /// `/proc/<pid>/stat`: `pid (comm) S ppid … starttime …`, where `comm` may hold spaces and
 /// parentheses, so the fields are counted after its last `)`.
-fn stat(pid: u32) -> Result<(char, u64), String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| e.to_string())?;
+fn stat(pid: u32) -> Result<(char, u64), Stat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) {
+            Stat::Gone
+        } else {
+            Stat::Unreadable
+        }
+    })?;
     let rest = text.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
     let mut fields = rest.split_whitespace();
     let state = fields.next().and_then(|f| f.chars().next());
@@ -576,7 +633,7 @@ fn stat(pid: u32) -> Result<(char, u64), String> {
     let start = fields.nth(18).and_then(|f| f.parse::<u64>().ok());
     match (state, start) {
         (Some(s), Some(t)) => Ok((s, t)),
-        _ => Err(format!("/proc/{pid}/stat could not be parsed")),
+        _ => Err(Stat::Unreadable),
     }
 }
 
@@ -723,20 +780,30 @@ mod tests {
         assert_eq!(until(&p, |s| *s == ProcessState::Running), ProcessState::Running);
         // Killed and not reaped (a zombie), then reaped (gone from /proc): ended both times.
         child.kill().unwrap();
-        let st = until(&p, |s| matches!(s, ProcessState::Ended(_)));
-        assert!(
-            matches!(&st, ProcessState::Ended(how) if how.contains(&pid.to_string())),
-            "{st:?}"
-        );
+        let st = until(&p, |s| matches!(s, ProcessState::Ended { .. }));
+        let ProcessState::Ended { since, how } = st else { panic!("{st:?}") };
+        assert!(how.contains(&pid.to_string()), "{how}");
+        // Reaped (gone from /proc): still ended, since the first look that saw it.
         child.wait().unwrap();
         std::thread::sleep(LOOK_EVERY * 2);
-        assert!(matches!(p.state(), ProcessState::Ended(_)));
+        assert!(matches!(p.state(), ProcessState::Ended { since: s, .. } if s == since));
         // A pid that names a process started at another time is not the one watched.
         let me = Process::watch(std::process::id()).unwrap();
-        let other = Process { start: me.start + 1, ..me };
+        let other = Process { start: me.start + 1, ..Process::watch(me.pid).unwrap() };
         assert!(
-            matches!(other.state(), ProcessState::Ended(how) if how.contains("another process"))
+            matches!(other.state(), ProcessState::Ended { how, .. } if how.contains("another process"))
         );
         assert!(Process::watch(u32::MAX).is_err());
+        // The start time is the right field: clock ticks since boot, the child's after ours,
+        // both within the last ten minutes (this test's process is that young).
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let uptime = std::fs::read_to_string("/proc/uptime").unwrap();
+        let up: f64 = uptime.split(' ').next().unwrap().parse().unwrap();
+        assert!(p.start >= me.start, "{} before {}", p.start, me.start);
+        for t in [me.start, p.start] {
+            let secs = t as f64 / hz;
+            assert!(secs <= up + 1.0 && secs >= up - 600.0, "start {secs} s, uptime {up} s");
+        }
     }
 }

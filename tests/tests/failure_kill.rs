@@ -212,7 +212,9 @@ fn a_stopped_store_does_not_hold_a_failed_call_whose_rank_has_links_to_connect()
 fn a_rank_that_a_survivor_has_no_link_to_is_named_when_killed_or_stopped() {
     let n = 4;
     let start = || {
-        let job = LiveJob::start(Path::new(EXE), &["loop"], n, &[]);
+        // Direct reads forced: whatever the machine's cores, the job's links are the set-up's.
+        let job =
+            LiveJob::start(Path::new(EXE), &["loop"], n, &[("TUTTI_ALGO", "allreduce:direct")]);
         assert!(job.wait_all("READY", Duration::from_secs(60)), "the job did not start");
         // (survivor, victim): a pair never connected.
         let pair = (0..n).find_map(|s| {

@@ -810,6 +810,11 @@ impl Core {
     /// not even a keep-alive, came from it for `dead_after` since the later of its last
     /// traffic and `since` — the rule [`Core::poll_wait`] applies, only once anything at all
     /// came from it, and not while the link is parked. Returns whether the link failed now.
+    /// The dead-peer limit (`LinkConfig::dead_after`).
+    pub(crate) fn dead_after(&self) -> Duration {
+        self.cfg.dead_after
+    }
+
     pub(crate) fn check_silent(&mut self, peer: usize, since: Instant, now: Instant) -> bool {
         // A parked link holds a message nobody asked for yet in front of whatever came after
         // it (keep-alives included): its silence says nothing.
@@ -971,27 +976,8 @@ impl Core {
     /// `peer`'s link failed. After the peer's close frame an end of stream is the normal end;
     /// otherwise every operation with the peer fails naming it and the transport is poisoned.
     pub(crate) fn link_failed(&mut self, peer: usize, f: LinkFail) {
-        self.fail_link(peer, f, false);
-    }
-
-    /// `peer`'s process is known gone (ended, or stopped past the dead-peer limit), seen by
-    /// the kernel rather than on a link (a wait on its memory): fail its link as
-    /// [`Core::link_failed`] does, also when it was never connected.
-    pub(crate) fn peer_process_gone(&mut self, peer: usize, f: LinkFail) {
-        self.fail_link(peer, f, true);
-    }
-
-    /// The dead-peer limit (`LinkConfig::dead_after`).
-    pub(crate) fn dead_after(&self) -> Duration {
-        self.cfg.dead_after
-    }
-
-    fn fail_link(&mut self, peer: usize, f: LinkFail, unconnected_too: bool) {
         let l = &mut self.links[peer];
-        // A link never connected (nor known gone) fails too when the kernel says its peer's
-        // process is gone.
-        let unconnected = unconnected_too && !l.gone;
-        if !l.up && !l.pending && !unconnected {
+        if !l.up && !l.pending {
             return;
         }
         // A pending link fails when connecting it failed, or when its peer is known gone

@@ -45,6 +45,12 @@ pub(crate) enum Mode {
     Shutdown,
 }
 
+/// How long after a look first saw a peer's process ended [`Engine::check_process`] declares
+/// it lost: time for the abort of a rank that failed and then exited to arrive through the
+/// ranks linked to it (which pass it on within milliseconds), so that the abort's reason, not
+/// the exit, is what every rank reports. A killed rank is still named far within a second.
+pub(crate) const ENDED_GRACE: Duration = Duration::from_millis(100);
+
 /// How one transport moves bytes: sockets, system calls and the protocol below the frames.
 /// Never blocks; the engine sleeps on the descriptors it names.
 pub(crate) trait Driver: Send + 'static {
@@ -560,7 +566,7 @@ impl<D: Driver> Engine<D> {
     }
 
     /// [`Transport::check_process`]: the dead-peer rule from what the kernel says of `peer`'s
-    /// process.
+    /// process (an end counts once a look saw it [`ENDED_GRACE`] ago).
     pub(crate) fn check_process(
         &self,
         peer: usize,
@@ -575,10 +581,17 @@ impl<D: Driver> Engine<D> {
             let now = Instant::now();
             let fail = match state {
                 ProcessState::Running => None,
-                ProcessState::Ended(how) => Some(LinkFail::Lost(format!(
-                    "rank {peer}'s {how} (seen by the kernel while this rank waited on its \
-                     memory)"
-                ))),
+                // Not at once: a rank that failed and then exited sent its abort to the ranks
+                // linked to it, and the abort they pass on names what went wrong, not the
+                // exit it led to.
+                ProcessState::Ended { since: ended, how } => {
+                    (now.saturating_duration_since(*ended) >= ENDED_GRACE).then(|| {
+                        LinkFail::Lost(format!(
+                            "rank {peer}'s {how} (seen by the kernel while this rank waited on \
+                             its memory)"
+                        ))
+                    })
+                }
                 ProcessState::Stopped { since: stopped } => {
                     let quiet = now.saturating_duration_since((*stopped).max(since));
                     (quiet >= s.core.dead_after()).then(|| {
@@ -591,7 +604,9 @@ impl<D: Driver> Engine<D> {
                 }
             };
             if let Some(f) = fail {
-                s.core.peer_process_gone(peer, f);
+                // A link never connected is pending (links connect on first use): it fails as
+                // one whose connecting failed.
+                s.core.link_failed(peer, f);
                 s.flush_all(now);
                 failed = true;
             }

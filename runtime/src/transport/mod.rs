@@ -393,11 +393,14 @@ pub trait Transport: Send + Sync {
 
     /// For a wait on `peer`'s memory (direct reads) with no link to `peer` connected, which
     /// would tell: the dead-peer rule from what the kernel says of its process (`state`, of the
-    /// owner of `peer`'s [window](crate::window::Window::owner)). Ended: `peer` is lost at once;
-    /// stopped for the dead-peer limit since the later of the first look that saw it stopped
-    /// and `since`: lost as a silent peer. Either fails the transport as a lost link does:
-    /// operations with `peer` name it, the transport is poisoned, the connected peers are
-    /// told. Then report the transport's failure.
+    /// owner of `peer`'s [window](crate::window::Window::owner)). Ended, 100 ms after the first
+    /// look that saw it (time for the abort of a rank that failed and then exited to arrive
+    /// through other ranks and name the real cause): `peer` is lost; stopped for the
+    /// dead-peer limit since the later of the first look that saw it stopped and `since`: lost
+    /// as a silent peer. Either fails the transport as a lost link does: operations with `peer`
+    /// name it, the transport is poisoned, the connected peers are told. Then report the
+    /// transport's failure. A caller that read an end looks again at what it waits for first:
+    /// a peer that published it and then exited is no failure.
     ///
     /// # Errors
     /// The error that poisoned the transport (this peer's loss, or any earlier failure).
