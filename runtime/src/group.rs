@@ -31,7 +31,8 @@ pub struct Group {
 }
 
 struct GroupInner {
-    transport: Arc<dyn Transport>,
+    /// Dropped by hand, under the launcher's lock (see the `Drop` below).
+    transport: std::mem::ManuallyDrop<Arc<dyn Transport>>,
     id: u32,
     members: Vec<usize>,
     rank: usize,
@@ -55,6 +56,19 @@ impl std::fmt::Debug for Group {
     }
 }
 
+impl Drop for GroupInner {
+    fn drop(&mut self) {
+        // The launcher's notice reader holds a transport for a moment while it fails it; had
+        // it the last reference then, the transport would shut down on that thread (its close
+        // frames, its abort note) while this one returned and could end the process first.
+        // Under the lock, the reader either is done with it or cannot take it any more, so
+        // the last group to go shuts the transport down on its own thread.
+        let _held = crate::rendezvous::launcher::hold();
+        // SAFETY: the field is not used again: this is the group's drop.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.transport) };
+    }
+}
+
 impl Group {
     /// The world group over `transport`: every rank of the job, id 0.
     pub fn new(transport: Arc<dyn Transport>) -> Group {
@@ -70,7 +84,7 @@ impl Group {
         let rank = transport.rank();
         Group {
             inner: Arc::new(GroupInner {
-                transport,
+                transport: std::mem::ManuallyDrop::new(transport),
                 id: 0,
                 members: (0..n).collect(),
                 rank,

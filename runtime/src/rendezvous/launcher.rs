@@ -60,6 +60,17 @@ struct Watcher {
 
 static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
 
+/// Held while a notice is applied (the reader holds strong references to the transports it
+/// fails) and while a group drops its transport ([`hold`]): so the reader is never the last
+/// to let a transport go, and a transport shuts down on the thread that dropped its last group.
+static APPLYING: Mutex<()> = Mutex::new(());
+
+/// Wait for a notice being applied, and keep the next one out while the guard lives (a group
+/// dropping its transport).
+pub(crate) fn hold() -> std::sync::MutexGuard<'static, ()> {
+    APPLYING.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Start reading the launcher's notices on `fd`, before any transport exists (the first
 /// connect calls it first thing), so a notice is stamped when it comes, not when a transport
 /// is finally there to fail. The first call starts the reader thread (and marks `fd`
@@ -189,6 +200,8 @@ fn apply(line: &[u8]) {
         return;
     };
     ENDED.lock().unwrap_or_else(|p| p.into_inner()).push((rank, what.clone(), Instant::now()));
+    // Until the strong references below are dropped (see `APPLYING`).
+    let _held = hold();
     let live: Vec<(Arc<dyn Transport>, Option<usize>)> = {
         let w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
         w.as_ref().map_or_else(Vec::new, |w| {

@@ -553,7 +553,13 @@ impl<D: Driver> Engine<D> {
                 s.flush_all(now);
             }
         }
-        let r = match s.core.poisoned() {
+        self.report(guard, failed)
+    }
+
+    /// The end of a dead-peer check: the transport's failure, if any; when the check failed a
+    /// link (`failed`), the waiters and the sleeping driver are woken once the lock is let go.
+    fn report(&self, guard: MutexGuard<'_, State<D>>, failed: bool) -> Result<()> {
+        let r = match guard.core.poisoned() {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         };
@@ -577,6 +583,12 @@ impl<D: Driver> Engine<D> {
         let mut guard = self.lock();
         let s = &mut *guard;
         let mut failed = false;
+        if peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
+            // First what the other links brought: with no link to `peer`, an abort about it
+            // comes from the ranks linked to it, and an idle rank's background thread reads
+            // shared-memory links only on its schedule.
+            self.pass(s, Mode::Idle, Instant::now());
+        }
         if peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
             let now = Instant::now();
             let fail = match state {
@@ -611,16 +623,7 @@ impl<D: Driver> Engine<D> {
                 failed = true;
             }
         }
-        let r = match s.core.poisoned() {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        };
-        drop(guard);
-        if failed {
-            self.ended.notify_all();
-            self.pipe.wake();
-        }
-        r
+        self.report(guard, failed)
     }
 
     pub(crate) fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
