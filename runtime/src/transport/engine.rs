@@ -583,10 +583,11 @@ impl<D: Driver> Engine<D> {
         let mut guard = self.lock();
         let s = &mut *guard;
         let mut failed = false;
-        if peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
-            // First what the other links brought: with no link to `peer`, an abort about it
-            // comes from the ranks linked to it, and an idle rank's background thread reads
-            // shared-memory links only on its schedule.
+        let gone = !matches!(state, ProcessState::Running);
+        if gone && peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
+            // First what the other links brought: with no link to `peer`, an abort about its
+            // end comes from the ranks linked to it, and an idle rank's background thread
+            // reads shared-memory links only on its schedule.
             self.pass(s, Mode::Idle, Instant::now());
         }
         if peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
