@@ -61,11 +61,24 @@ impl Drop for GroupInner {
         // The launcher's notice reader holds a transport for a moment while it fails it; had
         // it the last reference then, the transport would shut down on that thread (its close
         // frames, its abort note) while this one returned and could end the process first.
-        // Under the lock, the reader either is done with it or cannot take it any more, so
-        // the last group to go shuts the transport down on its own thread.
-        let _held = crate::rendezvous::launcher::hold();
-        // SAFETY: the field is not used again: this is the group's drop.
-        unsafe { std::mem::ManuallyDrop::drop(&mut self.transport) };
+        // Under the reader's lock (it is not holding any transport then), a group that is not
+        // the last holder only lets its reference go, and the last one takes the transport
+        // out of the reader's list, so the reader cannot take it again; the shutdown itself
+        // runs after the lock, on this thread (it may take seconds, and may run Python code
+        // that drops other groups).
+        // SAFETY: taken once, in the group's drop; the field is not used again.
+        let t = unsafe { std::mem::ManuallyDrop::take(&mut self.transport) };
+        let last = {
+            let _held = crate::rendezvous::launcher::hold();
+            if Arc::strong_count(&t) > 1 {
+                drop(t);
+                None
+            } else {
+                crate::rendezvous::launcher::forget(&t);
+                Some(t)
+            }
+        };
+        drop(last);
     }
 }
 

@@ -537,7 +537,7 @@ impl Process {
     pub fn watch(pid: u32) -> Result<Process, String> {
         let (_, start) = stat(pid).map_err(|e| match e {
             Stat::Gone => format!("process {pid} cannot be watched: no such process"),
-            Stat::Unreadable => format!("process {pid} cannot be watched: /proc/{pid}/stat"),
+            Stat::Unreadable(e) => format!("process {pid} cannot be watched: {e}"),
         })?;
         Ok(Process {
             pid,
@@ -561,17 +561,18 @@ impl Process {
         let now = Instant::now();
         let seen = match self.last.get() {
             Some((at, seen)) if now.saturating_duration_since(at) < LOOK_EVERY => seen,
+            // An end is final: no more reads.
+            Some((_, seen @ (Seen::Ended | Seen::Replaced))) => seen,
             last => {
                 let was = last.map_or(Seen::Running, |(_, seen)| seen);
                 let seen = match stat(self.pid) {
-                    _ if matches!(was, Seen::Ended | Seen::Replaced) => was,
                     Ok((_, start)) if start != self.start => Seen::Replaced,
                     Ok(('T' | 't', _)) => Seen::Stopped,
                     // A zombie leader whose other threads still run is a live process.
                     Ok(('Z' | 'X' | 'x', _)) if !threads_left(self.pid) => Seen::Ended,
                     Ok(_) => Seen::Running,
                     Err(Stat::Gone) => Seen::Ended,
-                    Err(Stat::Unreadable) => was,
+                    Err(Stat::Unreadable(_)) => was,
                 };
                 self.last.set(Some((now, seen)));
                 seen
@@ -607,7 +608,7 @@ enum Stat {
     Gone,
     /// Any other failure (no descriptor left, an unexpected format): says nothing of the
     /// process.
-    Unreadable,
+    Unreadable(String),
 }
 
 /// Whether process `pid` still has a thread other than its (zombie) leader.
@@ -623,7 +624,7 @@ fn stat(pid: u32) -> Result<(char, u64), Stat> {
         if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) {
             Stat::Gone
         } else {
-            Stat::Unreadable
+            Stat::Unreadable(e.to_string())
         }
     })?;
     let rest = text.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
@@ -633,7 +634,7 @@ fn stat(pid: u32) -> Result<(char, u64), Stat> {
     let start = fields.nth(18).and_then(|f| f.parse::<u64>().ok());
     match (state, start) {
         (Some(s), Some(t)) => Ok((s, t)),
-        _ => Err(Stat::Unreadable),
+        _ => Err(Stat::Unreadable(format!("/proc/{pid}/stat could not be parsed"))),
     }
 }
 

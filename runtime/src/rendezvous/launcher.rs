@@ -66,9 +66,18 @@ static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
 static APPLYING: Mutex<()> = Mutex::new(());
 
 /// Wait for a notice being applied, and keep the next one out while the guard lives (a group
-/// dropping its transport).
+/// letting its transport go).
 pub(crate) fn hold() -> std::sync::MutexGuard<'static, ()> {
     APPLYING.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Stop watching `transport` (its last group is going): the reader cannot take it any more.
+pub(crate) fn forget(transport: &Arc<dyn Transport>) {
+    let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = w.as_mut() {
+        let gone = Arc::as_ptr(transport);
+        w.transports.retain(|(t, _)| !std::ptr::addr_eq(t.as_ptr(), gone));
+    }
 }
 
 /// Start reading the launcher's notices on `fd`, before any transport exists (the first
