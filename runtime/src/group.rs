@@ -31,7 +31,7 @@ pub struct Group {
 }
 
 struct GroupInner {
-    /// Dropped by hand, under the launcher's lock (see the `Drop` below).
+    /// Let go of through the launcher (see the `Drop` below).
     transport: std::mem::ManuallyDrop<Arc<dyn Transport>>,
     id: u32,
     members: Vec<usize>,
@@ -61,24 +61,11 @@ impl Drop for GroupInner {
         // The launcher's notice reader holds a transport for a moment while it fails it; had
         // it the last reference then, the transport would shut down on that thread (its close
         // frames, its abort note) while this one returned and could end the process first.
-        // Under the reader's lock (it is not holding any transport then), a group that is not
-        // the last holder only lets its reference go, and the last one takes the transport
-        // out of the reader's list, so the reader cannot take it again; the shutdown itself
-        // runs after the lock, on this thread (it may take seconds, and may run Python code
-        // that drops other groups).
+        // The last group's reference comes back from `release` and the transport shuts down
+        // here, on this thread.
         // SAFETY: taken once, in the group's drop; the field is not used again.
         let t = unsafe { std::mem::ManuallyDrop::take(&mut self.transport) };
-        let last = {
-            let _held = crate::rendezvous::launcher::hold();
-            if Arc::strong_count(&t) > 1 {
-                drop(t);
-                None
-            } else {
-                crate::rendezvous::launcher::forget(&t);
-                Some(t)
-            }
-        };
-        drop(last);
+        drop(crate::rendezvous::launcher::release(t));
     }
 }
 

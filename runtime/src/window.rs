@@ -484,12 +484,10 @@ pub struct Process {
     pid: u32,
     start: u64,
     /// The last look: when, and what it found (the kernel is asked at most every
-    /// [`LOOK_EVERY`]).
+    /// [`LOOK_EVERY`], and no more once it found an end).
     last: Cell<Option<(Instant, Seen)>>,
     /// Since when the process has been seen stopped without a break.
     stopped: Cell<Option<Instant>>,
-    /// The first look that saw it ended (an end is final).
-    ended: Cell<Option<Instant>>,
 }
 
 /// What a look at a process found.
@@ -539,13 +537,7 @@ impl Process {
             Stat::Gone => format!("process {pid} cannot be watched: no such process"),
             Stat::Unreadable(e) => format!("process {pid} cannot be watched: {e}"),
         })?;
-        Ok(Process {
-            pid,
-            start,
-            last: Cell::new(None),
-            stopped: Cell::new(None),
-            ended: Cell::new(None),
-        })
+        Ok(Process { pid, start, last: Cell::new(None), stopped: Cell::new(None) })
     }
 
     /// The process id.
@@ -559,10 +551,11 @@ impl Process {
     /// to open the file, say) keeps the last answer.
     pub fn state(&self) -> ProcessState {
         let now = Instant::now();
-        let seen = match self.last.get() {
-            Some((at, seen)) if now.saturating_duration_since(at) < LOOK_EVERY => seen,
+        // `at`: when the look that found `seen` was made (an end's stays its first look's).
+        let (at, seen) = match self.last.get() {
+            Some((at, seen)) if now.saturating_duration_since(at) < LOOK_EVERY => (at, seen),
             // An end is final: no more reads.
-            Some((_, seen @ (Seen::Ended | Seen::Replaced))) => seen,
+            Some(end @ (_, Seen::Ended | Seen::Replaced)) => end,
             last => {
                 let was = last.map_or(Seen::Running, |(_, seen)| seen);
                 let seen = match stat(self.pid) {
@@ -575,7 +568,7 @@ impl Process {
                     Err(Stat::Unreadable(_)) => was,
                 };
                 self.last.set(Some((now, seen)));
-                seen
+                (now, seen)
             }
         };
         if seen != Seen::Stopped {
@@ -589,14 +582,12 @@ impl Process {
                 ProcessState::Stopped { since }
             }
             Seen::Ended | Seen::Replaced => {
-                let since = self.ended.get().unwrap_or(now);
-                self.ended.set(Some(since));
                 let how = if seen == Seen::Ended {
                     format!("process {} ended", self.pid)
                 } else {
                     format!("process {} ended (its pid now names another process)", self.pid)
                 };
-                ProcessState::Ended { since, how }
+                ProcessState::Ended { since: at, how }
             }
         }
     }

@@ -61,23 +61,29 @@ struct Watcher {
 static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
 
 /// Held while a notice is applied (the reader holds strong references to the transports it
-/// fails) and while a group drops its transport ([`hold`]): so the reader is never the last
-/// to let a transport go, and a transport shuts down on the thread that dropped its last group.
+/// fails) and while a group lets its reference go ([`release`]): so the reader is never the
+/// last to let a transport go, and a transport shuts down on the thread that dropped its last
+/// group.
 static APPLYING: Mutex<()> = Mutex::new(());
 
-/// Wait for a notice being applied, and keep the next one out while the guard lives (a group
-/// letting its transport go).
-pub(crate) fn hold() -> std::sync::MutexGuard<'static, ()> {
-    APPLYING.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Stop watching `transport` (its last group is going): the reader cannot take it any more.
-pub(crate) fn forget(transport: &Arc<dyn Transport>) {
+/// A group lets go of its `transport`: under the reader's lock (no notice is being applied,
+/// so no reference of the reader's is alive), a reference that is not the last is dropped; the
+/// last one is taken off the reader's list, so the reader cannot take it again, and returned,
+/// for the caller to drop (to shut the transport down) outside the lock, which that may hold
+/// for seconds (and may run Python code that drops other groups).
+pub(crate) fn release(transport: Arc<dyn Transport>) -> Option<Arc<dyn Transport>> {
+    let _held = APPLYING.lock().unwrap_or_else(|p| p.into_inner());
+    if Arc::strong_count(&transport) > 1 {
+        // Under the lock: two groups letting go at once see each other's reference.
+        drop(transport);
+        return None;
+    }
     let mut w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(w) = w.as_mut() {
-        let gone = Arc::as_ptr(transport);
+        let gone = Arc::as_ptr(&transport);
         w.transports.retain(|(t, _)| !std::ptr::addr_eq(t.as_ptr(), gone));
     }
+    Some(transport)
 }
 
 /// Start reading the launcher's notices on `fd`, before any transport exists (the first
@@ -210,7 +216,7 @@ fn apply(line: &[u8]) {
     };
     ENDED.lock().unwrap_or_else(|p| p.into_inner()).push((rank, what.clone(), Instant::now()));
     // Until the strong references below are dropped (see `APPLYING`).
-    let _held = hold();
+    let _held = APPLYING.lock().unwrap_or_else(|p| p.into_inner());
     let live: Vec<(Arc<dyn Transport>, Option<usize>)> = {
         let w = WATCHER.lock().unwrap_or_else(|p| p.into_inner());
         w.as_ref().map_or_else(Vec::new, |w| {

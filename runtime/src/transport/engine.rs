@@ -583,40 +583,37 @@ impl<D: Driver> Engine<D> {
         let mut guard = self.lock();
         let s = &mut *guard;
         let mut failed = false;
+        let fail = |s: &State<D>, now: Instant| match state {
+            ProcessState::Running => None,
+            // Not at once: a rank that failed and then exited sent its abort to the ranks
+            // linked to it, and the abort they pass on names what went wrong, not the exit it
+            // led to.
+            ProcessState::Ended { since: ended, how } => {
+                (now.saturating_duration_since(*ended) >= ENDED_GRACE).then(|| {
+                    LinkFail::Lost(format!(
+                        "rank {peer}'s {how} (seen by the kernel while this rank waited on its \
+                         memory)"
+                    ))
+                })
+            }
+            ProcessState::Stopped { since: stopped } => {
+                let quiet = now.saturating_duration_since((*stopped).max(since));
+                (quiet >= s.core.dead_after()).then(|| {
+                    LinkFail::Silent(format!(
+                        "rank {peer}'s process has been stopped (SIGSTOP, or a debugger) for \
+                         {quiet:.1?}, seen by the kernel while this rank waited on its memory"
+                    ))
+                })
+            }
+        };
         let gone = !matches!(state, ProcessState::Running);
         if gone && peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
             // First what the other links brought: with no link to `peer`, an abort about its
             // end comes from the ranks linked to it, and an idle rank's background thread
             // reads shared-memory links only on its schedule.
-            self.pass(s, Mode::Idle, Instant::now());
-        }
-        if peer < self.world && peer != self.rank && s.core.poisoned().is_none() {
             let now = Instant::now();
-            let fail = match state {
-                ProcessState::Running => None,
-                // Not at once: a rank that failed and then exited sent its abort to the ranks
-                // linked to it, and the abort they pass on names what went wrong, not the
-                // exit it led to.
-                ProcessState::Ended { since: ended, how } => {
-                    (now.saturating_duration_since(*ended) >= ENDED_GRACE).then(|| {
-                        LinkFail::Lost(format!(
-                            "rank {peer}'s {how} (seen by the kernel while this rank waited on \
-                             its memory)"
-                        ))
-                    })
-                }
-                ProcessState::Stopped { since: stopped } => {
-                    let quiet = now.saturating_duration_since((*stopped).max(since));
-                    (quiet >= s.core.dead_after()).then(|| {
-                        LinkFail::Silent(format!(
-                            "rank {peer}'s process has been stopped (SIGSTOP, or a debugger) \
-                             for {quiet:.1?}, seen by the kernel while this rank waited on its \
-                             memory"
-                        ))
-                    })
-                }
-            };
-            if let Some(f) = fail {
+            self.pass(s, Mode::Idle, now);
+            if let Some(f) = fail(s, now).filter(|_| s.core.poisoned().is_none()) {
                 // A link never connected is pending (links connect on first use): it fails as
                 // one whose connecting failed.
                 s.core.link_failed(peer, f);
