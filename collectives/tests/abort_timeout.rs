@@ -8,7 +8,7 @@ use tutti_runtime::testing::{groups, Kind};
 
 #[test]
 fn abort_during_a_256_mib_allreduce_returns_within_a_second_everywhere() {
-    for kind in [Kind::Mem, Kind::Tcp, Kind::Shm, Kind::Quic] {
+    for kind in [Kind::Mem, Kind::Tcp, Kind::Shm, Kind::Quic, Kind::QuicShm] {
         let gs = groups(kind, 4).unwrap();
         let aborter = gs[1].clone();
         let abort_at = std::sync::Mutex::new(None);
@@ -52,7 +52,7 @@ fn abort_during_a_256_mib_allreduce_returns_within_a_second_everywhere() {
 
 #[test]
 fn short_timeout_fires_after_a_successful_operation() {
-    for kind in [Kind::Mem, Kind::Tcp, Kind::Shm, Kind::Quic] {
+    for kind in [Kind::Mem, Kind::Tcp, Kind::Shm, Kind::Quic, Kind::QuicShm] {
         let gs = groups(kind, 2).unwrap();
         std::thread::scope(|s| {
             for g in gs {

@@ -72,6 +72,10 @@ macro_rules! both {
             fn quic() {
                 ($body)(Kind::Quic)
             }
+            #[test]
+            fn quic_shm() {
+                ($body)(Kind::QuicShm)
+            }
         }
     };
 }

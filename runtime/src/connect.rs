@@ -186,10 +186,10 @@ pub(crate) fn open_transport(
         TransportKind::Quic => {
             let t = crate::transport::quic::QuicTransport::connect_as(
                 &id,
-                store.as_ref(),
+                store.clone(),
                 &link,
                 &opts.quic,
-                None,
+                crate::transport::quic::Start::default(),
                 watch,
             )?;
             info!(rank, world, local = %t.local_addr(), store = %store.describe(), "rendezvous complete (quic)");

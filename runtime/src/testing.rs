@@ -27,9 +27,14 @@ pub enum Kind {
     /// As [`Kind::Shm`], with the full mesh connected at start-up (`LinkConfig::lazy` off);
     /// the other TCP kinds connect each pair on first use.
     Eager,
-    /// QUIC over 127.0.0.1.
+    /// QUIC over 127.0.0.1, every pair on QUIC (`LinkConfig::shm` off).
     #[cfg(feature = "quic")]
     Quic,
+    /// A QUIC job whose ranks play two hosts ([`quic_hosts_world`]): the first half of the
+    /// ranks one, the rest the other. Pairs of one host go through shared memory (connected on
+    /// first use), the others through QUIC over 127.0.0.1.
+    #[cfg(feature = "quic")]
+    QuicShm,
 }
 
 /// A job of `n` ranks on 127.0.0.1, all in this process: one token-authenticated store (port
@@ -90,7 +95,8 @@ pub fn shm_world(n: usize, cfg: &LinkConfig) -> Result<(Vec<TcpTransport>, Arc<S
     job(n, &LinkConfig { shm: true, ..cfg.clone() }, TcpTransport::connect)
 }
 
-/// A QUIC job of `n` ranks on 127.0.0.1, all in this process.
+/// A QUIC job of `n` ranks on 127.0.0.1, all in this process, every pair on QUIC
+/// (`LinkConfig::shm` off: with it on, ranks of one host link through shared memory).
 ///
 /// # Errors
 /// Any rendezvous failure.
@@ -100,8 +106,30 @@ pub fn quic_world(
     cfg: &LinkConfig,
 ) -> Result<Vec<crate::transport::quic::QuicTransport>> {
     let quic = crate::transport::QuicConfig::default();
-    Ok(job(n, cfg, |id, store, cfg| {
-        crate::transport::quic::QuicTransport::connect(id, store.as_ref(), cfg, &quic)
+    Ok(job(n, &LinkConfig { shm: false, ..cfg.clone() }, |id, store, cfg| {
+        crate::transport::quic::QuicTransport::connect(id, store, cfg, &quic)
+    })?
+    .0)
+}
+
+/// A QUIC job of `n` ranks on 127.0.0.1 with shared memory on, whose rank `r` says it runs on
+/// host `host(r)` (a host id of its own per value): pairs that say the same host link through
+/// shared memory, the others through QUIC — a job across hosts, in one process.
+///
+/// # Errors
+/// Any rendezvous failure.
+#[cfg(feature = "quic")]
+pub fn quic_hosts_world(
+    n: usize,
+    cfg: &LinkConfig,
+    host: impl Fn(usize) -> u8 + Sync,
+) -> Result<Vec<crate::transport::quic::QuicTransport>> {
+    use crate::transport::quic::{QuicTransport, Start};
+    let quic = crate::transport::QuicConfig::default();
+    let cfg = LinkConfig { shm: true, ..cfg.clone() };
+    Ok(job(n, &cfg, |id, store, cfg| {
+        let start = Start { loopback: None, host: Some([host(id.rank); 32]) };
+        QuicTransport::connect_as(id, store, cfg, &quic, start, crate::transport::Watch::NONE)
     })?
     .0)
 }
@@ -170,6 +198,15 @@ pub fn world(kind: Kind, n: usize) -> Result<Vec<Arc<dyn Transport>>> {
                 LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
             quic_world(n, &cfg)?.into_iter().map(|t| Arc::new(t) as Arc<dyn Transport>).collect()
         }
+        #[cfg(feature = "quic")]
+        Kind::QuicShm => {
+            let cfg =
+                LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
+            quic_hosts_world(n, &cfg, |r| (r / 2) as u8)?
+                .into_iter()
+                .map(|t| Arc::new(t) as Arc<dyn Transport>)
+                .collect()
+        }
     })
 }
 
@@ -204,6 +241,8 @@ pub fn ranks_here<T: Send>(
         Kind::Eager => "shared memory (full mesh)",
         #[cfg(feature = "quic")]
         Kind::Quic => "QUIC",
+        #[cfg(feature = "quic")]
+        Kind::QuicShm => "QUIC between two simulated hosts, shared memory within each",
     };
     Ok((run(groups(kind, n)?, f), format!("{n} ranks over {over} (threads)")))
 }

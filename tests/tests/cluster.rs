@@ -165,7 +165,7 @@ fn check_links(outs: &[Output], ranks: usize, per_host: usize, net: &str) {
         for (p, k) in links.trim().split(',').enumerate() {
             let want = match p {
                 _ if p == r => "-",
-                _ if p / per_host == r / per_host && net == "tcp" => "shm",
+                _ if p / per_host == r / per_host => "shm",
                 _ => net,
             };
             assert_eq!(k, want, "rank {r}'s link to rank {p}:\n{t}");
@@ -178,7 +178,7 @@ fn every_collective_across_hosts_over_tcp_and_quic() {
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
     let Some(c) = Cluster::up(3, None) else { return };
     for transport in ["tcp", "quic"] {
-        // Over TCP a mixed job: shared memory inside each host, TCP between hosts.
+        // A mixed job: shared memory inside each host, TCP or QUIC between hosts.
         let outs = c.job(2, "10.77.0.1", &["collectives"], &[("TUTTI_TRANSPORT", transport)]);
         all_ok(&outs, 6, transport);
         check_links(&outs, 6, 2, transport);

@@ -1,6 +1,7 @@
 //! Every collective across real processes on one host, started through tutti-run: over shared
 //! memory (the default between ranks of one host) at N = 1 to 8, over TCP alone
-//! (`TUTTI_SHM=0`) and over QUIC; each rank says how its links went, and the test checks it.
+//! (`TUTTI_SHM=0`), over QUIC alone, and in a QUIC job (whose ranks of one host use shared
+//! memory); each rank says how its links went, and the test checks it.
 
 use std::process::Command;
 use std::time::Duration;
@@ -77,5 +78,12 @@ fn collectives_over_tcp_alone() {
 
 #[test]
 fn collectives_three_ranks_over_quic() {
-    job_with(3, &[("TUTTI_TRANSPORT", "quic")], "quic");
+    job_with(3, &[("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")], "quic");
+}
+
+/// A QUIC job's ranks of one host link through shared memory, as a TCP job's do (QUIC is for
+/// the pairs on different hosts: the namespace cluster's tests run that mix).
+#[test]
+fn collectives_three_ranks_of_a_quic_job_on_one_host() {
+    job_with(3, &[("TUTTI_TRANSPORT", "quic")], "shm");
 }

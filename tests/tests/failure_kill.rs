@@ -103,7 +103,9 @@ fn sigkill_of_rank_zero_is_named() {
 /// still name rank 0 at once, over TCP and QUIC.
 #[test]
 fn sigkill_of_the_rank_serving_the_store_is_named() {
-    for (seed, env) in [(1100, vec![]), (1200, vec![("TUTTI_TRANSPORT", "quic")])] {
+    // QUIC alone, and a QUIC job whose ranks (all of this host) link through shared memory.
+    let quic = vec![("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")];
+    for (seed, env) in [(1100, vec![]), (1200, quic), (1300, vec![("TUTTI_TRANSPORT", "quic")])] {
         let d = kill_run_with(seed, 0, &env, &Rendezvous::Master);
         assert!(d.iter().all(|us| *us < 1_000_000), "{env:?}: {d:?}");
     }
@@ -148,6 +150,12 @@ fn a_stopped_rank_is_named_within_ten_seconds() {
 #[test]
 fn a_stopped_rank_is_named_within_ten_seconds_over_quic() {
     // QUIC's idle timeout, driven by the waiting thread's timers, names the silent peer.
+    stopped_rank(&[("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")]);
+}
+
+#[test]
+fn a_stopped_rank_of_a_quic_job_on_one_host_is_named_within_ten_seconds() {
+    // Its links are shared memory's under QUIC's transport: the core's keep-alives stop.
     stopped_rank(&[("TUTTI_TRANSPORT", "quic")]);
 }
 
@@ -281,7 +289,7 @@ fn computing_longer_than_the_dead_peer_limit_is_not_death() {
 #[test]
 fn computing_longer_than_the_dead_peer_limit_is_not_death_over_quic() {
     // Over QUIC the keep-alives of the computing rank come from its background driver thread.
-    long_compute(&[("TUTTI_TRANSPORT", "quic")]);
+    long_compute(&[("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")]);
 }
 
 fn long_compute(env: &[(&str, &str)]) {
@@ -302,7 +310,8 @@ fn sigkill_over_quic_is_named_by_every_survivor() {
     // queue. The bound is TCP's worst case, far below the 5 s dead-peer limit.
     let mut all = Vec::new();
     for victim in 0..4 {
-        all.extend(kill_run(2000 + victim as u64, victim, &[("TUTTI_TRANSPORT", "quic")]));
+        let env = [("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")];
+        all.extend(kill_run(2000 + victim as u64, victim, &env));
     }
     all.sort_unstable();
     let worst = *all.last().unwrap();

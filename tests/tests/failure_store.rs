@@ -104,7 +104,7 @@ fn store_lost_during_rendezvous_tcp() {
 
 #[test]
 fn store_lost_during_rendezvous_quic() {
-    lost_during_rendezvous(&[("TUTTI_TRANSPORT", "quic")]);
+    lost_during_rendezvous(&[("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")]);
 }
 
 #[test]
@@ -114,5 +114,5 @@ fn store_lost_mid_job_tcp() {
 
 #[test]
 fn store_lost_mid_job_quic() {
-    lost_mid_job(&[("TUTTI_TRANSPORT", "quic")]);
+    lost_mid_job(&[("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")]);
 }

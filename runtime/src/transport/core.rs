@@ -134,6 +134,10 @@ struct Link {
     heard_from: bool,
     /// When the driver last handed bytes of ours to its wire.
     last_tx: Instant,
+    /// Messages longer than this that arrive before their receive are parked
+    /// ([`CoreConfig::park_above`], unless [`Core::set_park_above`] changed it for this link:
+    /// a driver that carries links of two kinds).
+    park_above: u64,
 }
 
 // SAFETY: the raw pointers inside (`Payload::Borrowed`, `RxDest::Posted`) are only dereferenced
@@ -157,6 +161,7 @@ impl Link {
             last_rx: now,
             last_tx: now,
             heard_from: false,
+            park_above: u64::MAX,
         }
     }
 
@@ -219,7 +224,11 @@ impl Core {
         Core {
             rank,
             links: (0..world)
-                .map(|p| Link { pending: lazy && p != rank, ..Link::new(now) })
+                .map(|p| Link {
+                    pending: lazy && p != rank,
+                    park_above: cfg.park_above,
+                    ..Link::new(now)
+                })
                 .collect(),
             queues: (0..world).map(|_| PeerQueues::default()).collect(),
             ops: Ops::default(),
@@ -276,6 +285,16 @@ impl Core {
         }
         if self.closing {
             self.queue_close(peer);
+        }
+    }
+
+    /// Park messages from `peer` longer than `bytes` that arrive before their receive, in place
+    /// of [`CoreConfig::park_above`]: for a driver whose links are of two kinds (a QUIC job's
+    /// links to the ranks of its own host go through TCP's driver, which parks above its eager
+    /// limit; its QUIC links buffer any size, quinn's stream credit holding the sender).
+    pub(crate) fn set_park_above(&mut self, peer: usize, bytes: u64) {
+        if let Some(l) = self.links.get_mut(peer) {
+            l.park_above = bytes;
         }
     }
 
@@ -696,7 +715,8 @@ impl Core {
             FrameKind::Data => {
                 // Park what the driver would not buffer, and what exceeds the peer's window.
                 let room = self.cfg.window.saturating_sub(self.queues[peer].buffered());
-                let (park, limit) = (self.cfg.park_above.min(room), self.cfg.unexpected_limit);
+                let park = self.links[peer].park_above.min(room);
+                let limit = self.cfg.unexpected_limit;
                 let (landing, used) =
                     self.matching(peer).arrive_header(&hdr.desc, len, park, limit);
                 self.used(peer, used);

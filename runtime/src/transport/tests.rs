@@ -78,6 +78,11 @@ macro_rules! transport_test {
             fn quic() {
                 ($body)(Kind::Quic)
             }
+            #[cfg(feature = "quic")]
+            #[test]
+            fn quic_shm() {
+                ($body)(Kind::QuicShm)
+            }
         }
     };
 }

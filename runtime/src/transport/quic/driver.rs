@@ -361,6 +361,9 @@ pub(crate) struct QuicDriver {
     by_rank: Vec<Option<usize>>,
     /// Certificate fingerprint → rank, for identifying accepted connections (start-up only).
     accepting: Option<HashMap<[u8; 32], usize>>,
+    /// The ranks this driver connects (those whose certificates were allowed): in a QUIC job
+    /// with shared memory, the ranks of this host go through TCP's driver instead.
+    quic_peers: Vec<bool>,
     rxbuf: BytesMut,
     /// Receive batch buffer (off loopback), initialised once.
     batch: Vec<u8>,
@@ -380,6 +383,12 @@ impl QuicDriver {
         ep: Endpoint,
         allowed: HashMap<[u8; 32], usize>,
     ) -> std::io::Result<QuicDriver> {
+        let mut quic_peers = vec![false; world];
+        for &j in allowed.values() {
+            if let Some(q) = quic_peers.get_mut(j) {
+                *q = true;
+            }
+        }
         Ok(QuicDriver {
             rank,
             ep,
@@ -387,12 +396,18 @@ impl QuicDriver {
             peers: Peers::default(),
             by_rank: vec![None; world],
             accepting: Some(allowed),
+            quic_peers,
             rxbuf: BytesMut::new(),
             batch: Vec::new(),
             received: Vec::new(),
             txbuf: Vec::with_capacity(MAX_DATAGRAM),
             pending_tx: None,
         })
+    }
+
+    /// The UDP socket's descriptor (what [`Driver::poll_set`] adds).
+    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
+        self.io.sock.as_raw_fd()
     }
 
     fn peer(&self, rank: usize) -> Option<&Peer> {
@@ -791,22 +806,35 @@ impl QuicDriver {
     }
 }
 
+/// A driver that carries QUIC links: the QUIC driver itself, or one that holds it.
+pub(crate) trait HasQuic {
+    /// The QUIC driver inside.
+    fn quic(&mut self) -> &mut QuicDriver;
+}
+
+impl HasQuic for QuicDriver {
+    fn quic(&mut self) -> &mut QuicDriver {
+        self
+    }
+}
+
 /// Start a connection to `peer` (the higher rank of each pair dials the lower one).
-pub(crate) fn connect_to(
-    engine: &Engine<QuicDriver>,
+pub(crate) fn connect_to<D: Driver + HasQuic>(
+    engine: &Engine<D>,
     peer: usize,
     cfg: ClientConfig,
     addr: SocketAddr,
 ) -> Result<(), String> {
     let mut guard = engine.lock();
     let s = &mut *guard;
-    s.driver.connect_to(&mut s.core, peer, cfg, addr)
+    s.driver.quic().connect_to(&mut s.core, peer, cfg, addr)
 }
 
-/// Drive start-up until every peer is connected and identified, or `deadline`, or `watch`
-/// says a peer has ended (`Err(Err(…))`). Afterwards new connection attempts are refused.
-pub(crate) fn establish(
-    engine: &Engine<QuicDriver>,
+/// Drive start-up until every peer this driver connects is connected and identified, or
+/// `deadline`, or `watch` says a peer has ended (`Err(Err(…))`). Afterwards new connection
+/// attempts are refused.
+pub(crate) fn establish<D: Driver + HasQuic>(
+    engine: &Engine<D>,
     deadline: Instant,
     watch: Watch<'_>,
 ) -> Result<(), Result<String, crate::error::Error>> {
@@ -817,22 +845,24 @@ pub(crate) fn establish(
         let (missing, until) = {
             let mut guard = engine.lock();
             let s = &mut *guard;
-            s.driver.drive(&mut s.core, Instant::now());
+            let q = s.driver.quic();
+            q.drive(&mut s.core, Instant::now());
             if let Some(e) = s.core.poisoned() {
                 return Err(Ok(e.to_string()));
             }
             let missing: Vec<usize> = (0..world)
-                .filter(|&j| j != rank)
-                .filter(|&j| !s.driver.peer(j).is_some_and(|p| p.linked))
+                .filter(|&j| j != rank && q.quic_peers[j])
+                .filter(|&j| !q.peer(j).is_some_and(|p| p.linked))
                 .collect();
             if missing.is_empty() {
-                s.driver.accepting = None;
+                q.accepting = None;
                 return Ok(());
             }
+            let timer = q.next_timer();
             engine.poll_set(s, Mode::Wait, &mut fds);
             let look =
                 Instant::now() + watch.slice(deadline.saturating_duration_since(Instant::now()));
-            (missing, s.driver.next_timer().map_or(look, |t| t.min(look)))
+            (missing, timer.map_or(look, |t| t.min(look)))
         };
         if Instant::now() >= deadline {
             return Err(Ok(format!(

@@ -25,23 +25,62 @@ use crate::transport::LinkConfig;
 use crate::transport::QuicConfig;
 
 mod driver;
+mod mixed;
 mod tls;
 
 use crate::transport::core::{Core, CoreConfig};
 use crate::transport::engine::{Engine, Running, Wired};
+use crate::transport::tcp::driver::TcpDriver;
+use crate::transport::tcp::{shm, TcpSide};
 use crate::transport::Watch;
 use driver::QuicDriver;
+use mixed::MixedDriver;
 
-/// Store key under which rank `r` publishes `addr|fingerprint`.
+/// Store key under which rank `r` publishes `addr|fingerprint|host|tcp`: its UDP address, its
+/// certificate's fingerprint, its host's id ([`shm`]'s: kernel boot, network and pid
+/// namespaces) and, when it offers shared memory, the loopback address its TCP listener takes
+/// the ranks of its host on (`-` otherwise).
 pub fn quic_key(r: usize) -> String {
     format!("tutti/quic/{r}")
 }
 
-/// The QUIC transport of one rank.
+/// What one rank published under [`quic_key`].
+struct Record {
+    addr: SocketAddr,
+    fp: [u8; 32],
+    host: [u8; 32],
+    tcp: Option<SocketAddr>,
+}
+
+impl Record {
+    fn encode(&self) -> String {
+        let tcp = self.tcp.map_or_else(|| "-".to_string(), |a| a.to_string());
+        format!("{}|{}|{}|{tcp}", self.addr, tls::hex(&self.fp), tls::hex(&self.host))
+    }
+
+    fn decode(text: &str) -> Option<Record> {
+        let mut it = text.split('|');
+        let addr = it.next()?.parse().ok()?;
+        let fp = tls::unhex(it.next()?)?;
+        let host = tls::unhex(it.next()?)?;
+        let tcp = match it.next()? {
+            "-" => None,
+            a => Some(a.parse().ok()?),
+        };
+        it.next().is_none().then_some(Record { addr, fp, host, tcp })
+    }
+}
+
+/// The QUIC transport of one rank. In a job with shared memory on (`LinkConfig::shm`), the
+/// ranks of one host talk through TCP's driver and its shared-memory rings instead
+/// (`mixed.rs`): QUIC carries only the pairs on different hosts.
 pub struct QuicTransport {
     rank: usize,
+    /// The listener and dials for the ranks of this host (`None`: every link is QUIC's);
+    /// stopped before the engine shuts down (declared first, so dropped first).
+    near: Option<TcpSide>,
     /// The engine; dropping it shuts the connections down cleanly.
-    wire: Running<QuicDriver>,
+    wire: Running<MixedDriver>,
     local: SocketAddr,
     /// This rank's certificate fingerprint (as published); read by tests.
     #[allow(dead_code)]
@@ -170,32 +209,34 @@ fn transport_config(
 
 impl QuicTransport {
     /// Connect this rank to every other rank over QUIC, exchanging addresses and certificate
-    /// fingerprints through `store`.
+    /// fingerprints through `store`. With `cfg.shm` on, the ranks of this host are linked on
+    /// first use through TCP's driver and shared memory instead (both ranks of a pair must offer
+    /// it); every QUIC link connects before this returns.
     ///
     /// # Errors
-    /// [`Error::Io`] when the UDP socket cannot be bound; [`Error::Rendezvous`] naming the ranks
-    /// that did not publish or connect in time, or whose certificate did not match.
+    /// [`Error::Io`] when the UDP socket (or, with `cfg.shm`, the loopback TCP listener) cannot
+    /// be bound; [`Error::Rendezvous`] naming the ranks that did not publish or connect in time,
+    /// or whose certificate did not match.
     pub fn connect(
         id: &JobIdentity,
-        store: &dyn Store,
+        store: Arc<dyn Store>,
         cfg: &LinkConfig,
         quic: &QuicConfig,
     ) -> Result<QuicTransport> {
-        Self::connect_as(id, store, cfg, quic, None, Watch::NONE)
+        Self::connect_as(id, store, cfg, quic, Start::default(), Watch::NONE)
     }
 
-    /// [`QuicTransport::connect`], with `loopback` overriding whether the path is treated as
-    /// loopback (tests run the network path — small datagrams, GSO, `recvmmsg`, MTU discovery —
-    /// on 127.0.0.1 with `Some(false)`), failing at once when `watch` says a peer has ended (a
-    /// rebuild; start-up passes `Watch::NONE`).
+    /// [`QuicTransport::connect`] with the test overrides in `start`, failing at once when
+    /// `watch` says a peer has ended (a rebuild; start-up passes `Watch::NONE`).
     pub(crate) fn connect_as(
         id: &JobIdentity,
-        store: &dyn Store,
+        store: Arc<dyn Store>,
         cfg: &LinkConfig,
         quic: &QuicConfig,
-        loopback: Option<bool>,
+        start_as: Start,
         watch: Watch<'_>,
     ) -> Result<QuicTransport> {
+        let loopback = start_as.loopback;
         let (rank, world) = (id.rank, id.world);
         let start = Instant::now();
         let deadline = start + cfg.connect_timeout;
@@ -209,14 +250,30 @@ impl QuicTransport {
         // net.core.rmem_max / wmem_max unless we may force it), then keep what the peers may
         // have in flight towards us within what the kernel will actually hold.
         let rcvbuf = udp_buffers(&socket2::SockRef::from(&sock), 32 << 20);
-        let mine = format!("{local}|{}", tls::hex(&me.fp));
-        crate::store::set_signed(store, &id.key, id.job, &quic_key(rank), mine.as_bytes())?;
+        // The ranks of this host reach our TCP listener on loopback (the same network
+        // namespace is part of the host's id).
+        let host = start_as.host.unwrap_or_else(shm::host_id);
+        let mut near_side = if cfg.shm {
+            let lo = std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST);
+            Some(TcpSide::bind(id, store.clone(), cfg, lo)?)
+        } else {
+            None
+        };
+        let mine =
+            Record { addr: local, fp: me.fp, host, tcp: near_side.as_ref().map(|t| t.local()) };
+        crate::store::set_signed(
+            store.as_ref(),
+            &id.key,
+            id.job,
+            &quic_key(rank),
+            mine.encode().as_bytes(),
+        )?;
         // Everyone's address and fingerprint, from the authenticated store.
-        let mut peers: Vec<Option<(SocketAddr, [u8; 32])>> = vec![None; world];
+        let mut peers: Vec<Option<Record>> = (0..world).map(|_| None).collect();
         let others: Vec<usize> = (0..world).filter(|j| *j != rank).collect();
         let keys: Vec<String> = others.iter().map(|j| quic_key(*j)).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let raws = watch.get_all(store, rank, &refs, deadline, |missing| {
+        let raws = watch.get_all(store.as_ref(), rank, &refs, deadline, |missing| {
             let j = refs.iter().position(|k| *k == missing).map_or(0, |i| others[i]);
             rv(format!(
                 "rank {j} did not publish its QUIC address within {:?}",
@@ -227,20 +284,33 @@ impl QuicTransport {
             let raw = crate::store::open_signed(&id.key, id.job, &quic_key(j), raw)
                 .ok_or_else(|| crate::store::forged(rank, j, "QUIC address and certificate"))?;
             let text = String::from_utf8_lossy(&raw).into_owned();
-            let parsed =
-                text.split_once('|').and_then(|(a, f)| Some((a.parse().ok()?, tls::unhex(f)?)));
-            peers[j] = Some(parsed.ok_or_else(|| {
+            peers[j] = Some(Record::decode(&text).ok_or_else(|| {
                 rv(format!("rank {j} published a malformed QUIC address {text:?}"))
             })?);
         }
+        // A pair of this host whose ranks both offer shared memory goes through TCP's driver;
+        // both read the same two records, so both agree.
+        let near: Vec<bool> = peers
+            .iter()
+            .map(|p| {
+                p.as_ref().is_some_and(|p| mine.tcp.is_some() && p.tcp.is_some() && p.host == host)
+            })
+            .collect();
+        let far = |j: &usize| peers[*j].is_some() && !near[*j];
+        if near.iter().all(|n| !n) {
+            near_side = None; // its listener closes: nobody dials it
+        }
         let allowed: HashMap<[u8; 32], usize> =
-            peers.iter().enumerate().filter_map(|(j, p)| p.map(|(_, fp)| (fp, j))).collect();
-        // Every peer on this host's loopback (a single-machine job): 64 KiB datagrams work.
+            (0..world).filter(far).filter_map(|j| peers[j].as_ref().map(|p| (p.fp, j))).collect();
+        // Every QUIC peer on this host's loopback (a single-machine job): 64 KiB datagrams work.
         let loopback = loopback.unwrap_or_else(|| {
             cfg.bind_ip.is_loopback()
-                || peers.iter().flatten().all(|(addr, _)| addr.ip().is_loopback())
+                || (0..world)
+                    .filter(far)
+                    .all(|j| peers[j].as_ref().is_some_and(|p| p.addr.ip().is_loopback()))
         });
-        let in_flight = in_flight_limit(rcvbuf, world, loopback);
+        let quic_ranks = (0..world).filter(far).count() + 1;
+        let in_flight = in_flight_limit(rcvbuf, quic_ranks, loopback);
         let transport = Arc::new(transport_config(cfg, quic, loopback, in_flight));
         let server_tls =
             tls::server_config(&me, allowed.clone()).map_err(|e| rv(format!("TLS: {e}")))?;
@@ -256,25 +326,38 @@ impl QuicTransport {
         // Off loopback: path MTU discovery (quinn-udp forbids fragmentation on the socket) and
         // batches of datagrams per `sendmsg` (GSO).
         let ep = quinn_proto::Endpoint::new(Arc::new(ec), Some(Arc::new(server)), !loopback, None);
-        let core = Core::new(
-            rank,
-            world,
+        let core_cfg = if near_side.is_some() {
+            // The links of this host connect on first use and need the core's keep-alives (on
+            // the QUIC links too they are cheap); they park what TCP's driver would not buffer.
+            let mut c = CoreConfig::from_link(cfg, crate::transport::tcp::driver::EAGER_MAX, true);
+            c.lazy = true;
+            c
+        } else {
             // Any size may be buffered eagerly (the peer's window still parks: flow control);
             // quinn sends its own keep-alives (see `transport_config`).
-            CoreConfig::from_link(cfg, u64::MAX, false),
-            Instant::now(),
+            CoreConfig::from_link(cfg, u64::MAX, false)
+        };
+        let mut core = Core::new(rank, world, core_cfg, Instant::now());
+        for j in (0..world).filter(far) {
+            core.set_park_above(j, u64::MAX);
+        }
+        let tcp = TcpDriver::empty(
+            world,
+            cfg.tcp_congestion.clone(),
+            near_side.is_some(),
+            near_side.as_ref().map(TcpSide::connector),
         );
         let engine = QuicDriver::new(rank, world, sock, !loopback, ep, allowed)
-            .and_then(|d| Engine::new(core, d, cfg.spin))
+            .and_then(|d| Engine::new(core, MixedDriver::new(d, tcp, near.clone()), cfg.spin))
             .map_err(|e| Error::io(rank, "configuring the UDP socket", &e))?;
-        for (j, p) in peers.iter().enumerate().take(rank) {
-            let Some((addr, fp)) = p else { continue };
-            let client_tls = tls::client_config(&me, *fp).map_err(|e| rv(format!("TLS: {e}")))?;
+        for j in (0..rank).filter(far) {
+            let Some(p) = &peers[j] else { continue };
+            let client_tls = tls::client_config(&me, p.fp).map_err(|e| rv(format!("TLS: {e}")))?;
             let crypto = quinn_proto::crypto::rustls::QuicClientConfig::try_from(client_tls)
                 .map_err(|e| rv(format!("QUIC TLS: {e}")))?;
             let mut cc = quinn_proto::ClientConfig::new(Arc::new(crypto));
             cc.transport_config(transport.clone());
-            driver::connect_to(&engine, j, cc, *addr).map_err(rv)?;
+            driver::connect_to(&engine, j, cc, p.addr).map_err(rv)?;
         }
         driver::establish(&engine, deadline, watch).map_err(|e| match e {
             Ok(e) => rv(format!(
@@ -285,8 +368,20 @@ impl QuicTransport {
         })?;
         let wire = Running::start(engine, format!("tutti-quic-{rank}"))
             .map_err(|e| Error::io(rank, "spawning the QUIC driver thread", &e))?;
-        info!(rank, world, %local, loopback, elapsed = ?start.elapsed(), "quic transport connected");
-        Ok(QuicTransport { rank, wire, local, fp: me.fp })
+        if let Some(side) = near_side.as_mut() {
+            for (j, p) in peers.iter().enumerate().filter(|(j, _)| near[*j]) {
+                if let Some(a) = p.as_ref().and_then(|p| p.tcp) {
+                    side.know_addr(j, a);
+                }
+            }
+            side.start(wire.shared())?;
+        }
+        let shared = near.iter().filter(|n| **n).count();
+        info!(
+            rank, world, %local, loopback, same_host = shared, elapsed = ?start.elapsed(),
+            "quic transport connected"
+        );
+        Ok(QuicTransport { rank, near: near_side, wire, local, fp: me.fp })
     }
 
     /// The UDP address this rank listens on.
@@ -296,16 +391,33 @@ impl QuicTransport {
 }
 
 impl Wired for QuicTransport {
-    type Driver = QuicDriver;
+    type Driver = MixedDriver;
     const NAME: &'static str = "quic";
 
-    fn engine(&self) -> &Engine<QuicDriver> {
+    fn engine(&self) -> &Engine<MixedDriver> {
         self.wire.engine()
     }
 
     fn listen_addr(&self) -> Option<SocketAddr> {
         Some(self.local_addr())
     }
+
+    fn publish_failure(&self) {
+        if let Some(side) = &self.near {
+            side.note_failure();
+        }
+    }
+}
+
+/// Test overrides of [`QuicTransport::connect_as`]; the default is what a job does.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Start {
+    /// Whether the path is treated as loopback (tests run the network path — small
+    /// datagrams, GSO, `recvmmsg`, MTU discovery — on 127.0.0.1 with `Some(false)`).
+    pub(crate) loopback: Option<bool>,
+    /// The host id to publish in place of this host's: ranks of one process given different
+    /// ids take each other for ranks of other hosts (a job across hosts, in one process).
+    pub(crate) host: Option<[u8; 32]>,
 }
 
 #[cfg(test)]
@@ -343,13 +455,14 @@ mod tests {
         // The path taken off loopback (1,200–1,472-byte datagrams, GSO batches, `recvmmsg`,
         // MTU discovery), forced on 127.0.0.1: messages from 0 bytes to 8 MiB both ways at once,
         // content checked byte for byte.
-        let (ts, _server) = crate::testing::job(2, &LinkConfig::default(), |id, store, cfg| {
+        let cfg = LinkConfig { shm: false, ..LinkConfig::default() };
+        let (ts, _server) = crate::testing::job(2, &cfg, |id, store, cfg| {
             QuicTransport::connect_as(
                 id,
-                store.as_ref(),
+                store,
                 cfg,
                 &QuicConfig::default(),
-                Some(false),
+                Start { loopback: Some(false), host: None },
                 Watch::NONE,
             )
         })
@@ -466,7 +579,7 @@ mod tests {
             let rank0 = s.spawn(|| {
                 let store = TcpStore::connect(addr, 0, 2, Some(&key), Duration::from_secs(30))?;
                 let id = JobIdentity { rank: 0, world: 2, job: 7, key: key.clone() };
-                QuicTransport::connect(&id, &store as &dyn Store, &cfg, &QuicConfig::default())
+                QuicTransport::connect(&id, Arc::new(store), &cfg, &QuicConfig::default())
             });
             // Rank 1's slot: the store holds a published fingerprint that is not the stranger's,
             // so rank 0 (accepting, in start-up) must refuse the stranger's certificate.
@@ -474,12 +587,17 @@ mod tests {
             let published = tls::Identity::generate().unwrap();
             let raw = store.get(&quic_key(0), Duration::from_secs(30)).unwrap();
             let raw = crate::store::open_signed(&key, 7, &quic_key(0), raw).unwrap();
-            let text = String::from_utf8(raw).unwrap();
-            let (a, f) = text.split_once('|').unwrap();
-            let fake = format!("127.0.0.1:9|{}", tls::hex(&published.fp));
-            crate::store::set_signed(&store, &key, 7, &quic_key(1), fake.as_bytes()).unwrap();
-            let target: SocketAddr = a.parse().unwrap();
-            let refused = stranger_refused(target, tls::unhex(f).unwrap(), Duration::from_secs(3));
+            let rec = Record::decode(&String::from_utf8(raw).unwrap()).unwrap();
+            // Another host's rank: its pair with rank 0 is QUIC's.
+            let fake = Record {
+                addr: "127.0.0.1:9".parse().unwrap(),
+                fp: published.fp,
+                host: [7; 32],
+                tcp: None,
+            };
+            crate::store::set_signed(&store, &key, 7, &quic_key(1), fake.encode().as_bytes())
+                .unwrap();
+            let refused = stranger_refused(rec.addr, rec.fp, Duration::from_secs(3));
             let reason = refused.expect("a stranger's QUIC connection was not refused");
             assert!(reason.contains("not published"), "refused for another reason: {reason}");
             // Rank 0 never got its real rank 1, and says so.
@@ -499,12 +617,15 @@ mod tests {
         let server = StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 2, None).unwrap();
         let addr = server.addr();
         let cfg = LinkConfig { connect_timeout: Duration::from_secs(10), ..LinkConfig::default() };
-        let store = TcpStore::connect(addr, 0, 2, None, Duration::from_secs(30)).unwrap();
+        let store: Arc<dyn Store> =
+            Arc::new(TcpStore::connect(addr, 0, 2, None, Duration::from_secs(30)).unwrap());
         let fake = tls::Identity::generate().unwrap();
-        store.set(&quic_key(1), format!("127.0.0.1:9|{}", tls::hex(&fake.fp)).as_bytes()).unwrap();
+        let forged =
+            Record { addr: "127.0.0.1:9".parse().unwrap(), fp: fake.fp, host: [7; 32], tcp: None };
+        store.set(&quic_key(1), forged.encode().as_bytes()).unwrap();
         store.set(&crate::transport::tcp::addr_key(0), b"127.0.0.1:9").unwrap();
         let id = JobIdentity { rank: 0, world: 2, job: 7, key: key.clone() };
-        let e = QuicTransport::connect(&id, &store as &dyn Store, &cfg, &QuicConfig::default())
+        let e = QuicTransport::connect(&id, store.clone(), &cfg, &QuicConfig::default())
             .unwrap_err()
             .to_string();
         assert!(
@@ -516,7 +637,6 @@ mod tests {
         store.add(crate::transport::tcp::UP_KEY, 1).unwrap();
         let id = JobIdentity { rank: 1, world: 2, job: 7, key };
         let cfg = LinkConfig { lazy: false, ..cfg };
-        let store: Arc<dyn Store> = Arc::new(store);
         let e =
             crate::transport::tcp::TcpTransport::connect(&id, store, &cfg).unwrap_err().to_string();
         assert!(e.contains("rank 0's published address") && e.contains("fails its check"), "{e}");
@@ -528,5 +648,63 @@ mod tests {
         let refused = stranger_refused(ts[0].local_addr(), ts[0].fp, Duration::from_secs(3));
         assert!(refused.is_some(), "a QUIC connection after start-up was not refused");
         exchange_ok(&ts, 2);
+    }
+
+    #[test]
+    fn a_quic_job_links_the_ranks_of_one_host_through_shared_memory() {
+        // Four ranks playing two hosts (0, 1 | 2, 3): before any use, the pairs of one host are
+        // unconnected and the others on QUIC; after every pair exchanged a message both ways,
+        // exact, the pairs of one host are on shared memory.
+        let cfg = LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
+        let ts = crate::testing::quic_hosts_world(4, &cfg, |r| (r / 2) as u8).unwrap();
+        let same = |a: usize, b: usize| a / 2 == b / 2;
+        for (r, t) in ts.iter().enumerate() {
+            assert!(t.offers_shared_memory());
+            for p in (0..4).filter(|p| *p != r) {
+                let want = if same(r, p) { "unconnected" } else { "quic" };
+                assert_eq!(t.link_kind(p), want, "rank {r} to {p} before use");
+            }
+        }
+        std::thread::scope(|s| {
+            for (r, t) in ts.iter().enumerate() {
+                s.spawn(move || {
+                    for p in (0..4).filter(|p| *p != r) {
+                        let d = desc(p as u32 * 4 + r as u32);
+                        let msg: Vec<u8> =
+                            (0..100_000).map(|i| (i * 7 + r * 3 + p) as u8).collect();
+                        t.send(p, d, &msg, Duration::from_secs(30)).unwrap();
+                    }
+                    for p in (0..4).filter(|p| *p != r) {
+                        let d = desc(r as u32 * 4 + p as u32);
+                        let mut got = vec![0u8; 100_000];
+                        assert_eq!(
+                            t.recv(p, d, &mut got, Duration::from_secs(30)).unwrap(),
+                            100_000
+                        );
+                        let want: Vec<u8> =
+                            (0..100_000).map(|i| (i * 7 + p * 3 + r) as u8).collect();
+                        assert!(got == want, "rank {r}: the bytes from {p} differ");
+                    }
+                });
+            }
+        });
+        for (r, t) in ts.iter().enumerate() {
+            for p in (0..4).filter(|p| *p != r) {
+                let want = if same(r, p) { "shm" } else { "quic" };
+                assert_eq!(t.link_kind(p), want, "rank {r} to {p} after use");
+            }
+        }
+    }
+
+    #[test]
+    fn without_shared_memory_a_quic_job_on_one_host_is_all_quic() {
+        let ts = quic_world(3, &LinkConfig::default()).unwrap();
+        for (r, t) in ts.iter().enumerate() {
+            assert!(!t.offers_shared_memory());
+            for p in (0..3).filter(|p| *p != r) {
+                assert_eq!(t.link_kind(p), "quic");
+            }
+        }
+        assert!(ts.iter().all(|t| t.near.is_none()));
     }
 }

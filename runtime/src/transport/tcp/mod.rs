@@ -38,7 +38,7 @@ pub(crate) mod handshake;
 pub(crate) mod shm;
 
 use crate::transport::core::{Core, CoreConfig, LinkFail};
-use crate::transport::engine::{Engine, Running, Wired};
+use crate::transport::engine::{Driver, Engine, Running, Wired};
 use crate::transport::{LinkConfig, Watch};
 use crate::util::Slot;
 use driver::TcpDriver;
@@ -59,21 +59,51 @@ pub struct JobIdentity {
 
 /// The TCP transport of one rank.
 pub struct TcpTransport {
-    rank: usize,
+    /// The listener, the dials and the abort note; stopped before the engine shuts down
+    /// (declared first, so dropped first).
+    side: TcpSide,
     /// The engine; dropping it shuts the connections down cleanly.
     wire: Running<TcpDriver>,
-    local: SocketAddr,
-    /// Dials peers on first use; stopped before the engine shuts down.
-    connector: Arc<Connector>,
-    acceptor: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for TcpTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpTransport")
-            .field("rank", &self.rank)
-            .field("local", &self.local)
+            .field("rank", &self.side.connector.id.rank)
+            .field("local", &self.side.local)
             .finish_non_exhaustive()
+    }
+}
+
+/// What the TCP driver's connector needs of the engine it runs under: the TCP driver and the
+/// core under the engine's lock. A TCP transport's engine runs the TCP driver alone; a QUIC
+/// job's runs it beside QUIC's driver, for the pairs of ranks on one host.
+pub(crate) trait TcpHost: Send + Sync {
+    /// Change the TCP driver and the core under the lock ([`Engine::with_driver`]).
+    fn with_tcp(&self, f: &mut dyn FnMut(&mut TcpDriver, &mut Core));
+    /// Look at the core under the lock.
+    fn with_core(&self, f: &mut dyn FnMut(&Core));
+}
+
+/// A driver that carries TCP links: the TCP driver itself, or one that holds it.
+pub(crate) trait HasTcp {
+    /// The TCP driver inside.
+    fn tcp(&mut self) -> &mut TcpDriver;
+}
+
+impl HasTcp for TcpDriver {
+    fn tcp(&mut self) -> &mut TcpDriver {
+        self
+    }
+}
+
+impl<D: Driver + HasTcp> TcpHost for Engine<D> {
+    fn with_tcp(&self, f: &mut dyn FnMut(&mut TcpDriver, &mut Core)) {
+        self.with_driver(|d, core| f(d.tcp(), core));
+    }
+
+    fn with_core(&self, f: &mut dyn FnMut(&Core)) {
+        f(&self.lock().core);
     }
 }
 
@@ -133,48 +163,23 @@ impl TcpTransport {
         let (rank, world) = (id.rank, id.world);
         let start = Instant::now();
         let deadline = start + cfg.connect_timeout;
-        let listener = TcpListener::bind(SocketAddr::new(cfg.bind_ip, cfg.port))
-            .map_err(|e| Error::io(rank, format!("binding {}:{}", cfg.bind_ip, cfg.port), &e))?;
-        let local = listener.local_addr().map_err(|e| Error::io(rank, "listener address", &e))?;
-        listener.set_nonblocking(true).map_err(|e| Error::io(rank, "listener", &e))?;
-
+        let mut side = TcpSide::bind(id, store.clone(), cfg, cfg.bind_ip)?;
+        let local = side.local;
         // The engine runs from the start: each connection joins it as soon as its handshake
         // completes (ours or the peer's).
-        let connector = Arc::new(Connector {
-            id: id.clone(),
-            cfg: cfg.clone(),
-            store: store.clone(),
-            state: Mutex::new(vec![PeerConn::Idle; world]),
-            addrs: Mutex::new(vec![None; world]),
-            engine: OnceLock::new(),
-            stop: AtomicBool::new(false),
-            queue: Mutex::new(VecDeque::new()),
-            workers: AtomicUsize::new(0),
-            handshakes: Arc::new(AtomicUsize::new(0)),
-            failure: Mutex::new(None),
-            noted: AtomicBool::new(false),
-            note: Mutex::new(None),
-        });
         let mut core_cfg = CoreConfig::from_link(cfg, driver::EAGER_MAX, true);
         core_cfg.lazy = true;
         let core = Core::new(rank, world, core_cfg, Instant::now());
         let engine = Engine::new(
             core,
-            TcpDriver::empty(world, cfg.tcp_congestion.clone(), cfg.shm, Some(connector.clone())),
+            TcpDriver::empty(world, cfg.tcp_congestion.clone(), cfg.shm, Some(side.connector())),
             cfg.spin,
         )
         .map_err(|e| Error::io(rank, "configuring connections", &e))?;
         let wire = Running::start(engine, format!("tutti-tcp-{rank}"))
             .map_err(|e| Error::io(rank, "spawning the background driver", &e))?;
-        let _ = connector.engine.set(Arc::downgrade(&wire.shared()));
-        let acceptor = {
-            let c = connector.clone();
-            std::thread::Builder::new()
-                .name(format!("tutti-accept-{rank}"))
-                .spawn(move || accept_loop(listener, c))
-                .map_err(|e| Error::io(rank, "spawning the acceptor", &e))?
-        };
-        let t = TcpTransport { rank, wire, local, connector, acceptor: Some(acceptor) };
+        side.start(wire.shared())?;
+        let t = TcpTransport { side, wire };
 
         let result = (|| -> Result<()> {
             crate::store::set_signed(
@@ -208,15 +213,16 @@ impl TcpTransport {
     /// The full mesh up front: dial every lower rank (learning their addresses in one round)
     /// and wait until every higher rank dialled us.
     fn connect_mesh(&self, deadline: Instant, watch: Watch<'_>) -> Result<()> {
-        let (rank, world) = (self.rank, self.connector.id.world);
+        let c = &self.side.connector;
+        let (rank, world) = (c.id.rank, c.id.world);
         let keys: Vec<String> = (0..rank).map(addr_key).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let raws = watch.get_all(self.connector.store.as_ref(), rank, &refs, deadline, |_| {
+        let raws = watch.get_all(c.store.as_ref(), rank, &refs, deadline, |_| {
             Error::Rendezvous { rank, detail: "the addresses vanished from the store".into() }
         })?;
         for (j, raw) in raws.into_iter().enumerate() {
-            let addr = self.connector.parse_addr(j, raw)?;
-            self.connector.addrs.lock().unwrap_or_else(|p| p.into_inner())[j] = Some(addr);
+            let addr = c.parse_addr(j, raw)?;
+            c.addrs.lock().unwrap_or_else(|p| p.into_inner())[j] = Some(addr);
         }
         // Dial every lower rank; every higher rank dials us.
         let lower: Vec<usize> = (0..rank).collect();
@@ -226,35 +232,119 @@ impl TcpTransport {
                 // The dial's own error names the peer and why (what the core poisoned with
                 // says only that the link failed).
                 Error::Rendezvous { .. } => e,
-                other => self
-                    .connector
-                    .failure
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone()
-                    .unwrap_or(other),
+                other => {
+                    c.failure.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or(other)
+                }
             },
         )
     }
 
     /// The address this rank listens on.
     pub fn local_addr(&self) -> SocketAddr {
+        self.side.local
+    }
+}
+
+/// The TCP side of a rank: its listener and acceptor, the connector that dials the links the
+/// core asks for, and the abort note left in the store for peers that dial after a failure.
+/// Owned by the transport whose engine runs the TCP driver (declared before that engine, so
+/// that dropping it stops the dials and handshakes before the engine shuts down).
+pub(crate) struct TcpSide {
+    local: SocketAddr,
+    connector: Arc<Connector>,
+    /// Until [`TcpSide::start`]: the listener the acceptor will serve.
+    listener: Option<TcpListener>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl TcpSide {
+    /// Bind a listener on `ip` (port `cfg.port`, 0: the OS chooses) and make the connector;
+    /// nothing is accepted or dialled before [`TcpSide::start`].
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the listener cannot be bound.
+    pub(crate) fn bind(
+        id: &JobIdentity,
+        store: Arc<dyn Store>,
+        cfg: &LinkConfig,
+        ip: std::net::IpAddr,
+    ) -> Result<TcpSide> {
+        let rank = id.rank;
+        let listener = TcpListener::bind(SocketAddr::new(ip, cfg.port))
+            .map_err(|e| Error::io(rank, format!("binding {ip}:{}", cfg.port), &e))?;
+        let local = listener.local_addr().map_err(|e| Error::io(rank, "listener address", &e))?;
+        listener.set_nonblocking(true).map_err(|e| Error::io(rank, "listener", &e))?;
+        let connector = Arc::new(Connector {
+            id: id.clone(),
+            cfg: cfg.clone(),
+            store,
+            state: Mutex::new(vec![PeerConn::Idle; id.world]),
+            addrs: Mutex::new(vec![None; id.world]),
+            engine: OnceLock::new(),
+            stop: AtomicBool::new(false),
+            queue: Mutex::new(VecDeque::new()),
+            workers: AtomicUsize::new(0),
+            handshakes: Arc::new(AtomicUsize::new(0)),
+            failure: Mutex::new(None),
+            noted: AtomicBool::new(false),
+            note: Mutex::new(None),
+        });
+        Ok(TcpSide { local, connector, listener: Some(listener), acceptor: None })
+    }
+
+    /// The address the listener is bound to.
+    pub(crate) fn local(&self) -> SocketAddr {
         self.local
+    }
+
+    /// The connector, for the TCP driver.
+    pub(crate) fn connector(&self) -> Arc<Connector> {
+        self.connector.clone()
+    }
+
+    /// `peer` listens at `addr` (learnt with the rest of the rendezvous): dials need not ask
+    /// the store.
+    pub(crate) fn know_addr(&self, peer: usize, addr: SocketAddr) {
+        if let Some(a) =
+            self.connector.addrs.lock().unwrap_or_else(|p| p.into_inner()).get_mut(peer)
+        {
+            *a = Some(addr);
+        }
+    }
+
+    /// Run under `engine`: connections made from now on join it; the acceptor starts.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the acceptor's thread cannot be started.
+    pub(crate) fn start<E: TcpHost + 'static>(&mut self, engine: Arc<E>) -> Result<()> {
+        let rank = self.connector.id.rank;
+        let weak: Weak<dyn TcpHost> = Arc::downgrade(&engine) as Weak<dyn TcpHost>;
+        let _ = self.connector.engine.set(weak);
+        let Some(listener) = self.listener.take() else { return Ok(()) };
+        let c = self.connector.clone();
+        let acceptor = std::thread::Builder::new()
+            .name(format!("tutti-accept-{rank}"))
+            .spawn(move || accept_loop(listener, c))
+            .map_err(|e| Error::io(rank, "spawning the acceptor", &e))?;
+        self.acceptor = Some(acceptor);
+        Ok(())
     }
 
     /// Once poisoned, leave the abort reason in the store ([`abort_key`], signed as addresses
     /// are), once: a peer that dials this rank after it closed (or its process ended) reads it.
-    fn note_failure(&self) {
+    pub(crate) fn note_failure(&self) {
         let c = &self.connector;
+        let rank = c.id.rank;
+        let Some(engine) = c.engine.get().and_then(Weak::upgrade) else { return };
         // The note is for peers that have not connected to us yet (they read it when they
         // dial). With none left to connect, every peer hears the abort frame, and the store is
         // not asked: its server may be the rank that failed (a stopped rank 0 would hold this
         // rank for the store's timeout).
-        let (reason, waiting) = {
-            let g = self.wire.engine().lock();
-            let waiting = (0..c.id.world).any(|p| p != self.rank && g.core.is_pending(p));
-            (g.core.abort_reason().map(str::to_string), waiting)
-        };
+        let (mut reason, mut waiting) = (None, false);
+        engine.with_core(&mut |core| {
+            waiting = (0..c.id.world).any(|p| p != rank && core.is_pending(p));
+            reason = core.abort_reason().map(str::to_string);
+        });
         let Some(reason) = reason.filter(|_| waiting) else { return };
         if c.noted.swap(true, Ordering::SeqCst) {
             return;
@@ -263,7 +353,6 @@ impl TcpTransport {
         // store's server is the rank that failed (a stopped rank 0 would hold the write for the
         // store's timeout). Dropping the transport waits for the note, within [`NOTE_WAIT`].
         // A store that no detached thread may call (a Python object) is written here.
-        let rank = self.rank;
         if c.store.detached_calls() {
             let (conn, note) = (c.clone(), reason.clone());
             let spawned = std::thread::Builder::new()
@@ -360,7 +449,7 @@ pub(crate) struct Connector {
     state: Mutex<Vec<PeerConn>>,
     /// Peers' addresses, once looked up.
     addrs: Mutex<Vec<Option<SocketAddr>>>,
-    engine: OnceLock<Weak<Engine<TcpDriver>>>,
+    engine: OnceLock<Weak<dyn TcpHost>>,
     stop: AtomicBool,
     queue: Mutex<VecDeque<usize>>,
     workers: AtomicUsize,
@@ -522,10 +611,10 @@ impl Connector {
     /// Whether `peer`'s link is still pending in the engine (true when the transport is gone:
     /// nothing is waited for then).
     fn link_pending(&self, peer: usize) -> bool {
-        match self.engine.get().and_then(Weak::upgrade) {
-            Some(e) => e.lock().core.is_pending(peer),
-            None => false,
-        }
+        let Some(e) = self.engine.get().and_then(Weak::upgrade) else { return false };
+        let mut pending = false;
+        e.with_core(&mut |core| pending = core.is_pending(peer));
+        pending
     }
 
     /// `peer`'s published address, looked up once.
@@ -571,7 +660,14 @@ impl Connector {
             return Ok(()); // the transport is gone: the connection just closes
         };
         let now = Instant::now();
-        engine.with_driver(|d, core| d.attach(core, peer, s, link, now)).map_err(|e| {
+        let (mut stream, mut link) = (Some(s), link);
+        let mut out = Ok(());
+        engine.with_tcp(&mut |d, core| {
+            if let Some(s) = stream.take() {
+                out = d.attach(core, peer, s, link.take(), now);
+            }
+        });
+        out.map_err(|e| {
             Error::io(self.id.rank, format!("configuring the connection to rank {peer}"), &e)
         })
     }
@@ -604,7 +700,12 @@ impl Connector {
             first.get_or_insert_with(|| e.clone());
         }
         if let Some(engine) = self.engine.get().and_then(Weak::upgrade) {
-            engine.with_driver(|_, core| core.link_failed(peer, how));
+            let mut how = Some(how);
+            engine.with_tcp(&mut |_, core| {
+                if let Some(how) = how.take() {
+                    core.link_failed(peer, how);
+                }
+            });
         }
     }
 
@@ -884,11 +985,11 @@ impl Wired for TcpTransport {
     }
 
     fn publish_failure(&self) {
-        self.note_failure();
+        self.side.note_failure();
     }
 }
 
-impl Drop for TcpTransport {
+impl Drop for TcpSide {
     fn drop(&mut self) {
         // After a failure, peers that never connected to us and dial later find the listener
         // closed: leave them the reason first, while the listener still answers (if the call
@@ -896,7 +997,7 @@ impl Drop for TcpTransport {
         self.note_failure();
         let note = self.connector.note.lock().unwrap_or_else(|p| p.into_inner()).take();
         wait_while(Instant::now() + NOTE_WAIT, || note.as_ref().is_some_and(|h| !h.is_finished()));
-        // The connections shut down when `wire` drops, after this. Dials under way stop at
+        // The connections shut down when the engine drops, after this. Dials under way stop at
         // their next look; a connection completing now joins the closing engine, which
         // answers it with the abort or close frame (or refuses it once closed).
         self.connector.stop.store(true, Ordering::SeqCst);
