@@ -114,7 +114,7 @@ fn allreduce_grid(c: &Comm, seg_note: &str) {
 fn broadcast_grid(c: &Comm) {
     let n = c.size();
     for &count in &counts(n) {
-        for &algo in Coll::Broadcast.algos() {
+        for algo in algos(c, Coll::Broadcast) {
             for root in 0..n {
                 let ca = c.with_algo(algo);
                 let src = input::<i32>(root as u64, root, count, ReduceOp::Sum);
@@ -155,7 +155,7 @@ fn allgather_grid(c: &Comm) {
     for &count in &counts(n) {
         let want: Vec<i64> =
             (0..n).flat_map(|q| input::<i64>(5, q, count, ReduceOp::Sum)).collect();
-        for &algo in Coll::Allgather.algos() {
+        for algo in algos(c, Coll::Allgather) {
             if skip(Coll::Allgather, algo, n, algo == Algo::RecursiveDoubling)
                 || no_two_level(c, algo)
             {
@@ -196,7 +196,7 @@ fn reduce_scatter_grid(c: &Comm) {
         let full = input::<f32>(7, r, count * n, ReduceOp::Sum);
         let want: Vec<f32> =
             (r * count..(r + 1) * count).map(|i| reduced(7, n, i, ReduceOp::Sum)).collect();
-        for &algo in Coll::ReduceScatter.algos() {
+        for algo in algos(c, Coll::ReduceScatter) {
             if skip(Coll::ReduceScatter, algo, n, algo == Algo::RecursiveHalving)
                 || no_two_level(c, algo)
             {
@@ -245,7 +245,7 @@ fn alltoall_grid(c: &Comm) {
             (0..n).flat_map(|d| (0..count).map(move |j| a2a_val(r, d, j))).collect();
         let want: Vec<i32> =
             (0..n).flat_map(|s| (0..count).map(move |j| a2a_val(s, r, j))).collect();
-        for &algo in Coll::AllToAll.algos() {
+        for algo in algos(c, Coll::AllToAll) {
             let ca = c.with_algo(algo);
             let mut out = vec![0; n * count];
             ca.all_to_all(&inp, &mut out).unwrap();
@@ -501,6 +501,33 @@ fn every_collective_and_algorithm_over_shared_memory() {
             dtype_op_case::<bf16>(&c, "bf16 over shared memory");
             dtype_op_case::<i64>(&c, "i64 over shared memory");
             dtype_op_case::<u8>(&c, "u8 over shared memory");
+        });
+    }
+}
+
+#[test]
+fn every_collective_and_algorithm_in_a_quic_job_across_two_hosts() {
+    // Ranks 0, 1 say one host, 2, 3 another, 4 a third: the pairs of one host link through
+    // shared memory, the rest through QUIC, under one transport. The ranks also say where they
+    // run, so the topology (two-level schedules, host-ordered rings) sees the same hosts.
+    for n in [3, 4, 5] {
+        let hosts: Vec<usize> = (0..n).map(|r| r / 2).collect();
+        let groups = tutti_runtime::testing::groups(tutti_runtime::testing::Kind::QuicShm, n)
+            .expect("a QUIC job of threads");
+        common::on_groups(groups, 512 << 10, |c| {
+            let c = c.with_hosts(&hosts).unwrap();
+            allreduce_grid(&c, "quic job, two hosts");
+            broadcast_grid(&c);
+            reduce_grid(&c);
+            gather_scatter_grid(&c);
+            allgather_grid(&c);
+            reduce_scatter_grid(&c);
+            alltoall_grid(&c);
+            let t = c.group().transport();
+            for p in (0..n).filter(|p| *p != c.rank()) {
+                let want = if p / 2 == c.rank() / 2 { "shm" } else { "quic" };
+                assert_eq!(t.link_kind(p), want, "rank {}'s link to {p}", c.rank());
+            }
         });
     }
 }

@@ -44,7 +44,7 @@ pub(crate) fn shm_world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
     on_groups(groups, seg, f);
 }
 
-fn on_groups(groups: Vec<tutti_runtime::Group>, seg: usize, f: impl Fn(Comm) + Sync) {
+pub(crate) fn on_groups(groups: Vec<tutti_runtime::Group>, seg: usize, f: impl Fn(Comm) + Sync) {
     std::thread::scope(|s| {
         let f = &f;
         let hs: Vec<_> = groups
@@ -67,7 +67,15 @@ fn on_groups(groups: Vec<tutti_runtime::Group>, seg: usize, f: impl Fn(Comm) + S
 /// sit on at least 2 hosts with the same number (at least 2) on each.
 pub(crate) fn allreduce_algos(c: &Comm) -> Vec<Algo> {
     let two_level = c.topology().unwrap().two_level().is_some();
-    Coll::Allreduce.algos().iter().copied().filter(|a| *a != Algo::TwoLevel || two_level).collect()
+    algos(c, Coll::Allreduce).into_iter().filter(|a| *a != Algo::TwoLevel || two_level).collect()
+}
+
+/// The algorithms of `coll` that can run on `c`: all of them, less direct reads where a link
+/// of the group goes through the network (a QUIC job across hosts).
+pub(crate) fn algos(c: &Comm, coll: Coll) -> Vec<Algo> {
+    let t = c.group().transport();
+    let net = (0..c.size()).any(|p| matches!(t.link_kind(p), "tcp" | "quic"));
+    coll.algos().iter().copied().filter(|a| *a != Algo::Direct || !net).collect()
 }
 
 /// Host placements to run the grids on: (hosts of each rank, what it is).
