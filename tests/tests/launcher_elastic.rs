@@ -158,11 +158,12 @@ fn second_loss_during_the_reconnect(transport: &str, gap: Duration) -> Duration 
     assert_eq!(done.len(), 6, "six survivors should finish:\n{err}\n{all}");
     assert!(done.windows(2).all(|w| w[0] == w[1]), "the survivors' weights differ: {done:?}");
     let schedule = done[0].split(" schedule ").nth(1).expect("a schedule");
-    // In memory, with the job's algorithms (over QUIC no direct reads: a float sum's bits
-    // depend on the algorithm).
+    // In memory, with the job's algorithms: direct reads, as the job's ranks (all of this host,
+    // linked through shared memory over TCP's driver and a QUIC job's alike) use them (a float
+    // sum's bits depend on the algorithm).
     let replay = Command::new(example())
         .args(["--schedule", schedule])
-        .env("TUTTI_DIRECT", if transport == "quic" { "0" } else { "1" })
+        .env("TUTTI_DIRECT", "1")
         .output()
         .expect("replay");
     assert_eq!(

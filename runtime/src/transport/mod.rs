@@ -70,9 +70,11 @@ pub struct LinkConfig {
     /// low). An algorithm the kernel lacks is skipped (the system's default stays), with a
     /// debug log. Hazard: on long-haul links with loss, BBR may be the better choice.
     pub tcp_congestion: Option<String>,
-    /// Whether TCP connections between ranks of one host carry their frames through shared
-    /// memory (`TUTTI_SHM`, default on; `0` keeps every byte on the sockets). Both ranks of a
-    /// pair must offer it; a pair that cannot set it up stays on TCP. QUIC ignores it.
+    /// Whether the links between ranks of one host carry their frames through shared memory
+    /// (`TUTTI_SHM`, default on; `0` keeps every byte on the network). Both ranks of a pair
+    /// must offer it; a pair that cannot set it up stays on TCP. In a QUIC job such a pair
+    /// goes through TCP's driver and its rings instead of QUIC (QUIC then carries only the
+    /// pairs on different hosts).
     pub shm: bool,
     /// Whether TCP connects a pair of ranks when one of them first sends to or posts a receive
     /// from the other (`TUTTI_CONNECT=lazy`, the default) instead of connecting the full mesh
