@@ -30,9 +30,10 @@ pub enum Kind {
     /// QUIC over 127.0.0.1, every pair on QUIC (`LinkConfig::shm` off).
     #[cfg(feature = "quic")]
     Quic,
-    /// A QUIC job whose ranks play two hosts ([`quic_hosts_world`]): the first half of the
-    /// ranks one, the rest the other. Pairs of one host go through shared memory (connected on
-    /// first use), the others through QUIC over 127.0.0.1.
+    /// A QUIC job whose ranks play hosts of two ([`quic_hosts_world`]): ranks 0 and 1 one
+    /// host, 2 and 3 the next, and so on (so a job of 2 ranks is one host, with no QUIC link).
+    /// Pairs of one host go through shared memory (connected on first use), the others through
+    /// QUIC over 127.0.0.1.
     #[cfg(feature = "quic")]
     QuicShm,
 }

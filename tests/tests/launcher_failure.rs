@@ -152,6 +152,8 @@ fn survivors_name_a_rank_that_died_leaving_its_sockets_open() {
             "1",
         ])
         .env("TUTTI_TRANSPORT", transport)
+        // QUIC alone: a QUIC job's ranks of one host otherwise link through shared memory.
+        .env("TUTTI_SHM", if transport == "quic" { "0" } else { "1" })
         .env("TUTTI_DEAD_AFTER", "60")
         .env("TUTTI_TIMEOUT", "60");
         let start = Instant::now();

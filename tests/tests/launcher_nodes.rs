@@ -27,6 +27,10 @@ fn two_nodes(transport: &str) {
     let node = |rank: &str| {
         let mut cmd = node(rank, &port, &token);
         cmd.env("TUTTI_TRANSPORT", transport);
+        // Both "nodes" run on this host: QUIC alone keeps their pairs on QUIC.
+        if transport == "quic" {
+            cmd.env("TUTTI_SHM", "0");
+        }
         cmd
     };
     let results = std::thread::scope(|s| {

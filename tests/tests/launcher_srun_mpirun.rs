@@ -231,8 +231,10 @@ fn srun_on_one_host_runs_the_readme_job_exact_and_names_a_killed_task() {
     }
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
     let slurm = Slurm::one_host();
-    // The README's job (at smaller sizes), over TCP and QUIC.
+    // The README's job (at smaller sizes), over TCP and QUIC (alone: a QUIC job's ranks of one
+    // host otherwise link through shared memory).
     for t in ["tcp", "quic"] {
+        let shm = if t == "quic" { "0" } else { "1" };
         let cmd = slurm.srun(
             &[
                 "-n",
@@ -249,7 +251,7 @@ fn srun_on_one_host_runs_the_readme_job_exact_and_names_a_killed_task() {
                 "-n",
                 "3",
             ],
-            &[("TUTTI_TRANSPORT", t)],
+            &[("TUTTI_TRANSPORT", t), ("TUTTI_SHM", shm)],
         );
         let (out, killed) = run_with_deadline(cmd, LIMIT);
         assert!(!killed, "srun {t} did not end:\n{}", text(&out));
@@ -257,8 +259,11 @@ fn srun_on_one_host_runs_the_readme_job_exact_and_names_a_killed_task() {
         assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("nranks 4 transport {t}")));
     }
     for (t, victim) in [("tcp", 2), ("quic", 0)] {
-        let cmd =
-            slurm.srun(&["-n", "4", "--overcommit", RANK, "loop-pid"], &[("TUTTI_TRANSPORT", t)]);
+        let shm = if t == "quic" { "0" } else { "1" };
+        let cmd = slurm.srun(
+            &["-n", "4", "--overcommit", RANK, "loop-pid"],
+            &[("TUTTI_TRANSPORT", t), ("TUTTI_SHM", shm)],
+        );
         kill_one_and_see_it_named(cmd, 4, victim, &format!("srun -n 4, {t}, rank {victim} killed"));
     }
 }
@@ -322,7 +327,7 @@ fn mpirun(args: &[&str]) -> Command {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     c.args(["-np", "4", "--oversubscribe", "-x", "MASTER_ADDR=127.0.0.1"])
         .args(["-x", &format!("MASTER_PORT={port}")])
-        .args(["-x", "TUTTI_TRANSPORT", "-x", "TUTTI_CONNECT_TIMEOUT=60"])
+        .args(["-x", "TUTTI_TRANSPORT", "-x", "TUTTI_SHM", "-x", "TUTTI_CONNECT_TIMEOUT=60"])
         .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -341,12 +346,12 @@ fn mpirun_runs_the_readme_job_exact_and_names_a_killed_rank() {
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
     for t in ["tcp", "quic"] {
         let mut cmd = mpirun(&[BENCH, "all", "-b", "8", "-e", "1M", "-f", "32", "-n", "3"]);
-        cmd.env("TUTTI_TRANSPORT", t);
+        cmd.env("TUTTI_TRANSPORT", t).env("TUTTI_SHM", if t == "quic" { "0" } else { "1" });
         let (out, killed) = run_with_deadline(cmd, LIMIT);
         assert!(!killed, "mpirun {t} did not end:\n{}", text(&out));
         assert_exact(&out, &format!("mpirun -np 4, {t}"));
     }
     let mut cmd = mpirun(&[RANK, "loop-pid"]);
-    cmd.env("TUTTI_TRANSPORT", "tcp");
+    cmd.env("TUTTI_TRANSPORT", "tcp").env("TUTTI_SHM", "1");
     kill_one_and_see_it_named(cmd, 4, 1, "mpirun -np 4, rank 1 killed");
 }

@@ -32,7 +32,7 @@ fn master_addr_only_tcp() {
 
 #[test]
 fn master_addr_only_quic() {
-    run("p2p", 3, &[("TUTTI_TRANSPORT", "quic")], &Rendezvous::Master);
+    run("p2p", 3, &[("TUTTI_TRANSPORT", "quic"), ("TUTTI_SHM", "0")], &Rendezvous::Master);
 }
 
 #[test]

@@ -103,9 +103,9 @@ def one_round(rng, n, steps, step_ms, transport, sig, deadline):
     ok = len(done) == n - 1 and len(set(done)) == 1
     if ok:
         schedule = done[0].split(" schedule ")[1]
-        # The replay runs in memory with the job's algorithms: no direct reads for a job over
-        # QUIC (a float sum's bits depend on the algorithm).
-        renv = dict(os.environ, TUTTI_DIRECT="0" if transport == "quic" else "1")
+        # The replay runs in memory with the job's algorithms: direct reads, which a job's ranks
+        # of one host use over TCP and QUIC alike (a float sum's bits depend on the algorithm).
+        renv = dict(os.environ, TUTTI_DIRECT="1")
         ref = subprocess.run([EXAMPLE, "--schedule", schedule], capture_output=True, text=True,
                              env=renv)
         ok = ref.stdout.strip() == "DONE " + done[0]

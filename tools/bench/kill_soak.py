@@ -47,12 +47,13 @@ def names(err, victim, me):
 
 def transport_env(transport):
     """The variables for a transport of the soak: `shm` is TCP with its links through shared
-    memory (the default on one host), `tcp` TCP alone (`TUTTI_SHM=0`), `quic` QUIC."""
+    memory (the default on one host), `tcp` TCP alone (`TUTTI_SHM=0`), `quic` QUIC alone
+    (`TUTTI_SHM=0`: a QUIC job's ranks of one host otherwise link through shared memory)."""
     if transport == "shm":
         return {"TUTTI_TRANSPORT": "tcp", "TUTTI_SHM": "1"}
     if transport == "tcp":
         return {"TUTTI_TRANSPORT": "tcp", "TUTTI_SHM": "0"}
-    return {"TUTTI_TRANSPORT": transport}
+    return {"TUTTI_TRANSPORT": transport, "TUTTI_SHM": "0"}
 
 
 class Direct:

@@ -21,8 +21,8 @@
 //!
 //! Alone, `elastic_dp --schedule 4x17,3x183` replays a schedule with ranks as threads over
 //! memory and prints the same `DONE` line: the reference a test compares the survivors with,
-//! bit for bit (with the job's algorithms: `TUTTI_DIRECT=0` replays a job over QUIC, which
-//! never reads peers' memory directly).
+//! bit for bit (with the job's algorithms: `TUTTI_DIRECT=0` replays a job that cannot read
+//! peers' memory directly, such as one with `TUTTI_SHM=0`).
 
 use candle_core::{DType, Device, Tensor, Var};
 use tutti_parallel::{
@@ -221,8 +221,8 @@ fn launched(steps: u64, step_ms: u64) -> Result<()> {
 /// The same training with the given world per step, ranks as threads over memory.
 fn replay(schedule: &[usize]) -> Result<()> {
     // The replay takes the settings a job takes from its environment (`TUTTI_DIRECT=0` to
-    // replay a job whose links cannot read peers' memory, over QUIC): the bits of a float sum
-    // depend on the algorithm that adds.
+    // replay a job whose links cannot read peers' memory, with `TUTTI_SHM=0`): the bits of a
+    // float sum depend on the algorithm that adds.
     let cfg = tutti_collectives::Config::from_env()?;
     let vars = init()?;
     let mut vel: Vec<Tensor> =

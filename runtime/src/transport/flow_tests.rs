@@ -111,3 +111,11 @@ fn quic() {
     let ts = testing::quic_world(2, &cfg()).unwrap();
     sender_waits_and_receiver_stays_bounded(ts);
 }
+
+/// A QUIC job's two ranks of one host: through the rings, under the mixed driver.
+#[cfg(feature = "quic")]
+#[test]
+fn quic_shm() {
+    let ts = testing::quic_hosts_world(2, &cfg(), |_| 0).unwrap();
+    sender_waits_and_receiver_stays_bounded(ts);
+}

@@ -358,3 +358,41 @@ fn no_write_after_failure_quic() {
     let ts = testing::quic_world(3, &cfg()).unwrap();
     no_write_after_failure(ts, |t, p, h, b| t.engine().send_raw(p, h, b));
 }
+
+/// A QUIC job of 3 whose ranks 0 and 2 share a host and rank 1 is on another: the rogue
+/// (rank 2) writes to rank 0 through shared memory, and rank 0's abort reaches rank 1 over
+/// QUIC.
+#[cfg(feature = "quic")]
+fn quic_shm_world() -> Vec<crate::transport::quic::QuicTransport> {
+    let ts = testing::quic_hosts_world(3, &cfg(), |r| u8::from(r == 1)).unwrap();
+    std::thread::scope(|s| {
+        for t in &ts {
+            s.spawn(move || t.connect_peers(&[0, 1, 2], Duration::from_secs(30)).unwrap());
+        }
+    });
+    for t in &ts {
+        for p in (0..3).filter(|p| *p != t.rank()) {
+            let want = if t.rank() != 1 && p != 1 { "shm" } else { "quic" };
+            assert_eq!(t.link_kind(p), want, "rank {}'s link to {p}", t.rank());
+        }
+    }
+    ts
+}
+
+#[cfg(feature = "quic")]
+#[test]
+fn malformed_frames_quic_shm() {
+    malformed_frames(quic_shm_world);
+}
+
+#[cfg(feature = "quic")]
+#[test]
+fn unexpected_data_budget_quic_shm() {
+    unexpected_data_budget(quic_shm_world());
+}
+
+#[cfg(feature = "quic")]
+#[test]
+fn no_write_after_failure_quic_shm() {
+    no_write_after_failure(quic_shm_world(), |t, p, h, b| t.engine().send_raw(p, h, b));
+}

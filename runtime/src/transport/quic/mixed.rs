@@ -9,7 +9,8 @@
 //! matching, flow control, deadlines, aborts and the mismatch checks are the same code on both.
 //!
 //! With no pair on one host (or shared memory off) the TCP half holds nothing, connects
-//! nothing and costs no system call: the job runs as a QUIC-only job did.
+//! nothing and costs no system call: the job runs as a QUIC-only job did. With no pair on
+//! another host, the UDP socket is neither read nor polled.
 
 use std::time::{Duration, Instant};
 
@@ -27,13 +28,22 @@ pub(crate) struct MixedDriver {
     near: Vec<bool>,
     /// Some peer's link goes through TCP's driver.
     any_near: bool,
+    /// Some peer's link goes through QUIC (without one, the UDP socket is never read: a QUIC
+    /// job on one host spins and sleeps on its rings alone).
+    any_far: bool,
 }
 
 impl MixedDriver {
-    /// `quic` for every peer but those `near` marks, which go through `tcp`.
-    pub(crate) fn new(quic: QuicDriver, tcp: TcpDriver, near: Vec<bool>) -> MixedDriver {
+    /// `quic` for every peer but those `near` marks, which go through `tcp`; `any_far` says
+    /// whether any peer is QUIC's.
+    pub(crate) fn new(
+        quic: QuicDriver,
+        tcp: TcpDriver,
+        near: Vec<bool>,
+        any_far: bool,
+    ) -> MixedDriver {
         let any_near = near.iter().any(|n| *n);
-        MixedDriver { quic, tcp, near, any_near }
+        MixedDriver { quic, tcp, near, any_near, any_far }
     }
 
     fn near(&self, peer: usize) -> bool {
@@ -57,7 +67,9 @@ impl Driver for MixedDriver {
     const WAITING_NAP: Duration = QuicDriver::WAITING_NAP;
 
     fn look_while_spinning(&self) -> bool {
-        self.any_near && self.tcp.look_while_spinning()
+        // A look serves only what it finds flagged: QUIC's timers and held-back stream bytes
+        // need a pass.
+        self.any_near && !self.any_far && self.tcp.look_while_spinning()
     }
 
     fn arm(&mut self, core: &Core, mode: Mode) -> bool {
@@ -119,18 +131,26 @@ impl Driver for MixedDriver {
         if self.any_near {
             self.tcp.progress(core, mode, now);
         }
-        self.quic.progress(core, mode, now);
+        if self.any_far {
+            self.quic.progress(core, mode, now);
+        }
     }
 
     fn next_timer(&mut self) -> Option<Instant> {
-        self.quic.next_timer()
+        if self.any_far {
+            self.quic.next_timer()
+        } else {
+            None
+        }
     }
 
     fn poll_set(&mut self, core: &Core, mode: Mode, fds: &mut Vec<libc::pollfd>) {
         if self.any_near {
             self.tcp.poll_set(core, mode, fds);
         }
-        self.quic.poll_set(core, mode, fds);
+        if self.any_far {
+            self.quic.poll_set(core, mode, fds);
+        }
     }
 
     fn ready(&mut self, core: &mut Core, mode: Mode, fds: &[libc::pollfd], now: Instant) {
@@ -139,7 +159,7 @@ impl Driver for MixedDriver {
             self.tcp.ready(core, mode, fds, now);
         }
         let udp = self.quic.fd();
-        if fds.iter().any(|f| f.fd == udp && f.revents != 0) {
+        if self.any_far && fds.iter().any(|f| f.fd == udp && f.revents != 0) {
             self.quic.ready(core, mode, fds, now);
         }
     }

@@ -16,7 +16,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::info;
+use tracing::{debug, info};
 
 use crate::error::{Error, Result};
 use crate::store::Store;
@@ -252,13 +252,22 @@ impl QuicTransport {
         let rcvbuf = udp_buffers(&socket2::SockRef::from(&sock), 32 << 20);
         // The ranks of this host reach our TCP listener on loopback (the same network
         // namespace is part of the host's id).
-        let host = start_as.host.unwrap_or_else(shm::host_id);
-        let mut near_side = if cfg.shm {
-            let lo = std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST);
-            Some(TcpSide::bind(id, store.clone(), cfg, lo)?)
-        } else {
-            None
+        // Without a host id (no boot id to read), or a listener, this rank offers no pair
+        // shared memory: it publishes no listener, and its peers then take its pairs for QUIC's
+        // as it does.
+        let host = start_as.host.or_else(shm::known_host_id);
+        let mut near_side = match host {
+            Some(_) if cfg.shm => {
+                let lo = std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST);
+                // Port 0 whatever `cfg.port` says: that one is the UDP socket's.
+                let any_port = LinkConfig { port: 0, ..cfg.clone() };
+                TcpSide::bind(id, store.clone(), &any_port, lo)
+                    .map_err(|e| debug!(rank, "no loopback listener, every pair on QUIC: {e}"))
+                    .ok()
+            }
+            _ => None,
         };
+        let host = host.unwrap_or([0; 32]);
         let mine =
             Record { addr: local, fp: me.fp, host, tcp: near_side.as_ref().map(|t| t.local()) };
         crate::store::set_signed(
@@ -309,8 +318,9 @@ impl QuicTransport {
                     .filter(far)
                     .all(|j| peers[j].as_ref().is_some_and(|p| p.addr.ip().is_loopback()))
         });
-        let quic_ranks = (0..world).filter(far).count() + 1;
-        let in_flight = in_flight_limit(rcvbuf, quic_ranks, loopback);
+        // Sized for the whole world, as on every rank (however many of its peers share its
+        // host): a rank's peers size what they send it from the same rule.
+        let in_flight = in_flight_limit(rcvbuf, world, loopback);
         let transport = Arc::new(transport_config(cfg, quic, loopback, in_flight));
         let server_tls =
             tls::server_config(&me, allowed.clone()).map_err(|e| rv(format!("TLS: {e}")))?;
@@ -347,8 +357,11 @@ impl QuicTransport {
             near_side.is_some(),
             near_side.as_ref().map(TcpSide::connector),
         );
+        let any_far = (0..world).any(|j| far(&j));
         let engine = QuicDriver::new(rank, world, sock, !loopback, ep, allowed)
-            .and_then(|d| Engine::new(core, MixedDriver::new(d, tcp, near.clone()), cfg.spin))
+            .and_then(|d| {
+                Engine::new(core, MixedDriver::new(d, tcp, near.clone(), any_far), cfg.spin)
+            })
             .map_err(|e| Error::io(rank, "configuring the UDP socket", &e))?;
         for j in (0..rank).filter(far) {
             let Some(p) = &peers[j] else { continue };
@@ -374,6 +387,8 @@ impl QuicTransport {
                     side.know_addr(j, a);
                 }
             }
+            // A rank whose pair is QUIC's has no business with this listener.
+            side.only(near.clone());
             side.start(wire.shared())?;
         }
         let shared = near.iter().filter(|n| **n).count();
@@ -706,5 +721,49 @@ mod tests {
             }
         }
         assert!(ts.iter().all(|t| t.near.is_none()));
+    }
+
+    #[test]
+    fn a_rank_without_shared_memory_keeps_its_pairs_on_quic_and_both_sides_agree() {
+        // Three ranks of one host; rank 1 has shared memory off. Its pairs are QUIC's on both
+        // sides; the pair 0–2 links through shared memory. Every pair exchanges exact bytes.
+        let cfg = LinkConfig { connect_timeout: Duration::from_secs(60), ..LinkConfig::default() };
+        let (ts, _server) = crate::testing::job(3, &cfg, |id, store, cfg| {
+            let cfg = LinkConfig { shm: id.rank != 1, ..cfg.clone() };
+            QuicTransport::connect(id, store, &cfg, &QuicConfig::default())
+        })
+        .unwrap();
+        std::thread::scope(|s| {
+            for (r, t) in ts.iter().enumerate() {
+                s.spawn(move || {
+                    for p in (0..3).filter(|p| *p != r) {
+                        let d = desc(10 + p as u32 * 3 + r as u32);
+                        t.send(p, d, &[r as u8; 5000], Duration::from_secs(30)).unwrap();
+                    }
+                    for p in (0..3).filter(|p| *p != r) {
+                        let d = desc(10 + r as u32 * 3 + p as u32);
+                        let mut got = [0u8; 5000];
+                        t.recv(p, d, &mut got, Duration::from_secs(30)).unwrap();
+                        assert!(got.iter().all(|b| *b == p as u8), "rank {r} from {p}");
+                    }
+                });
+            }
+        });
+        let kind = |a: usize, b: usize| ts[a].link_kind(b);
+        assert_eq!((kind(0, 1), kind(1, 0)), ("quic", "quic"));
+        assert_eq!((kind(2, 1), kind(1, 2)), ("quic", "quic"));
+        assert_eq!((kind(0, 2), kind(2, 0)), ("shm", "shm"));
+        assert!(ts[1].near.is_none());
+    }
+
+    #[test]
+    fn a_quic_jobs_listener_refuses_a_rank_whose_pair_is_quics() {
+        use crate::transport::tcp::handshake::Status;
+        let ts =
+            crate::testing::quic_hosts_world(4, &LinkConfig::default(), |r| (r / 2) as u8).unwrap();
+        let side = ts[0].near.as_ref().expect("rank 0 has a rank of its host");
+        assert_eq!(side.accept_status(2), Status::WrongRank);
+        assert_eq!(side.accept_status(3), Status::WrongRank);
+        assert_eq!(side.accept_status(1), Status::Ok);
     }
 }

@@ -285,6 +285,7 @@ impl TcpSide {
             queue: Mutex::new(VecDeque::new()),
             workers: AtomicUsize::new(0),
             handshakes: Arc::new(AtomicUsize::new(0)),
+            only: OnceLock::new(),
             failure: Mutex::new(None),
             noted: AtomicBool::new(false),
             note: Mutex::new(None),
@@ -310,6 +311,18 @@ impl TcpSide {
         {
             *a = Some(addr);
         }
+    }
+
+    /// Take connections from the ranks `peers` marks only (before [`TcpSide::start`]).
+    pub(crate) fn only(&self, peers: Vec<bool>) {
+        let _ = self.connector.only.set(peers);
+    }
+
+    /// What the acceptor would answer an authenticated connection from `from` now (for the
+    /// tests: it takes the pair when it says `Ok`).
+    #[cfg(test)]
+    pub(crate) fn accept_status(&self, from: usize) -> handshake::Status {
+        self.connector.accept_from(from)
     }
 
     /// Run under `engine`: connections made from now on join it; the acceptor starts.
@@ -455,6 +468,9 @@ pub(crate) struct Connector {
     workers: AtomicUsize,
     /// Handshakes the acceptor's threads are running (at most [`MAX_HANDSHAKES`]).
     handshakes: Arc<AtomicUsize>,
+    /// The ranks whose pairs are this listener's, where not all are (a QUIC job's ranks of
+    /// this host): any other is refused.
+    only: OnceLock<Vec<bool>>,
     /// The first dial that failed, with its own error (the core holds the poisoning).
     failure: Mutex<Option<Error>>,
     /// The abort reason is in the store, or on its way there ([`TcpTransport::note_failure`]).
@@ -723,8 +739,12 @@ impl Connector {
     /// Whether to keep an authenticated incoming connection from `from`: yes when the pair
     /// is not connected and we are not dialling it, or when we dial it too and it is the lower
     /// rank (its dial wins); `Crossed` when we are the lower rank dialling it (ours wins);
-    /// `Duplicate` when the pair is connected already.
+    /// `Duplicate` when the pair is connected already; `WrongRank` when its pair is not this
+    /// listener's ([`TcpSide::only`]).
     fn accept_from(&self, from: usize) -> handshake::Status {
+        if self.only.get().is_some_and(|only| !only.get(from).copied().unwrap_or(false)) {
+            return handshake::Status::WrongRank;
+        }
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         match st[from] {
             PeerConn::Connected => handshake::Status::Duplicate,

@@ -363,6 +363,15 @@ pub(crate) fn host_id() -> [u8; 32] {
     id
 }
 
+/// [`host_id`], or `None` when the boot id or a namespace cannot be read: then nothing tells which
+/// processes share this host (a QUIC job then links no pair through shared memory; TCP's
+/// set-up still checks the segment itself).
+pub(crate) fn known_host_id() -> Option<[u8; 32]> {
+    let id = host_id();
+    let part = |r: std::ops::Range<usize>| id[r].iter().any(|b| *b != 0);
+    (part(0..16) && part(16..24) && part(24..32)).then_some(id)
+}
+
 /// Magic of a set-up message.
 const MSG_MAGIC: &[u8; 8] = b"TUTTISM1";
 /// Length of a set-up message.
