@@ -324,7 +324,7 @@ impl Comm {
     }
 
     /// The topology known so far (one host before the link measurement).
-    fn topo_now(&self) -> Arc<Topology> {
+    pub(crate) fn topo_now(&self) -> Arc<Topology> {
         self.sel.topo_now(self.size())
     }
 

@@ -163,6 +163,22 @@ impl Direct {
         allgather: impl FnOnce(&[u8], &mut [u8]) -> Result<()>,
         agree: impl FnOnce(f64) -> Result<f64>,
     ) -> Result<State> {
+        let data = 2 * buffer_for(group.size());
+        Self::setup_sized(group, one_host, data, allgather, agree)
+    }
+
+    /// [`Direct::setup`] with windows of `data` bytes each (a shared buffer's: see
+    /// `shared.rs`).
+    ///
+    /// # Errors
+    /// As [`Direct::setup`].
+    pub(crate) fn setup_sized(
+        group: &tutti_runtime::Group,
+        one_host: bool,
+        data: usize,
+        allgather: impl FnOnce(&[u8], &mut [u8]) -> Result<()>,
+        agree: impl FnOnce(f64) -> Result<f64>,
+    ) -> Result<State> {
         let (n, me) = (group.size(), group.rank());
         let t = group.transport();
         // Every rank reads every other's window, but needs no link to every other: a link
@@ -178,7 +194,7 @@ impl Direct {
         });
         let made = match apart {
             Some(g) => Err(format!("rank {g} does not share memory with rank {}", t.rank())),
-            None => Window::create(2 * buffer_for(n)).map_err(|e| e.to_string()),
+            None => Window::create(data).map_err(|e| e.to_string()),
         };
         let mut mine = [0u8; RECORD];
         if let Ok((_, offer)) = &made {
@@ -245,6 +261,49 @@ impl Direct {
         };
         let seen = (0..n).map(|_| Cell::new(0)).collect();
         Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin, piece, seen, lines: 0 })))
+    }
+
+    /// This rank's window's data (a shared buffer's memory) and its length.
+    pub(crate) fn own_data(&self) -> (*mut u8, usize) {
+        (self.wins[self.me].data(), self.wins[self.me].data_len())
+    }
+
+    /// An all-gather in place on windows that are the ranks' own buffers (a shared buffer,
+    /// `shared.rs`): rank `r`'s block of `block` bytes at `r × block` of its window is its
+    /// contribution; each rank copies every peer's block straight from the peer's window into
+    /// its own, one copy of each byte. One generation: stamp and publish *posted* (the block is
+    /// there), read each peer's block once its *posted* says so (after checking its stamp),
+    /// publish *done*, and return once every peer is done (none reads our block any more, so
+    /// the caller may write it).
+    ///
+    /// # Errors
+    /// A peer's mismatched call, a lost peer, an abort, the deadline.
+    pub(crate) fn gather_in_place(&mut self, call: &Call<'_>, block: usize) -> Result<()> {
+        let n = self.wins.len();
+        assert!(block * n <= self.wins[self.me].data_len(), "blocks past the shared buffer");
+        let (g, b) = self.next();
+        self.begin(call, g, b, 0)?;
+        let mut done = 0;
+        for i in 1..n {
+            let r = (self.me + i) % n;
+            self.posted(call, r, g, b, 0, done)?;
+            // SAFETY: block `r` of window `r` (its owner's contribution, which it does not write
+            // during the call) into block `r` of ours (which no peer reads: each reads only
+            // its owner's block); both inside the windows (asserted above, every window alike).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.wins[r].data().add(r * block).cast_const(),
+                    self.wins[self.me].data().add(r * block),
+                    block,
+                )
+            };
+            done += block;
+        }
+        self.finish(g);
+        for r in self.peers() {
+            self.wait(call, r, DONE, g, done)?;
+        }
+        Ok(())
     }
 
     /// Bytes of one buffer.

@@ -36,6 +36,7 @@ pub mod model;
 mod nonblocking;
 pub mod plan;
 pub mod select;
+mod shared;
 pub mod tensor;
 pub mod topo;
 mod tune;
@@ -48,6 +49,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use nonblocking::{Lent, Pending, Scope};
 pub use select::Algo;
+pub use shared::SharedBuffer;
 pub use topo::Topology;
 pub use tutti_runtime::{Error as RuntimeError, Group, Transport};
 

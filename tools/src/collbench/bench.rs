@@ -510,6 +510,9 @@ impl Bench {
             None => self.comm.clone(),
         };
         let (inp, mut out) = self.buffers::<T>(coll, d, ip);
+        if ip && coll == "allgather" && self.s.args.local_register != 0 {
+            return self.mode_shared::<T>(&c, d, &out);
+        }
         let mut wrong = 0u64;
         let mut algo = String::from("-");
         if self.s.args.check > 0 {
@@ -521,6 +524,23 @@ impl Bench {
         // The algorithm's name is borrowed: the timed loop allocates nothing of its own.
         let mut call = |b: &Bench| -> Result<Option<Cow<'static, str>>> {
             Ok(b.call(&c, coll, ip, &inp, &mut out)?.map(|st| Cow::Borrowed(st.algo.name())))
+        };
+        self.measure(d, wrong, algo, &mut call)
+    }
+
+    /// The in-place all-gather on a shared buffer (`-R`), which starts as `init`.
+    fn mode_shared<T: Element>(&mut self, c: &Comm, d: Dims, init: &[T]) -> Result<(Mode, String)> {
+        let mut buf = c.shared_buffer::<T>(init.len())?;
+        buf.copy_from_slice(init);
+        let mut wrong = 0u64;
+        let mut algo = String::from("-");
+        if self.s.args.check > 0 {
+            algo = format!("{}+shared", c.allgather_shared(&mut buf)?.algo.name());
+            wrong = self.verify("allgather", d, true, &buf);
+        }
+        let mut call = |_: &Bench| -> Result<Option<Cow<'static, str>>> {
+            c.allgather_shared(&mut buf)?;
+            Ok(Some(Cow::Borrowed("direct+shared")))
         };
         self.measure(d, wrong, algo, &mut call)
     }

@@ -187,7 +187,10 @@ pub struct Args {
     /// nccl-tests' CPU-time report. Accepted; times are wall-clock.
     #[arg(short = 'C', long = "report_cputime", default_value_t = 0)]
     pub report_cputime: u32,
-    /// nccl-tests' buffer registration. Accepted; buffers are used in place, nothing to register.
+    /// nccl-tests' buffer registration: non-zero runs the in-place all-gather on shared
+    /// buffers (`Comm::shared_buffer`, `Comm::allgather_shared`: every rank maps every other's
+    /// buffer and copies each peer's block once, straight from it; the ranks must share a
+    /// host). Other collectives and the out-of-place column are unchanged.
     #[arg(short = 'R', long = "local_register", default_value_t = 0)]
     pub local_register: u32,
     /// nccl-tests' per-iteration skip. Accepted; warm-up iterations (-w) play that part.
@@ -223,7 +226,11 @@ impl Args {
         note(self.blocking != 0, format!("-z {}", self.blocking), "collectives block until done");
         note(self.cudagraph != 0, "-G".into(), "no CUDA graphs");
         note(self.report_cputime != 0, "-C".into(), "times are wall-clock");
-        note(self.local_register != 0, "-R".into(), "nothing to register");
+        note(
+            self.local_register != 0 && self.device != "host",
+            "-R".into(),
+            "shared buffers are host memory",
+        );
         note(self.per_iter_skip != 0, "-K".into(), "warm-up iterations (-w) skip instead");
         note(self.memory_report != 0, "-M".into(), "no memory report");
         note(self.unalign != 0, "-u".into(), "buffers are aligned");
