@@ -514,7 +514,7 @@ fn every_collective_and_algorithm_in_a_quic_job_across_two_hosts() {
         let hosts: Vec<usize> = (0..n).map(|r| r / 2).collect();
         let groups = tutti_runtime::testing::groups(tutti_runtime::testing::Kind::QuicShm, n)
             .expect("a QUIC job of threads");
-        common::on_groups(groups, 512 << 10, |c| {
+        on_groups(groups, 512 << 10, |c| {
             let c = c.with_hosts(&hosts).unwrap();
             allreduce_grid(&c, "quic job, two hosts");
             broadcast_grid(&c);

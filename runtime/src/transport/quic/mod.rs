@@ -37,7 +37,7 @@ use driver::QuicDriver;
 use mixed::MixedDriver;
 
 /// Store key under which rank `r` publishes `addr|fingerprint|host|tcp`: its UDP address, its
-/// certificate's fingerprint, its host's id ([`shm`]'s: kernel boot, network and pid
+/// certificate's fingerprint, its host's id (the shared-memory set-up's: kernel boot, network and pid
 /// namespaces) and, when it offers shared memory, the loopback address its TCP listener takes
 /// the ranks of its host on (`-` otherwise).
 pub fn quic_key(r: usize) -> String {

@@ -293,6 +293,7 @@ impl TcpSide {
         Ok(TcpSide { local, connector, listener: Some(listener), acceptor: None })
     }
 
+    #[cfg_attr(not(feature = "quic"), allow(dead_code))]
     /// The address the listener is bound to.
     pub(crate) fn local(&self) -> SocketAddr {
         self.local
@@ -303,6 +304,7 @@ impl TcpSide {
         self.connector.clone()
     }
 
+    #[cfg_attr(not(feature = "quic"), allow(dead_code))]
     /// `peer` listens at `addr` (learnt with the rest of the rendezvous): dials need not ask
     /// the store.
     pub(crate) fn know_addr(&self, peer: usize, addr: SocketAddr) {
@@ -313,6 +315,7 @@ impl TcpSide {
         }
     }
 
+    #[cfg_attr(not(feature = "quic"), allow(dead_code))]
     /// Take connections from the ranks `peers` marks only (before [`TcpSide::start`]).
     pub(crate) fn only(&self, peers: Vec<bool>) {
         let _ = self.connector.only.set(peers);
@@ -320,7 +323,7 @@ impl TcpSide {
 
     /// What the acceptor would answer an authenticated connection from `from` now (for the
     /// tests: it takes the pair when it says `Ok`).
-    #[cfg(test)]
+    #[cfg(all(test, feature = "quic"))]
     pub(crate) fn accept_status(&self, from: usize) -> handshake::Status {
         self.connector.accept_from(from)
     }

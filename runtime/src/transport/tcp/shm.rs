@@ -366,6 +366,7 @@ pub(crate) fn host_id() -> [u8; 32] {
 /// [`host_id`], or `None` when the boot id or a namespace cannot be read: then nothing tells which
 /// processes share this host (a QUIC job then links no pair through shared memory; TCP's
 /// set-up still checks the segment itself).
+#[cfg_attr(not(feature = "quic"), allow(dead_code))]
 pub(crate) fn known_host_id() -> Option<[u8; 32]> {
     let id = host_id();
     let part = |r: std::ops::Range<usize>| id[r].iter().any(|b| *b != 0);
