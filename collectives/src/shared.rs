@@ -20,16 +20,22 @@ use crate::select::Algo;
 use crate::Coll;
 
 /// `count` elements of `T` in memory every rank of the group that made it maps. Reads and
-/// writes as a slice (`Deref`); starts zeroed.
+/// writes as a slice (`Deref`, `DerefMut`); starts zeroed.
 ///
 /// A buffer belongs to the group of the communicator that made it and is used with that
 /// communicator only. Its memory is freed when every rank of the group has dropped its buffer
 /// (or exited, however it ended).
+///
+/// After a call on it failed, a peer may still be reading this rank's block: the buffer can
+/// be read but no longer written (`DerefMut` panics, [`Comm::allgather_shared`] refuses it);
+/// make a new one.
 pub struct SharedBuffer<T: Element> {
     direct: Direct,
     count: usize,
     /// The group it belongs to (id, size, this rank).
     group: (u32, usize, usize),
+    /// A call on it failed: peers may still read it.
+    broken: bool,
     _t: PhantomData<T>,
 }
 
@@ -49,16 +55,22 @@ impl<T: Element> std::ops::Deref for SharedBuffer<T> {
         let (p, len) = self.direct.own_data();
         debug_assert!(len >= self.count * size_of::<T>());
         // SAFETY: this rank's window holds `count` elements (made for them, page-aligned,
-        // zero-filled: a valid value of every element type); peers read it only inside a call,
-        // which takes the buffer mutably, so no reference of ours is alive then.
+        // zero-filled: a valid value of every element type, as is any bit pattern); only this
+        // rank writes it (peers only read it), and only through `&mut self`.
         unsafe { std::slice::from_raw_parts(p.cast_const().cast::<T>(), self.count) }
     }
 }
 
 impl<T: Element> std::ops::DerefMut for SharedBuffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
+        assert!(
+            !self.broken,
+            "a call on this shared buffer failed and a peer may still be reading it: it is \
+             read-only now; make a new one"
+        );
         let (p, _) = self.direct.own_data();
-        // SAFETY: as for `deref`; `&mut self` makes this the only reference.
+        // SAFETY: as for `deref`; `&mut self` makes this the only reference, and no peer
+        // reads it outside a call that succeeded (`broken` otherwise).
         unsafe { std::slice::from_raw_parts_mut(p.cast::<T>(), self.count) }
     }
 }
@@ -73,10 +85,14 @@ impl Comm {
     ///
     /// # Errors
     /// [`Error::Unsupported`] naming why not (a rank on another host, shared memory off, a
-    /// window that could not be made or mapped, different counts), on every rank alike;
+    /// window that could not be made or mapped, different counts), on every rank alike, the
+    /// communicator still usable;
     /// [`Error::InvalidArgument`] for more than 1 GiB; the exchange's errors (a lost peer).
     pub fn shared_buffer<T: Element>(&self, count: usize) -> Result<SharedBuffer<T>> {
-        self.call("shared_buffer", || {
+        // A set-up that ends "off" told every rank the same: refused alike, the group stays
+        // usable (nobody waits for a rank that refused). Errors inside the set-up (a lost
+        // peer, a local refusal the others would wait for) poison it, as any call's do.
+        let state = self.call("shared_buffer", || {
             let bytes = count.saturating_mul(size_of::<T>());
             if bytes > tutti_runtime::window::MAX_DATA {
                 return Err(self.invalid(
@@ -84,7 +100,7 @@ impl Comm {
                     format!("{bytes} bytes: at most {} in one", tutti_runtime::window::MAX_DATA),
                 ));
             }
-            let state = Direct::setup_sized(
+            Direct::setup_sized(
                 self.group(),
                 self.topo_now().hosts() <= 1,
                 bytes.max(1),
@@ -94,23 +110,29 @@ impl Comm {
                     self.exec_allreduce_f64(Algo::Tree, &mut v, ReduceOp::Max)?;
                     Ok(v[0])
                 },
-            )?;
-            match state {
-                State::Ready(direct) => Ok(SharedBuffer {
-                    direct: *direct,
-                    count,
-                    group: (self.group().id(), self.size(), self.rank()),
-                    _t: PhantomData,
-                }),
-                State::Off(why) => Err(Error::Unsupported {
-                    rank: self.rank(),
-                    op: "shared_buffer",
-                    algo: Algo::Direct.name(),
-                    detail: why,
-                }),
-                State::Unknown => unreachable!("a set-up ends ready or off"),
-            }
-        })
+            )
+        })?;
+        match state {
+            State::Ready(direct) => Ok(SharedBuffer {
+                direct: *direct,
+                count,
+                group: (self.group().id(), self.size(), self.rank()),
+                broken: false,
+                _t: PhantomData,
+            }),
+            State::Off(why) => Err(Error::Unsupported {
+                rank: self.rank(),
+                op: "shared_buffer",
+                algo: Algo::Direct.name(),
+                detail: why,
+            }),
+            State::Unknown => Err(Error::Unsupported {
+                rank: self.rank(),
+                op: "shared_buffer",
+                algo: Algo::Direct.name(),
+                detail: "the set-up did not finish".into(),
+            }),
+        }
     }
 
     /// All-gather in place on a shared buffer: rank `r`'s contribution is block `r` of its
@@ -123,13 +145,22 @@ impl Comm {
     /// [`Comm::shared_buffer`] call of this communicator; the count divides by the group size.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a buffer of another group or a count that does not
-    /// divide; a peer's different call (a mismatch naming both), a lost peer, an abort or the
-    /// deadline, as [`Comm::allgather`].
+    /// [`Error::InvalidArgument`] for a buffer of another group, a count that does not divide,
+    /// or a buffer a failed call left read-only; a peer's all-gather on this buffer with
+    /// another element type or at another point (a mismatch naming both calls), a lost peer,
+    /// an abort or the deadline, as [`Comm::allgather`]. A peer in another collective is named
+    /// at the deadline (it writes nothing this call looks at). After an error the buffer is
+    /// read-only (see [`SharedBuffer`]).
     pub fn allgather_shared<T: Element>(&self, buf: &mut SharedBuffer<T>) -> Result<Stats> {
         self.call(Coll::Allgather.name(), || {
             let start = Instant::now();
             let n = self.size();
+            if buf.broken {
+                return Err(self.invalid(
+                    "allgather",
+                    "a call on this shared buffer failed: it is read-only now".to_string(),
+                ));
+            }
             if buf.group != (self.group().id(), n, self.rank()) {
                 return Err(self.invalid(
                     "allgather",
@@ -160,7 +191,10 @@ impl Comm {
                 deadline: start + self.group().timeout(),
                 bytes: block * n,
             };
-            buf.direct.gather_in_place(&call, block)?;
+            if let Err(e) = buf.direct.gather_in_place(&call, block) {
+                buf.broken = true;
+                return Err(e);
+            }
             Ok(Stats {
                 algo: Algo::Direct,
                 bytes_sent: block as u64,

@@ -83,6 +83,18 @@ fn different_counts_are_refused_on_every_rank() {
 }
 
 #[test]
+fn a_refusal_leaves_the_communicator_usable() {
+    // Every rank refused alike: nobody waits for anybody, and the next collective runs.
+    let rs = run(Kind::Shm, 3, Duration::from_secs(30), |c| {
+        let refused = c.shared_buffer::<f32>(if c.rank() == 0 { 6 } else { 9 }).is_err();
+        let mut x = [c.rank() as f32 + 1.0];
+        c.allreduce(&mut x, ReduceOp::Sum).unwrap();
+        (refused, x[0])
+    });
+    assert!(rs.iter().all(|(refused, sum)| *refused && *sum == 6.0), "{rs:?}");
+}
+
+#[test]
 fn ranks_on_another_host_are_refused_naming_one() {
     // A QUIC job whose ranks 0, 1 and 2, 3 claim two hosts.
     let rs =
@@ -107,7 +119,9 @@ fn a_buffer_of_another_group_is_refused() {
 #[test]
 fn a_rank_that_stays_away_is_named_by_the_others() {
     // Rank 2 makes the buffer but never calls the all-gather: the others give up at their
-    // 1 s deadline, naming it (it does not abort: a timeout, not a hang).
+    // 1 s deadline, naming it (the first to time out aborts the group, so the other may
+    // report that abort, whose reason names rank 2: a timeout, not a hang). The buffer is
+    // read-only afterwards.
     let start = Instant::now();
     let rs = run(Kind::Shm, 3, Duration::from_secs(1), |c| {
         let mut buf = c.shared_buffer::<i32>(30).unwrap();
@@ -115,7 +129,10 @@ fn a_rank_that_stays_away_is_named_by_the_others() {
             std::thread::sleep(Duration::from_secs(3));
             return None;
         }
-        Some(c.allgather_shared(&mut buf).unwrap_err().to_string())
+        let e = c.allgather_shared(&mut buf).unwrap_err().to_string();
+        let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| buf[0] = 1));
+        assert!(again.is_err(), "a buffer whose call failed must refuse writes");
+        Some(e)
     });
     for e in rs.iter().flatten() {
         assert!(e.contains("rank 2") || e.contains("peer 2"), "{e}");

@@ -511,7 +511,7 @@ impl Bench {
         };
         let (inp, mut out) = self.buffers::<T>(coll, d, ip);
         if ip && coll == "allgather" && self.s.args.local_register != 0 {
-            return self.mode_shared::<T>(&c, d, &out);
+            return self.mode_shared::<T>(&c, d, out);
         }
         let mut wrong = 0u64;
         let mut algo = String::from("-");
@@ -529,9 +529,15 @@ impl Bench {
     }
 
     /// The in-place all-gather on a shared buffer (`-R`), which starts as `init`.
-    fn mode_shared<T: Element>(&mut self, c: &Comm, d: Dims, init: &[T]) -> Result<(Mode, String)> {
+    fn mode_shared<T: Element>(
+        &mut self,
+        c: &Comm,
+        d: Dims,
+        init: Vec<T>,
+    ) -> Result<(Mode, String)> {
         let mut buf = c.shared_buffer::<T>(init.len())?;
-        buf.copy_from_slice(init);
+        buf.copy_from_slice(&init);
+        drop(init);
         let mut wrong = 0u64;
         let mut algo = String::from("-");
         if self.s.args.check > 0 {

@@ -226,11 +226,13 @@ impl Args {
         note(self.blocking != 0, format!("-z {}", self.blocking), "collectives block until done");
         note(self.cudagraph != 0, "-G".into(), "no CUDA graphs");
         note(self.report_cputime != 0, "-C".into(), "times are wall-clock");
-        note(
-            self.local_register != 0 && self.device != "host",
-            "-R".into(),
-            "shared buffers are host memory",
-        );
+        let gathers = matches!(self.coll.as_str(), "allgather" | "all");
+        let why = if self.device != "host" {
+            "shared buffers are host memory"
+        } else {
+            "only the in-place all-gather runs on shared buffers"
+        };
+        note(self.local_register != 0 && (self.device != "host" || !gathers), "-R".into(), why);
         note(self.per_iter_skip != 0, "-K".into(), "warm-up iterations (-w) skip instead");
         note(self.memory_report != 0, "-M".into(), "no memory report");
         note(self.unalign != 0, "-u".into(), "buffers are aligned");
