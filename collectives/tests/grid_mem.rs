@@ -482,18 +482,21 @@ fn random_link_delays_do_not_change_results() {
     }
 }
 
+/// Every collective's grid on `c`.
+fn every_grid(c: &Comm, what: &str) {
+    allreduce_grid(c, what);
+    broadcast_grid(c);
+    reduce_grid(c);
+    gather_scatter_grid(c);
+    allgather_grid(c);
+    reduce_scatter_grid(c);
+    alltoall_grid(c);
+}
+
 #[test]
 fn every_collective_and_algorithm_over_shared_memory() {
     for n in [1, 2, 3, 4, 5, 8] {
-        shm_world(n, 512 << 10, |c| {
-            allreduce_grid(&c, "shared memory");
-            broadcast_grid(&c);
-            reduce_grid(&c);
-            gather_scatter_grid(&c);
-            allgather_grid(&c);
-            reduce_scatter_grid(&c);
-            alltoall_grid(&c);
-        });
+        shm_world(n, 512 << 10, |c| every_grid(&c, "shared memory"));
     }
     for n in [2, 3] {
         shm_world(n, 256, |c| {
@@ -506,7 +509,7 @@ fn every_collective_and_algorithm_over_shared_memory() {
 }
 
 #[test]
-fn every_collective_and_algorithm_in_a_quic_job_across_two_hosts() {
+fn every_collective_and_algorithm_in_a_quic_job_across_hosts() {
     // Ranks 0, 1 say one host, 2, 3 another, 4 a third: the pairs of one host link through
     // shared memory, the rest through QUIC, under one transport. The ranks also say where they
     // run, so the topology (two-level schedules, host-ordered rings) sees the same hosts.
@@ -516,13 +519,7 @@ fn every_collective_and_algorithm_in_a_quic_job_across_two_hosts() {
             .expect("a QUIC job of threads");
         on_groups(groups, 512 << 10, |c| {
             let c = c.with_hosts(&hosts).unwrap();
-            allreduce_grid(&c, "quic job, two hosts");
-            broadcast_grid(&c);
-            reduce_grid(&c);
-            gather_scatter_grid(&c);
-            allgather_grid(&c);
-            reduce_scatter_grid(&c);
-            alltoall_grid(&c);
+            every_grid(&c, "quic job across hosts");
             let t = c.group().transport();
             for p in (0..n).filter(|p| *p != c.rank()) {
                 let want = if p / 2 == c.rank() / 2 { "shm" } else { "quic" };
