@@ -43,6 +43,7 @@ fn kill_run_of(
     env.push(("TUTTI_CONNECT_TIMEOUT", "30"));
     let mut job = LiveJob::start_with(Path::new(EXE), &["loop"], n, &env, rdv);
     assert!(job.wait_all("READY", Duration::from_secs(60)), "seed {seed}: job did not start");
+    check_kinds(&job, n, &env);
     let mut s = seed;
     std::thread::sleep(Duration::from_millis(20 + lcg(&mut s) % 400));
     let t_kill = now_us();
@@ -255,6 +256,25 @@ fn stopped_rank(env: &[(&str, &str)]) {
 fn stopped_rank_of(n: usize, victim: usize, env: &[(&str, &str)]) {
     let mut job = LiveJob::start(Path::new(EXE), &["loop"], n, env);
     stopped_in(&mut job, n, victim);
+    check_kinds(&job, n, env);
+}
+
+/// Every connected link of the job's ranks (tt-rank's `KINDS` lines) is shared memory's unless
+/// `env` turns it off (`TUTTI_SHM=0`), and then none is: this host's ranks link through shared
+/// memory in TCP and QUIC jobs alike.
+fn check_kinds(job: &LiveJob, n: usize, env: &[(&str, &str)]) {
+    let shm = !env.contains(&("TUTTI_SHM", "0"));
+    for r in 0..n {
+        let line = job.line(r, "KINDS ").unwrap_or_else(|| panic!("rank {r} printed no KINDS"));
+        for k in line.split_whitespace().nth(2).unwrap_or("").split(',') {
+            let ok = match k {
+                "-" | "unconnected" => true,
+                "shm" => shm,
+                _ => !shm,
+            };
+            assert!(ok, "rank {r}'s links with shared memory {shm}: {line} ({env:?})");
+        }
+    }
 }
 
 /// Stop `victim` of the `n` ranks of `job` once all are ready: every survivor names it within

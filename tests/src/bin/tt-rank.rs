@@ -136,6 +136,10 @@ fn loop_until_error(c: &Comm) -> Result<(), String> {
         c.rank(),
         if unlinked.is_empty() { "-".into() } else { unlinked.join(",") }
     );
+    // How each link goes (`-` for this rank): the tests check shared memory against the network.
+    let kinds: Vec<&str> =
+        (0..c.size()).map(|p| if p == c.rank() { "-" } else { t.link_kind(p) }).collect();
+    println!("KINDS {} {}", c.rank(), kinds.join(","));
     println!("READY {}", c.rank());
     let mut i = 0usize;
     loop {
