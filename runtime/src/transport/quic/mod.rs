@@ -766,4 +766,31 @@ mod tests {
         assert_eq!(side.accept_status(3), Status::WrongRank);
         assert_eq!(side.accept_status(1), Status::Ok);
     }
+
+    #[test]
+    fn a_record_decodes_only_whole() {
+        let r = Record {
+            addr: "127.0.0.1:4000".parse().unwrap(),
+            fp: [0xab; 32],
+            host: [3; 32],
+            tcp: Some("127.0.0.1:5000".parse().unwrap()),
+        };
+        let text = r.encode();
+        let back = Record::decode(&text).expect("its own encoding");
+        assert_eq!((back.addr, back.fp, back.host, back.tcp), (r.addr, r.fp, r.host, r.tcp));
+        let none = Record { tcp: None, ..r };
+        assert!(none.encode().ends_with("|-"));
+        assert_eq!(Record::decode(&none.encode()).unwrap().tcp, None);
+        // The former two-field record, a short fingerprint, a bad listener, a field too many.
+        let (fp, host) = (tls::hex(&[0xab; 32]), tls::hex(&[3; 32]));
+        for bad in [
+            format!("127.0.0.1:4000|{fp}"),
+            format!("127.0.0.1:4000|{}|{host}|-", &fp[2..]),
+            format!("127.0.0.1:4000|{fp}|{host}|nowhere"),
+            format!("127.0.0.1:4000|{fp}|{host}|-|x"),
+            format!("localhost|{fp}|{host}|-"),
+        ] {
+            assert!(Record::decode(&bad).is_none(), "{bad}");
+        }
+    }
 }
