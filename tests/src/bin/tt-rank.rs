@@ -447,6 +447,13 @@ fn main() {
                 println!("ERR rank {}: {e}", comm.rank());
             }
             drop(comm);
+            if scenario == "loop-pid" {
+                // Under mpirun and srun, whose teardown ends the whole job as soon as one task
+                // exits non-zero: linger a moment, as a program cleaning up would, so a survivor
+                // that learns of the loss a few milliseconds later (through an abort relayed
+                // by the ranks linked to the victim) prints its error before the teardown.
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
             std::process::exit(1);
         }
     }
