@@ -452,7 +452,7 @@ fn main() {
                 // exits non-zero: linger a moment, as a program cleaning up would, so a survivor
                 // that learns of the loss a few milliseconds later (through an abort relayed
                 // by the ranks linked to the victim) prints its error before the teardown.
-                std::thread::sleep(std::time::Duration::from_millis(500));
+                std::thread::sleep(Duration::from_millis(500));
             }
             std::process::exit(1);
         }
