@@ -405,6 +405,11 @@ impl QuicDriver {
         })
     }
 
+    /// Whether any peer's link is this driver's.
+    pub(crate) fn has_peers(&self) -> bool {
+        self.quic_peers.iter().any(|q| *q)
+    }
+
     /// The UDP socket's descriptor (what [`Driver::poll_set`] adds).
     pub(crate) fn fd(&self) -> std::os::fd::RawFd {
         self.io.sock.as_raw_fd()

@@ -34,15 +34,10 @@ pub(crate) struct MixedDriver {
 }
 
 impl MixedDriver {
-    /// `quic` for every peer but those `near` marks, which go through `tcp`; `any_far` says
-    /// whether any peer is QUIC's.
-    pub(crate) fn new(
-        quic: QuicDriver,
-        tcp: TcpDriver,
-        near: Vec<bool>,
-        any_far: bool,
-    ) -> MixedDriver {
+    /// `quic` for every peer but those `near` marks, which go through `tcp`.
+    pub(crate) fn new(quic: QuicDriver, tcp: TcpDriver, near: Vec<bool>) -> MixedDriver {
         let any_near = near.iter().any(|n| *n);
+        let any_far = quic.has_peers();
         MixedDriver { quic, tcp, near, any_near, any_far }
     }
 

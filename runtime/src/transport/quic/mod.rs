@@ -357,11 +357,8 @@ impl QuicTransport {
             near_side.is_some(),
             near_side.as_ref().map(TcpSide::connector),
         );
-        let any_far = (0..world).any(|j| far(&j));
         let engine = QuicDriver::new(rank, world, sock, !loopback, ep, allowed)
-            .and_then(|d| {
-                Engine::new(core, MixedDriver::new(d, tcp, near.clone(), any_far), cfg.spin)
-            })
+            .and_then(|d| Engine::new(core, MixedDriver::new(d, tcp, near.clone()), cfg.spin))
             .map_err(|e| Error::io(rank, "configuring the UDP socket", &e))?;
         for j in (0..rank).filter(far) {
             let Some(p) = &peers[j] else { continue };
