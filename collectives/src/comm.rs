@@ -1,6 +1,6 @@
 //! The communicator: the collectives users call.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tracing::debug;
@@ -447,11 +447,11 @@ impl Comm {
     ) -> Result<Stats> {
         let mut algo = algo;
         if algo == Algo::Direct {
-            let ready = self.direct_ready()?;
+            let (st, ready) = self.direct_ready()?;
             // The call's deadline starts after the one-time set-up, whichever way it runs.
             let start = Instant::now();
             match ready {
-                None => return self.execute_direct(req, start),
+                None => return self.execute_direct(st, req, start),
                 Some(why) if self.sel.forced(req.coll) => {
                     return Err(Error::Unsupported {
                         rank: self.rank(),
@@ -515,8 +515,8 @@ impl Comm {
     }
 
     /// Set up direct reads in this group if not yet done (a collective step, the same on every
-    /// rank): `None` when they can run, else why not.
-    fn direct_ready(&self) -> Result<Option<String>> {
+    /// rank): the state, held, and `None` when they can run, else why not.
+    fn direct_ready(&self) -> Result<(MutexGuard<'_, crate::direct::State>, Option<String>)> {
         let mut st = self.sel.direct.lock().unwrap_or_else(|p| p.into_inner());
         if let crate::direct::State::Unknown = *st {
             *st = crate::direct::Direct::setup(
@@ -535,16 +535,22 @@ impl Comm {
                 self.sel.direct_failed();
             }
         }
-        Ok(match &*st {
+        let why = match &*st {
             crate::direct::State::Ready(_) => None,
             crate::direct::State::Off(why) => Some(why.clone()),
             crate::direct::State::Unknown => Some("not set up".into()),
-        })
+        };
+        Ok((st, why))
     }
 
-    /// Run `req` by direct reads of the peers' windows (set up: see [`Comm::direct_ready`]).
-    fn execute_direct(&self, req: Req<'_>, start: Instant) -> Result<Stats> {
-        let mut st = self.sel.direct.lock().unwrap_or_else(|p| p.into_inner());
+    /// Run `req` by direct reads of the peers' windows (`st`, set up: see
+    /// [`Comm::direct_ready`]).
+    fn execute_direct(
+        &self,
+        mut st: MutexGuard<'_, crate::direct::State>,
+        req: Req<'_>,
+        start: Instant,
+    ) -> Result<Stats> {
         let crate::direct::State::Ready(d) = &mut *st else {
             return Err(Error::Unsupported {
                 rank: self.rank(),

@@ -34,9 +34,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use std::cell::{Cell, OnceCell};
+use std::cell::{Cell, OnceCell, RefCell};
+use std::collections::VecDeque;
 
-use tutti_runtime::window::{Offer, ProcessState, Spin, Window, LINE_BYTES, OFFER_LEN};
+use tutti_runtime::window::{Offer, ProcessState, Spin, Window, LINES, LINE_BYTES, OFFER_LEN};
 use tutti_runtime::wire::{Fingerprint, Header, MsgDesc, Tag, HEADER_LEN};
 use tutti_runtime::{Error as RtError, OpContext};
 
@@ -81,8 +82,8 @@ pub(crate) fn on_lines(coll: Coll, bytes: usize, n: usize) -> bool {
 
 /// Bytes of one buffer of a window for a group of `n` ranks: 1 MiB up to 128 ranks, then the
 /// largest power of two at most 128 MiB / n (at least 64 KiB). Each rank's window holds two
-/// buffers and an 8 KiB header (its line slots included), so a group's windows on one host hold
-/// at most `n × (8 KiB + 2 × buffer)`: 8.03 MiB at 4 ranks, 128.5 MiB at 64, 272 MiB at most up
+/// buffers and a 68 KiB header (its line slots included), so a group's windows on one host hold
+/// at most `n × (68 KiB + 2 × buffer)`: 8.27 MiB at 4 ranks, 132.3 MiB at 64, 392 MiB at most up
 /// to 2,048 ranks. Only the pages a call touches are allocated.
 pub(crate) fn buffer_for(n: usize) -> usize {
     (1usize << ((128usize << 20) / n.max(1)).max(1).ilog2()).clamp(64 << 10, 1 << 20)
@@ -98,12 +99,26 @@ pub(crate) struct Direct {
     spin: Spin,
     /// Bytes between two publications of *posted* ([`PIECE`], or a whole buffer).
     piece: usize,
-    /// The latest generation each peer is known to have begun (it is then done with every
-    /// earlier one): a buffer or line slot of generation `g` needs no look at a peer's *done*
-    /// when the peer was seen to begin `g − 1`.
-    seen: Vec<Cell<u64>>,
+    /// The latest generation each peer is known to be done with, from its *done* as last read
+    /// or from a later generation it was seen to begin: a buffer or line slot needs no look at
+    /// a peer's *done* when this covers its last use.
+    known_done: Vec<Cell<u64>>,
     /// Calls run on the line slots (for the tests).
     lines: u64,
+    /// Small broadcasts this rank made as root whose peers' stamps it has not checked yet, in
+    /// generation order: its *done* stays below the first, so no peer writes its line slot of
+    /// that generation again before the check ([`Direct::settle`]).
+    unchecked: RefCell<VecDeque<Unchecked>>,
+}
+
+/// A small broadcast whose root did not wait for its peers' stamps: the generation, its line
+/// slot, and the call's descriptor and name.
+#[derive(Clone, Copy)]
+struct Unchecked {
+    g: u64,
+    s: usize,
+    desc: MsgDesc,
+    op_name: &'static str,
 }
 
 /// Where a communicator's direct reads stand.
@@ -119,6 +134,7 @@ pub(crate) enum State {
 }
 
 /// One direct call: the group, this rank's descriptor for it, its deadline.
+#[derive(Clone, Copy)]
 pub(crate) struct Call<'a> {
     pub(crate) group: &'a tutti_runtime::Group,
     pub(crate) op_name: &'static str,
@@ -259,8 +275,17 @@ impl Direct {
         } else {
             (Spin { hot: us(0), yielding: us(500) }, usize::MAX)
         };
-        let seen = (0..n).map(|_| Cell::new(0)).collect();
-        Ok(State::Ready(Box::new(Direct { me, wins, gen: 0, spin, piece, seen, lines: 0 })))
+        let known_done = (0..n).map(|_| Cell::new(0)).collect();
+        Ok(State::Ready(Box::new(Direct {
+            me,
+            wins,
+            gen: 0,
+            spin,
+            piece,
+            known_done,
+            lines: 0,
+            unchecked: RefCell::default(),
+        })))
     }
 
     /// This rank's window's data (a shared buffer's memory) and its length.
@@ -301,7 +326,8 @@ impl Direct {
         }
         self.finish(g);
         for r in self.peers() {
-            self.wait(call, r, DONE, g, done)?;
+            let v = self.wait(call, r, DONE, g, done)?;
+            self.knew_done(r, v);
         }
         Ok(())
     }
@@ -321,10 +347,11 @@ impl Direct {
         (self.gen, (self.gen % 2) as usize)
     }
 
-    /// The next generation, on the line slots.
+    /// The next generation, on the line slots: it and its slot (the slots are used by turns).
     fn next_line(&mut self) -> (u64, usize) {
         self.lines += 1;
-        self.next()
+        self.gen += 1;
+        (self.gen, (self.gen % LINES as u64) as usize)
     }
 
     /// Wait until rank `r`'s `counter` reaches `at_least` (a timeout names `r`, the generation
@@ -336,11 +363,12 @@ impl Direct {
         counter: usize,
         at_least: u64,
         done: usize,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         // Between sleeps: whether the peer is alive, and whether it made a call on its line
         // slots at this generation instead (a mismatch).
-        if self.wins[r].counter(counter) >= at_least {
-            return Ok(());
+        let v = self.wins[r].counter(counter);
+        if v >= at_least {
+            return Ok(v);
         }
         let alive = self.alive(call, r, || self.wins[r].counter(counter) >= at_least);
         let check = || {
@@ -393,9 +421,9 @@ impl Direct {
         r: std::result::Result<Option<u64>, RtError>,
         peer: usize,
         done: usize,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         match r {
-            Ok(Some(_)) => Ok(()),
+            Ok(Some(v)) => Ok(v),
             Ok(None) => Err(Error::Runtime(RtError::Timeout {
                 rank: call.global(self.me),
                 peer: call.global(peer),
@@ -406,20 +434,33 @@ impl Direct {
         }
     }
 
-    /// Peer `r` began generation `g`.
+    /// Peer `r` began generation `g`: it is done with every earlier one.
     fn saw(&self, r: usize, g: u64) {
-        if self.seen[r].get() < g {
-            self.seen[r].set(g);
+        self.knew_done(r, g - 1);
+    }
+
+    /// Peer `r` is done with generation `g` and every earlier one.
+    fn knew_done(&self, r: usize, g: u64) {
+        if self.known_done[r].get() < g {
+            self.known_done[r].set(g);
         }
     }
 
-    /// Step 1 of generation `g`: wait until every peer is done with what we wrote at `g − 2`
-    /// (the same buffer and line slot), unless it was seen to begin `g − 1`.
-    fn free(&self, call: &Call<'_>, g: u64, done: usize) -> Result<()> {
-        if g > 2 {
+    /// Step 1 of generation `g`, which uses one of `turns` buffers or line slots by turns:
+    /// check the peers' stamps of our earlier small broadcasts as root ([`Direct::settle`]: all
+    /// of them, unless `g` is such a broadcast too, which leaves the latest `turns − 1`), then
+    /// wait until every peer is done with generation `g − turns` (the last that could have
+    /// used the same one), unless that is known already.
+    ///
+    /// A peer that begins a generation other than a small broadcast's as root is then done
+    /// with every earlier one: that is what [`Direct::saw`] relies on.
+    fn free(&self, call: &Call<'_>, g: u64, turns: u64, ahead: bool, done: usize) -> Result<()> {
+        self.settle(call, if ahead { g.saturating_sub(turns) } else { g })?;
+        if g > turns {
             for r in self.peers() {
-                if self.seen[r].get() + 1 < g {
-                    self.wait(call, r, DONE, g - 2, done)?;
+                if self.known_done[r].get() < g - turns {
+                    let v = self.wait(call, r, DONE, g - turns, done)?;
+                    self.knew_done(r, v);
                 }
             }
         }
@@ -429,7 +470,7 @@ impl Direct {
     /// Whether peer `r` made a call on its line slots at generation `g` while we wait for it in
     /// a buffer: then the call it made, as a mismatch.
     fn line_call_at(&self, call: &Call<'_>, r: usize, g: u64) -> std::result::Result<(), RtError> {
-        let s = (g % 2) as usize;
+        let s = (g % LINES as u64) as usize;
         if self.wins[r].line_gen(s) != g {
             return Ok(());
         }
@@ -530,7 +571,7 @@ impl Direct {
         // A generation moves up to a buffer: an abort (or a failure seen by the transport)
         // ends a long call between two, even where no wait ever needs to sleep.
         call.group.check()?;
-        self.free(call, g, done)?;
+        self.free(call, g, 2, false, done)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
         // SAFETY: our own window's stamp slot, HEADER_LEN ≤ STAMP_BYTES; peers read it only
         // after the publish below.
@@ -585,17 +626,18 @@ impl Direct {
     }
 
     /// Begin generation `g` on our line slot `s`: once it is free, stamp it, write `len`
-    /// bytes of data with `fill` and publish.
+    /// bytes of data with `fill` and publish. `ahead`: a small broadcast's root, which does not
+    /// wait for its peers' stamps ([`Direct::settle`]).
     fn line_post(
         &self,
         call: &Call<'_>,
-        g: u64,
-        s: usize,
+        (g, s): (u64, usize),
+        ahead: bool,
         len: usize,
         fill: impl FnOnce(*mut u8),
     ) -> Result<()> {
         debug_assert!(len <= LINE_DATA);
-        self.free(call, g, 0)?;
+        self.free(call, g, LINES as u64, ahead, 0)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
         let slot = self.wins[self.me].line(s);
         // SAFETY: our own free line slot: the stamp, then `len` ≤ LINE_DATA bytes of data.
@@ -610,8 +652,16 @@ impl Direct {
     }
 
     /// Wait until peer `r` posted generation `g` on its line slot `s`, check its stamp, and
-    /// return where its data starts (valid until we publish *done* = `g`).
+    /// return where its data starts (valid until we publish *done* = `g`); the peer is then
+    /// known to have begun `g`.
     fn line_read(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
+        let p = self.line_wait(call, r, g, s)?;
+        self.saw(r, g);
+        Ok(p)
+    }
+
+    /// [`Direct::line_read`], without noting that the peer began `g`.
+    fn line_wait(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
         if self.wins[r].line_gen(s) < g {
             let alive = self.alive(call, r, || self.wins[r].line_gen(s) >= g);
             let check = || {
@@ -621,7 +671,6 @@ impl Direct {
             let w = self.wins[r].wait_line(s, g, call.deadline, self.spin, check);
             self.waited(call, w, r, 0)?;
         }
-        self.saw(r, g);
         // SAFETY: the peer's line slot, written before it published `g`; it does not write it
         // again before we publish *done* = `g`.
         let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
@@ -629,8 +678,38 @@ impl Direct {
         Ok(self.line_data(r, s))
     }
 
+    /// Publish *done* = `g`, or just below the first small broadcast whose peers' stamps are
+    /// still unchecked.
     fn finish(&self, g: u64) {
-        self.wins[self.me].publish(DONE, g);
+        let first = self.unchecked.borrow().front().map_or(u64::MAX, |u| u.g);
+        self.wins[self.me].publish(DONE, g.min(first - 1));
+    }
+
+    /// Check the peers' stamps of the small broadcasts this rank made as root without waiting
+    /// for them: waiting for those of generations up to `must` (peers about to begin a later
+    /// generation need our *done* past them), and the others where already posted; then
+    /// publish *done* up to the first still unchecked. Each stamp stays in its peer's line
+    /// slot until then. A peer that made another call is named as a mismatch of the broadcast
+    /// it did not make.
+    fn settle(&self, call: &Call<'_>, must: u64) -> Result<()> {
+        let mut settled = false;
+        loop {
+            let Some(u) = self.unchecked.borrow().front().copied() else { break };
+            let then = Call { desc: u.desc, op_name: u.op_name, ..*call };
+            if u.g > must && self.peers().any(|r| self.wins[r].line_gen(u.s) < u.g) {
+                break;
+            }
+            for r in self.peers() {
+                self.line_read(&then, r, u.g, u.s)?;
+            }
+            self.unchecked.borrow_mut().pop_front();
+            settled = true;
+        }
+        if settled {
+            // Called as generation `self.gen` begins: every earlier one is over here.
+            self.finish(self.gen - 1);
+        }
+        Ok(())
     }
 
     /// `out` = the `out.len()` bytes at `at` of buffer `b` of every window reduced with `op`
@@ -701,7 +780,7 @@ impl Direct {
             // carry the data.
             let (g, s) = self.next_line();
             // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot.
-            self.line_post(call, g, s, len, |p| unsafe {
+            self.line_post(call, (g, s), false, len, |p| unsafe {
                 std::ptr::copy_nonoverlapping(src, p, len)
             })?;
             for r in self.peers() {
@@ -799,25 +878,29 @@ impl Direct {
     ) -> Result<()> {
         if on_lines(Coll::Broadcast, len, self.wins.len()) {
             // Small: the root posts on its line slot and the others copy it out; the others
-            // post their stamp alone, which the root checks (a peer that believes another rank
-            // the root, or makes another call, is named on the root too).
+            // post their stamp alone. The root waits for nobody: it may run up to LINES − 1
+            // calls ahead of its slowest reader, as a root of messages runs ahead on its
+            // links' credits, and checks the others' stamps at its next generations
+            // (`settle`: a peer that made another call, or believes another rank the root, is
+            // named there). A non-root finds such a mismatch in the root's stamp.
             let (g, s) = self.next_line();
             if self.me == root {
                 // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot,
                 // and to its output when out of place.
-                self.line_post(call, g, s, len, |p| unsafe {
+                self.line_post(call, (g, s), true, len, |p| unsafe {
                     std::ptr::copy_nonoverlapping(src, p, len)
                 })?;
                 if !std::ptr::eq(src, dst) {
                     // SAFETY: the caller's distinct input and output, `len` bytes each.
                     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
                 }
-                for r in self.peers() {
-                    self.line_read(call, r, g, s)?;
-                }
+                let op_name = call.op_name;
+                self.unchecked.borrow_mut().push_back(Unchecked { g, s, desc: call.desc, op_name });
             } else {
-                self.line_post(call, g, s, 0, |_| ())?;
-                let p = self.line_read(call, root, g, s)?;
+                self.line_post(call, (g, s), false, 0, |_| ())?;
+                // The root may have unchecked broadcasts before this one: that it began `g`
+                // says nothing of its *done* (no `saw`).
+                let p = self.line_wait(call, root, g, s)?;
                 // SAFETY: the root's posted bytes into our output.
                 unsafe { std::ptr::copy_nonoverlapping(p, dst, len) };
             }
@@ -1006,7 +1089,7 @@ impl Direct {
             _ => (0, n * block),
         };
         // SAFETY: our input (one block, or n) into our free slot.
-        self.line_post(call, g, s, len, |p| unsafe {
+        self.line_post(call, (g, s), false, len, |p| unsafe {
             std::ptr::copy_nonoverlapping(src.add(from), p, len)
         })?;
         // SAFETY: every slot read below was posted (and checked) by `line_read`, and is not
@@ -1118,14 +1201,14 @@ mod tests {
                 c0.allreduce(&mut [0f32; 1], ReduceOp::Sum).unwrap();
                 with_direct(&c0, |d| {
                     let g = d.gen + 1;
-                    let s = (g % 2) as usize;
+                    let (s, b) = ((g % LINES as u64) as usize, (g % 2) as usize);
                     let until = Instant::now() + Duration::from_secs(20);
                     let stamp = loop {
                         let at = if small_peer {
                             (d.wins[1].line_gen(s) == g)
                                 .then(|| d.wins[1].line(s).wrapping_add(LINE_STAMP))
                         } else {
-                            (d.wins[1].counter(POSTED) / GEN == g).then(|| d.wins[1].stamp(s))
+                            (d.wins[1].counter(POSTED) / GEN == g).then(|| d.wins[1].stamp(b))
                         };
                         if let Some(p) = at {
                             let mut raw = [0u8; HEADER_LEN];
@@ -1240,7 +1323,7 @@ mod tests {
             let windows = w * (tutti_runtime::window::HEADER + 2 * buffer_for(w));
             assert!(rings + windows < 1 << 30, "{w} ranks: {rings} + {windows} bytes");
             if w == 64 {
-                assert!(rings + windows < 641 << 20, "{w} ranks: {rings} + {windows} bytes");
+                assert!(rings + windows < 645 << 20, "{w} ranks: {rings} + {windows} bytes");
             }
         }
     }

@@ -116,6 +116,14 @@ impl fmt::Display for Algo {
 pub struct Overrides(pub HashMap<Coll, Algo>);
 
 impl Overrides {
+    /// The algorithm set for `coll`, if any (no hashing when none is set).
+    pub fn get(&self, coll: Coll) -> Option<Algo> {
+        if self.0.is_empty() {
+            return None;
+        }
+        self.0.get(&coll).copied()
+    }
+
     /// Parse `coll:algo[,coll:algo…]`.
     ///
     /// # Errors
@@ -218,11 +226,10 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     match (coll, n) {
         (_, 0 | 1) => false,
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, _) if !uniform => false,
-        // The smallest calls run on the line slots (one cache line or a few per rank). A
-        // broadcast of more ranks than cores is the exception: messages let its root run
-        // ahead of ranks that wait for a core, the two line slots do not.
+        // The smallest calls run on the line slots (one cache line or a few per rank), where a
+        // broadcast's root runs ahead of ranks that wait for a core.
         (Coll::Broadcast, 2) => b <= 64 * K || b >= M,
-        (Coll::Broadcast, _) => !crate::direct::on_lines(coll, b, n),
+        (Coll::Broadcast, _) => true,
         (Coll::Allreduce, 2) => b <= 16 * K || (M..=4 * M).contains(&b),
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
@@ -289,7 +296,7 @@ impl Selector {
 
     /// Whether `coll`'s algorithm is forced (`Comm::with_algo` or `TUTTI_ALGO`).
     pub(crate) fn forced(&self, coll: Coll) -> bool {
-        self.force.is_some() || self.cfg.overrides.0.contains_key(&coll)
+        self.force.is_some() || self.cfg.overrides.get(coll).is_some()
     }
 
     /// The cost model, once the measurement found slow links (or `Comm::with_model` set one).
@@ -360,7 +367,7 @@ impl Selector {
             }
             return picked;
         }
-        self.force.or_else(|| self.cfg.overrides.0.get(&coll).copied()).unwrap_or_else(auto)
+        self.force.or_else(|| self.cfg.overrides.get(coll)).unwrap_or_else(auto)
     }
 
     /// The elements per piece of an allreduce of `count` elements of `esize` bytes on `n`

@@ -2,7 +2,7 @@
 //! their peers' memory directly instead of sending it.
 //!
 //! ```text
-//! window (memfd, sealed against resizing), 8 KiB + data bytes
+//! window (memfd, sealed against resizing), 68 KiB + data bytes
 //!   0       stamp: magic, nonce (checked when a peer attaches)
 //!   1024    COUNTERS counters (u64), each on its own cache line, written by the owner only
 //!   1536    waiters: how many peers sleep on the window; 1600: the ticket (futex word),
@@ -11,7 +11,7 @@
 //!   4096    LINES line slots of LINE_BYTES: a generation word (u64), then what the owner
 //!           wrote for that generation (small calls carry their stamp and data here, so a
 //!           reader finds both in the cache lines it waited on)
-//!   8192    data
+//!   69632   data
 //! ```
 //!
 //! The owner writes its data, then [`publishes`](Window::publish) a counter (a release store);
@@ -39,15 +39,16 @@ use std::time::{Duration, Instant};
 use crate::memfd::Mapping;
 
 /// Bytes before the data.
-pub const HEADER: usize = 8192;
+pub const HEADER: usize = LINES_AT + LINES * LINE_BYTES;
 /// Counters in a window.
 pub const COUNTERS: usize = 4;
 /// Stamp slots in a window.
 pub const STAMPS: usize = 4;
 /// Bytes of one stamp slot.
 pub const STAMP_BYTES: usize = 64;
-/// Line slots in a window.
-pub const LINES: usize = 2;
+/// Line slots in a window: a small call that waits for nobody (a broadcast's root) may run
+/// this many calls ahead of its slowest reader.
+pub const LINES: usize = 32;
 /// Bytes of one line slot, its generation word included.
 pub const LINE_BYTES: usize = 2048;
 /// Bytes of an encoded [`Offer`].
@@ -61,7 +62,7 @@ const STAMPS_AT: usize = 2048;
 const _: () = assert!(TICKET_AT + 4 <= STAMPS_AT);
 const LINES_AT: usize = 4096;
 const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= LINES_AT);
-const _: () = assert!(LINES_AT + LINES * LINE_BYTES <= HEADER);
+const _: () = assert!(HEADER.is_multiple_of(4096));
 /// Largest data area a window may have (checked when attaching: an offer is untrusted).
 pub const MAX_DATA: usize = 1 << 30;
 /// Reads of the word between two reads of the clock while spinning hot.

@@ -97,7 +97,6 @@ impl Comm {
         counts: &[usize],
     ) -> Result<Stats> {
         let es = size_of::<T>();
-        let blocks = blocks_from_counts(counts, es);
         let uniform = counts.windows(2).all(|w| w[0] == w[1]);
         let total = out.len();
         let req = Req {
@@ -113,7 +112,8 @@ impl Comm {
             finish: None,
         };
         let _rank = self.rank();
-        self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks, topo))
+        // The blocks only where a plan is made (not on a cached plan's or direct reads' path).
+        self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks_from_counts(counts, es), topo))
     }
 }
 

@@ -89,8 +89,6 @@ impl Comm {
         uniform: bool,
     ) -> Result<Stats> {
         let es = size_of::<T>();
-        let send = blocks_from_counts(sc, es);
-        let recv = blocks_from_counts(rc, es);
         let total = out.len();
         let total_bytes = size_of_val(out);
         let req = Req {
@@ -108,7 +106,10 @@ impl Comm {
             finish: None,
         };
         let _in_place = input.is_none();
-        self.run(req, |ctx, algo, _| plan(ctx, algo, &send, &recv, total_bytes))
+        self.run(req, |ctx, algo, _| {
+            let (send, recv) = (blocks_from_counts(sc, es), blocks_from_counts(rc, es));
+            plan(ctx, algo, &send, &recv, total_bytes)
+        })
     }
 }
 

@@ -104,7 +104,6 @@ impl Comm {
         op: ReduceOp,
     ) -> Result<Stats> {
         let es = size_of::<T>();
-        let blocks = blocks_from_counts(counts, es);
         let total: usize = counts.iter().sum();
         let uniform = counts.windows(2).all(|w| w[0] == w[1]);
         let rank = self.rank();
@@ -121,7 +120,8 @@ impl Comm {
             finish: None,
         };
         let in_place = input.is_none();
-        let st = self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks, topo))?;
+        let st = self
+            .run(req, |ctx, algo, topo| plan(ctx, algo, &blocks_from_counts(counts, es), topo))?;
         if in_place {
             let c = counts[rank];
             let off: usize = counts[..rank].iter().sum();

@@ -27,6 +27,8 @@
 //! next deadline or input.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
@@ -203,6 +205,8 @@ pub(crate) struct Core {
     queues: Vec<PeerQueues>,
     ops: Ops,
     poisoned: Option<Error>,
+    /// Set once `poisoned` is: read without the engine's lock on every call's check.
+    poison_flag: Arc<AtomicBool>,
     unexpected_bytes: u64,
     cfg: CoreConfig,
     /// Links that failed since the driver last asked: it closes their connections.
@@ -233,6 +237,7 @@ impl Core {
             queues: (0..world).map(|_| PeerQueues::default()).collect(),
             ops: Ops::default(),
             poisoned: None,
+            poison_flag: Arc::default(),
             unexpected_bytes: 0,
             cfg,
             down: Vec::new(),
@@ -253,6 +258,12 @@ impl Core {
 
     pub(crate) fn poisoned(&self) -> Option<&Error> {
         self.poisoned.as_ref()
+    }
+
+    /// A flag set when this core is poisoned, for a look without the lock around the core
+    /// ([`Core::poisoned`] then says why).
+    pub(crate) fn poison_flag(&self) -> Arc<AtomicBool> {
+        self.poison_flag.clone()
     }
 
     /// What this rank's abort frames tell its peers, once it is poisoned.
@@ -953,6 +964,7 @@ impl Core {
         let e2 = err.clone();
         self.ops.fail_all(|_, _| e2.clone());
         self.poisoned = Some(err.clone());
+        self.poison_flag.store(true, Ordering::Release);
         self.fresh_poison = true;
         for q in self.queues.iter_mut() {
             q.clear_posted();

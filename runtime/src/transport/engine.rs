@@ -184,6 +184,8 @@ pub(crate) struct Engine<D> {
     waiters: AtomicUsize,
     stop: AtomicBool,
     spin: Duration,
+    /// The core's [`Core::poison_flag`].
+    poisoned: Arc<AtomicBool>,
 }
 
 impl<D: Driver> Engine<D> {
@@ -192,6 +194,7 @@ impl<D: Driver> Engine<D> {
         Ok(Engine {
             rank: core.rank(),
             world: core.world(),
+            poisoned: core.poison_flag(),
             state: Mutex::new(State { core, driver, driving: false, followers: 0 }),
             ended: Condvar::new(),
             pipe: WakePipe::new()?,
@@ -531,6 +534,9 @@ impl<D: Driver> Engine<D> {
     }
 
     pub(crate) fn poisoned(&self) -> Option<Error> {
+        if !self.poisoned.load(Ordering::Acquire) {
+            return None;
+        }
         self.lock().core.poisoned().cloned()
     }
 

@@ -62,8 +62,8 @@ pub(crate) const RING_MIN: usize = 64 << 10;
 /// Largest ring: larger ones measured no faster (2 and 64 MiB collectives, 2 ranks).
 pub(crate) const RING_MAX: usize = 1 << 20;
 /// What all the rings of a job on one host may hold together ([`ring_for`]): three quarters
-/// of a GiB, so that with the header pages and the world's windows (at most 128.5 MiB up to
-/// 128 ranks) a host's ranks stay under 1 GiB.
+/// of a GiB, so that with the header pages and the world's windows (132.3 MiB at 64 ranks) a
+/// host's ranks stay under 1 GiB, up to 111 ranks on one host (a unit test checks the sum).
 const RING_BUDGET: usize = 768 << 20;
 /// Most bytes copied into or out of a ring between two publications of a position: the
 /// writer and the reader work on different pieces of the ring at once instead of taking turns
