@@ -217,8 +217,8 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// through shared memory, interleaved, in steady state (hundreds of calls of one size): with 2
 /// ranks, each on a core, they win up to 16 KiB (64 KiB for a broadcast) and where messages
 /// take several steps (a large broadcast, an allreduce of 1–4 MiB); with 4 ranks on 2 cores, whose
-/// waits give the CPU to the rank waited for, they win at every size but the broadcasts that
-/// fit a line slot (messages let the root run ahead) and all-to-all past 1 MiB.
+/// waits give the CPU to the rank waited for, they win at every size but all-to-all past 1 MiB
+/// (a small broadcast's root runs ahead of its readers on the line slots, as on messages).
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
