@@ -85,6 +85,9 @@ pub struct Spin {
 }
 /// How long a sleeping waiter sleeps before it asks its caller again.
 const SLICE: Duration = Duration::from_millis(2);
+/// How long a sleeper first sleeps before it looks again: longer than any publish takes to
+/// become visible, so a publish that missed its registration is found then.
+const NAP: Duration = Duration::from_micros(100);
 
 /// Why a window could not be made or attached. Not fatal: the collectives fall back to
 /// messages.
@@ -286,7 +289,7 @@ impl Window {
     /// # Panics
     /// If `i` is not below [`LINES`].
     pub fn publish_line(&self, i: usize, v: u64) {
-        self.line_ref(i).store(v, Ordering::SeqCst);
+        self.line_ref(i).store(v, Ordering::Release);
         self.wake();
     }
 
@@ -336,18 +339,20 @@ impl Window {
     /// # Panics
     /// If `i` is not below [`COUNTERS`].
     pub fn publish(&self, i: usize, v: u64) {
-        self.counter_ref(i).store(v, Ordering::SeqCst);
+        self.counter_ref(i).store(v, Ordering::Release);
         self.wake();
     }
 
     /// After a publishing store: wake the sleepers, if any. A sleeper registers (a SeqCst
-    /// increment of *waiters*) before it reads the ticket and the word it waits on, and the
-    /// publisher reads *waiters* after its SeqCst store: either the publisher sees the sleeper
-    /// (and bumps the ticket, so a sleeper that read the old ticket does not sleep), or the
-    /// sleeper's read of the word comes after the store and sees it. No bump when nobody
-    /// sleeps: the ticket's cache line stays put.
+    /// increment of *waiters*) before it reads the ticket and the word it waits on. The
+    /// publisher's store is a plain release store, not fenced from its read of *waiters* (a
+    /// fence there cost every small call a wait for its own stores): a publisher that reads
+    /// *waiters* as the sleeper registers may miss it, so a sleeper first naps [`NAP`] and
+    /// looks at the word again, by when any such publish is visible; a publish after that sees
+    /// the registration and bumps the ticket (so a sleeper that read the old ticket does not
+    /// sleep). No bump when nobody sleeps: the ticket's cache line stays put.
     fn wake(&self) {
-        if self.waiters().load(Ordering::SeqCst) != 0 {
+        if self.waiters().load(Ordering::Relaxed) != 0 {
             let t = self.ticket();
             t.fetch_add(1, Ordering::SeqCst);
             futex_wake(t.as_ptr());
@@ -431,7 +436,15 @@ impl Window {
             let t = self.ticket().load(Ordering::SeqCst);
             let v = c.load(Ordering::SeqCst);
             if v < at_least {
-                futex_wait(self.ticket().as_ptr(), t, SLICE.min(until - now));
+                // A publish at the moment we registered may have missed us (its store is not
+                // fenced from its look at *waiters*): nap, look again, then sleep on.
+                futex_wait(self.ticket().as_ptr(), t, NAP.min(until - now));
+                if c.load(Ordering::Acquire) < at_least {
+                    let now = Instant::now();
+                    if now < until {
+                        futex_wait(self.ticket().as_ptr(), t, (SLICE - NAP).min(until - now));
+                    }
+                }
             }
             self.waiters().fetch_sub(1, Ordering::SeqCst);
             let v = c.load(Ordering::Acquire);
