@@ -464,6 +464,7 @@ impl Comm {
                 Some(_) => algo = self.sel.algo(req.coll, req.bytes, self.size(), req.uniform),
             }
         }
+        self.settle_direct()?;
         let start = Instant::now();
         let op = req.coll.name();
         let cfg = &self.sel.cfg;
@@ -512,6 +513,22 @@ impl Comm {
         let elapsed = start.elapsed();
         debug!(op, seq, bytes = req.bytes, %algo, ?elapsed, "collective done");
         Ok(Stats { algo, bytes_sent, elapsed, seq })
+    }
+
+    /// Before a call that does not read directly: the stamps of this rank's unchecked small
+    /// broadcasts as root ([`crate::direct::Direct::settle_all`]).
+    pub(crate) fn settle_direct(&self) -> Result<()> {
+        // Held already on this thread only by the windows' set-up, whose exchange runs here
+        // (nothing to check then).
+        let st = match self.sel.direct.try_lock() {
+            Ok(st) => st,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(()),
+        };
+        match &*st {
+            crate::direct::State::Ready(d) => d.settle_all(&self.group),
+            _ => Ok(()),
+        }
     }
 
     /// Set up direct reads in this group if not yet done (a collective step, the same on every

@@ -475,7 +475,7 @@ impl Direct {
             return Ok(());
         }
         // SAFETY: the peer's line slot, which holds generation `g` until the peer begins
-        // `g + 2` (it needs us done with `g` for that).
+        // `g + LINES` (it needs us done with `g` for that).
         let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
         self.check_stamp(call, r, g, &raw).and(Err(RtError::Protocol {
             rank: call.global(self.me),
@@ -692,6 +692,13 @@ impl Direct {
     /// slot until then. A peer that made another call is named as a mismatch of the broadcast
     /// it did not make.
     fn settle(&self, call: &Call<'_>, must: u64) -> Result<()> {
+        // Called as generation `self.gen` begins: every earlier one is over here.
+        self.settle_through(call, must, self.gen - 1)
+    }
+
+    /// [`Direct::settle`], this rank being done with generation `done` (then published, below
+    /// the first still unchecked).
+    fn settle_through(&self, call: &Call<'_>, must: u64, done: u64) -> Result<()> {
         let mut settled = false;
         loop {
             let Some(u) = self.unchecked.borrow().front().copied() else { break };
@@ -706,10 +713,31 @@ impl Direct {
             settled = true;
         }
         if settled {
-            // Called as generation `self.gen` begins: every earlier one is over here.
-            self.finish(self.gen - 1);
+            self.finish(done);
         }
         Ok(())
+    }
+
+    /// Before a call that does not read directly (messages, point to point): check the peers'
+    /// stamps of every small broadcast this rank made as root and has not checked yet, waiting
+    /// for them (each peer that makes the same calls posted its stamp before it read the
+    /// broadcast), so a peer that made another call is named now, not at a later direct call
+    /// that may never come.
+    ///
+    /// # Errors
+    /// A mismatched stamp; a lost peer, an abort, or the group's timeout while waiting.
+    pub(crate) fn settle_all(&self, group: &tutti_runtime::Group) -> Result<()> {
+        let Some(u) = self.unchecked.borrow().front().copied() else { return Ok(()) };
+        let start = Instant::now();
+        let call = Call {
+            group,
+            op_name: u.op_name,
+            desc: u.desc,
+            start,
+            deadline: start + group.timeout(),
+            bytes: 0,
+        };
+        self.settle_through(&call, u64::MAX, self.gen)
     }
 
     /// `out` = the `out.len()` bytes at `at` of buffer `b` of every window reduced with `op`

@@ -467,6 +467,12 @@ both!(a_small_broadcast_root_runs_ahead_of_slow_readers_exactly, |kind| {
             if r == 3 && k % 50 == 0 {
                 std::thread::sleep(Duration::from_millis(5));
             }
+            if r == 0 && k % 50 == 32 {
+                // Rank 3 fell behind at call k − 32, which the root has not checked: while the
+                // root sleeps here, rank 3 catches up, and must not write its slot of call
+                // k − 32 again (call k) before the root checked it.
+                std::thread::sleep(Duration::from_millis(50));
+            }
             let w = |i: usize| val(root, k, i);
             let mut b: Vec<i64> = (0..3).map(|i| if r == root { w(i) } else { 0 }).collect();
             let st = c.broadcast(&mut b, root).unwrap();
@@ -478,6 +484,41 @@ both!(a_small_broadcast_root_runs_ahead_of_slow_readers_exactly, |kind| {
         x[0] == 6
     });
     assert!(oks.iter().all(|o| *o));
+});
+
+both!(a_root_that_ran_ahead_and_stopped_leaves_no_reader_waiting, |kind| {
+    // The root's calls are all broadcasts of its own, and after the last it makes no call: a
+    // reader that fell behind still finishes, since each call of the root checked the stamps
+    // up to a line slot's reuse (32 calls) back. Rank 2 is 32 calls behind when the root makes
+    // its last call, and posts its stamp of that call only while the root waits for it to be
+    // done with it (after the root looked for the stamp without waiting).
+    let (oks, t) = run(kind, 3, Duration::from_secs(10), |c| {
+        let r = c.rank();
+        for k in 0..80 {
+            if r == 2 && k == 80 - 33 {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let mut b: Vec<i64> = (0..2).map(|i| if r == 0 { val(0, k, i) } else { 0 }).collect();
+            c.broadcast(&mut b, 0).unwrap();
+            assert!(b.iter().enumerate().all(|(i, v)| *v == val(0, k, i)), "rank {r}: call {k}");
+        }
+        true
+    });
+    assert!(oks.iter().all(|o| *o));
+    assert!(t < Duration::from_secs(5), "{t:?}");
+});
+
+both!(a_small_broadcast_root_mismatch_is_named_before_a_message_call, |kind| {
+    // Two ranks each believe themselves the root; the next call runs on messages (a barrier),
+    // and each rank checks its broadcast's stamps first.
+    let (errs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+        let mut x = vec![c.rank() as u8; 64];
+        c.broadcast(&mut x, c.rank())?;
+        c.barrier().map(|_| ())
+    });
+    let errs = errors(errs);
+    assert!(errs.iter().all(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
+    assert!(t < Duration::from_secs(10), "{t:?}");
 });
 
 both!(a_reader_that_believes_another_root_is_named_on_every_rank, |kind| {

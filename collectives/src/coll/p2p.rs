@@ -15,7 +15,10 @@ impl Comm {
     /// # Errors
     /// As [`Group::send`](tutti_runtime::Group::send).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u32) -> Result<()> {
-        self.call("send", || Ok(self.group.send(dst, tag, as_bytes(buf))?))
+        self.call("send", || {
+            self.settle_direct()?;
+            Ok(self.group.send(dst, tag, as_bytes(buf))?)
+        })
     }
 
     /// Send `send` to `dst` while receiving `recv` from `src` (nccl-tests' sendrecv pattern);
@@ -35,6 +38,7 @@ impl Comm {
         tag: u32,
     ) -> Result<usize> {
         self.call("sendrecv", || {
+            self.settle_direct()?;
             let got = self.group.sendrecv(dst, as_bytes(send), src, as_bytes_mut(recv), tag)?;
             Ok(got / size_of::<T>())
         })
@@ -48,7 +52,10 @@ impl Comm {
     /// # Errors
     /// As [`Group::recv`](tutti_runtime::Group::recv).
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u32) -> Result<usize> {
-        self.call("recv", || Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / size_of::<T>()))
+        self.call("recv", || {
+            self.settle_direct()?;
+            Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / size_of::<T>())
+        })
     }
 
     /// Several sends and receives posted together and waited for together (PyTorch's
@@ -66,6 +73,7 @@ impl Comm {
         recvs: &mut [(usize, u32, &mut [T])],
     ) -> Result<Vec<usize>> {
         self.call("batch_p2p", || {
+            self.settle_direct()?;
             let s: Vec<(usize, u32, &[u8])> =
                 sends.iter().map(|(d, t, b)| (*d, *t, as_bytes(b))).collect();
             let mut r: Vec<(usize, u32, &mut [u8])> =
