@@ -23,7 +23,13 @@
 //! 4. **Done**: publish *done* = `g`.
 //!
 //! Per generation an allreduce moves `S` into the window, reads `S` to reduce `S/n` and copies
-//! `S` out: no byte crosses a socket or a ring, and no rank forwards another's data. Waits spin
+//! `S` out: no byte crosses a socket or a ring, and no rank forwards another's data.
+//!
+//! Small calls ([`on_lines`]) run in one generation on the windows' [`LINES`] line slots instead
+//! of the buffers, by turns, each carrying its stamp and data in the cache lines a reader waits
+//! on. A small broadcast's root waits for nobody: it checks its readers' stamps at its later
+//! generations, and keeps its *done* below the first it has not checked
+//! ([`Direct::settle`]). Waits spin
 //! briefly and then sleep on the peer's window; between sleeps they ask the transport whether
 //! the group failed and apply the dead-peer rule to the peer waited for — from its link
 //! (`Transport::check_peer`), or, with no link to it connected, from what the kernel says of
