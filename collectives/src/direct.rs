@@ -461,7 +461,8 @@ impl Direct {
     /// A peer that begins a generation other than a small broadcast's as root is then done
     /// with every earlier one: that is what [`Direct::saw`] relies on.
     fn free(&self, call: &Call<'_>, g: u64, turns: u64, ahead: bool, done: usize) -> Result<()> {
-        self.settle(call, if ahead { g.saturating_sub(turns) } else { g })?;
+        // As generation `g` begins, every earlier one is over here.
+        self.settle(call, if ahead { g.saturating_sub(turns) } else { g }, g - 1)?;
         if g > turns {
             for r in self.peers() {
                 if self.known_done[r].get() < g - turns {
@@ -694,17 +695,10 @@ impl Direct {
     /// Check the peers' stamps of the small broadcasts this rank made as root without waiting
     /// for them: waiting for those of generations up to `must` (peers about to begin a later
     /// generation need our *done* past them), and the others where already posted; then
-    /// publish *done* up to the first still unchecked. Each stamp stays in its peer's line
-    /// slot until then. A peer that made another call is named as a mismatch of the broadcast
-    /// it did not make.
-    fn settle(&self, call: &Call<'_>, must: u64) -> Result<()> {
-        // Called as generation `self.gen` begins: every earlier one is over here.
-        self.settle_through(call, must, self.gen - 1)
-    }
-
-    /// [`Direct::settle`], this rank being done with generation `done` (then published, below
-    /// the first still unchecked).
-    fn settle_through(&self, call: &Call<'_>, must: u64, done: u64) -> Result<()> {
+    /// publish *done* = `done` (the last generation this rank is through), below the first
+    /// still unchecked. Each stamp stays in its peer's line slot until then. A peer that made
+    /// another call is named as a mismatch of the broadcast it did not make.
+    fn settle(&self, call: &Call<'_>, must: u64, done: u64) -> Result<()> {
         let mut settled = false;
         loop {
             let Some(u) = self.unchecked.borrow().front().copied() else { break };
@@ -743,7 +737,7 @@ impl Direct {
             deadline: start + group.timeout(),
             bytes: 0,
         };
-        self.settle_through(&call, u64::MAX, self.gen)
+        self.settle(&call, u64::MAX, self.gen)
     }
 
     /// `out` = the `out.len()` bytes at `at` of buffer `b` of every window reduced with `op`

@@ -15,10 +15,7 @@ impl Comm {
     /// # Errors
     /// As [`Group::send`](tutti_runtime::Group::send).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u32) -> Result<()> {
-        self.call("send", || {
-            self.settle_direct()?;
-            Ok(self.group.send(dst, tag, as_bytes(buf))?)
-        })
+        self.call_p2p("send", || Ok(self.group.send(dst, tag, as_bytes(buf))?))
     }
 
     /// Send `send` to `dst` while receiving `recv` from `src` (nccl-tests' sendrecv pattern);
@@ -37,8 +34,7 @@ impl Comm {
         src: usize,
         tag: u32,
     ) -> Result<usize> {
-        self.call("sendrecv", || {
-            self.settle_direct()?;
+        self.call_p2p("sendrecv", || {
             let got = self.group.sendrecv(dst, as_bytes(send), src, as_bytes_mut(recv), tag)?;
             Ok(got / size_of::<T>())
         })
@@ -52,10 +48,7 @@ impl Comm {
     /// # Errors
     /// As [`Group::recv`](tutti_runtime::Group::recv).
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u32) -> Result<usize> {
-        self.call("recv", || {
-            self.settle_direct()?;
-            Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / size_of::<T>())
-        })
+        self.call_p2p("recv", || Ok(self.group.recv(src, tag, as_bytes_mut(buf))? / size_of::<T>()))
     }
 
     /// Several sends and receives posted together and waited for together (PyTorch's
@@ -72,14 +65,22 @@ impl Comm {
         sends: &[(usize, u32, &[T])],
         recvs: &mut [(usize, u32, &mut [T])],
     ) -> Result<Vec<usize>> {
-        self.call("batch_p2p", || {
-            self.settle_direct()?;
+        self.call_p2p("batch_p2p", || {
             let s: Vec<(usize, u32, &[u8])> =
                 sends.iter().map(|(d, t, b)| (*d, *t, as_bytes(b))).collect();
             let mut r: Vec<(usize, u32, &mut [u8])> =
                 recvs.iter_mut().map(|(src, t, b)| (*src, *t, as_bytes_mut(b))).collect();
             let got = self.group.batch_p2p(&s, &mut r)?;
             Ok(got.into_iter().map(|n| n / size_of::<T>()).collect())
+        })
+    }
+
+    /// One point-to-point call ([`Comm::call`]), after this rank's small broadcasts as root
+    /// are checked ([`Comm::settle_direct`]), as before any call on messages.
+    fn call_p2p<R>(&self, op: &'static str, body: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.call(op, || {
+            self.settle_direct()?;
+            body()
         })
     }
 }
