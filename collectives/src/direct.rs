@@ -25,8 +25,8 @@
 //! Per generation an allreduce moves `S` into the window, reads `S` to reduce `S/n` and copies
 //! `S` out: no byte crosses a socket or a ring, and no rank forwards another's data.
 //!
-//! Small calls ([`on_lines`]) run in one generation on the windows' [`LINES`] line slots instead
-//! of the buffers, by turns, each carrying its stamp and data in the cache lines a reader waits
+//! Small calls ([`on_lines`]) run in one generation on the windows' line slots instead of the
+//! buffers, by turns ([`line_turns`] of the [`LINES`]), each carrying its stamp and data in the cache lines a reader waits
 //! on. A small broadcast's root waits for nobody: it checks its readers' stamps at its later
 //! generations, and keeps its *done* below the first it has not checked
 //! ([`Direct::settle`]). Waits spin
@@ -95,6 +95,16 @@ pub(crate) fn buffer_for(n: usize) -> usize {
     (1usize << ((128usize << 20) / n.max(1)).max(1).ilog2()).clamp(64 << 10, 1 << 20)
 }
 
+/// Line slots a group of `n` ranks uses by turns: 32 (all of [`LINES`]) up to 8 ranks, then
+/// fewer, down to 2 from 128 ranks. A small broadcast's root runs up to this many calls less one
+/// ahead of its readers; a small call reads a slot of every peer, so the first calls through the
+/// slots touch `(n − 1) × turns` slots of peers' windows (2 per page), each page a first-touch
+/// fault of its own: with `256 / n` slots that stays near 128 pages per rank at any size (at
+/// 128 ranks, 32 slots had doubled a short job's page faults).
+pub(crate) fn line_turns(n: usize) -> u64 {
+    (256 / n.max(1)).clamp(2, LINES) as u64
+}
+
 /// What a group's direct reads hold: every rank's window (this rank's own at its rank) and the
 /// generations run so far.
 pub(crate) struct Direct {
@@ -111,6 +121,8 @@ pub(crate) struct Direct {
     known_done: Vec<Cell<u64>>,
     /// Calls run on the line slots (for the tests).
     lines: u64,
+    /// Line slots used by turns ([`line_turns`]).
+    turns: u64,
     /// Small broadcasts this rank made as root whose peers' stamps it has not checked yet, in
     /// generation order: its *done* stays below the first, so no peer writes its line slot of
     /// that generation again before the check ([`Direct::settle`]).
@@ -290,6 +302,7 @@ impl Direct {
             piece,
             known_done,
             lines: 0,
+            turns: line_turns(n),
             unchecked: RefCell::default(),
         })))
     }
@@ -357,7 +370,7 @@ impl Direct {
     fn next_line(&mut self) -> (u64, usize) {
         self.lines += 1;
         self.gen += 1;
-        (self.gen, (self.gen % LINES as u64) as usize)
+        (self.gen, (self.gen % self.turns) as usize)
     }
 
     /// Wait until rank `r`'s `counter` reaches `at_least` (a timeout names `r`, the generation
@@ -477,12 +490,12 @@ impl Direct {
     /// Whether peer `r` made a call on its line slots at generation `g` while we wait for it in
     /// a buffer: then the call it made, as a mismatch.
     fn line_call_at(&self, call: &Call<'_>, r: usize, g: u64) -> std::result::Result<(), RtError> {
-        let s = (g % LINES as u64) as usize;
+        let s = (g % self.turns) as usize;
         if self.wins[r].line_gen(s) != g {
             return Ok(());
         }
         // SAFETY: the peer's line slot, which holds generation `g` until the peer begins
-        // `g + LINES` (it needs us done with `g` for that).
+        // `g + turns` (it needs us done with `g` for that).
         let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
         self.check_stamp(call, r, g, &raw).and(Err(RtError::Protocol {
             rank: call.global(self.me),
@@ -644,7 +657,7 @@ impl Direct {
         fill: impl FnOnce(*mut u8),
     ) -> Result<()> {
         debug_assert!(len <= LINE_DATA);
-        self.free(call, g, LINES as u64, ahead, 0)?;
+        self.free(call, g, self.turns, ahead, 0)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
         let slot = self.wins[self.me].line(s);
         // SAFETY: our own free line slot: the stamp, then `len` ≤ LINE_DATA bytes of data.
@@ -906,7 +919,7 @@ impl Direct {
     ) -> Result<()> {
         if on_lines(Coll::Broadcast, len, self.wins.len()) {
             // Small: the root posts on its line slot and the others copy it out; the others
-            // post their stamp alone. The root waits for nobody: it may run up to LINES − 1
+            // post their stamp alone. The root waits for nobody: it may run up to turns − 1
             // calls ahead of its slowest reader, as a root of messages runs ahead on its
             // links' credits, and checks the others' stamps at its next generations
             // (`settle`: a peer that made another call, or believes another rank the root, is
@@ -1229,7 +1242,7 @@ mod tests {
                 c0.allreduce(&mut [0f32; 1], ReduceOp::Sum).unwrap();
                 with_direct(&c0, |d| {
                     let g = d.gen + 1;
-                    let (s, b) = ((g % LINES as u64) as usize, (g % 2) as usize);
+                    let (s, b) = ((g % d.turns) as usize, (g % 2) as usize);
                     let until = Instant::now() + Duration::from_secs(20);
                     let stamp = loop {
                         let at = if small_peer {
