@@ -1,9 +1,10 @@
 //! The communicator: the collectives users call.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tracing::debug;
+use tutti_runtime::clock::{Deadline, Moment};
 use tutti_runtime::{Fingerprint, Group};
 
 use crate::algo::PlanCtx;
@@ -116,6 +117,7 @@ impl Comm {
 
     /// A communicator with explicit settings.
     pub fn with_config(group: Group, cfg: Config) -> Comm {
+        tutti_runtime::clock::init();
         Comm {
             group,
             sel: Selector::new(cfg),
@@ -449,7 +451,7 @@ impl Comm {
         if algo == Algo::Direct {
             let (st, ready) = self.direct_ready()?;
             // The call's deadline starts after the one-time set-up, whichever way it runs.
-            let start = Instant::now();
+            let start = Moment::now();
             match ready {
                 None => return self.execute_direct(st, req, start),
                 Some(why) if self.sel.forced(req.coll) => {
@@ -465,7 +467,7 @@ impl Comm {
             }
         }
         self.settle_direct()?;
-        let start = Instant::now();
+        let start = Moment::now();
         let op = req.coll.name();
         let cfg = &self.sel.cfg;
         let ctx = PlanCtx {
@@ -566,7 +568,7 @@ impl Comm {
         &self,
         mut st: MutexGuard<'_, crate::direct::State>,
         req: Req<'_>,
-        start: Instant,
+        start: Moment,
     ) -> Result<Stats> {
         let crate::direct::State::Ready(d) = &mut *st else {
             return Err(Error::Unsupported {
@@ -584,7 +586,7 @@ impl Comm {
             op_name: req.coll.name(),
             desc: crate::direct::desc(self.group.id(), seq, fp),
             start,
-            deadline: start + self.group.timeout(),
+            deadline: Deadline::after(start, self.group.timeout()),
             bytes: req.bytes,
         };
         let (n, len) = (self.size(), req.data.len());

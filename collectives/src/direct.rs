@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 
+use tutti_runtime::clock::{Deadline, Moment};
 use tutti_runtime::window::{Offer, ProcessState, Spin, Window, LINES, LINE_BYTES, OFFER_LEN};
 use tutti_runtime::wire::{Fingerprint, Header, MsgDesc, Tag, HEADER_LEN};
 use tutti_runtime::{Error as RtError, OpContext};
@@ -119,6 +120,8 @@ pub(crate) struct Direct {
     /// or from a later generation it was seen to begin: a buffer or line slot needs no look at
     /// a peer's *done* when this covers its last use.
     known_done: Vec<Cell<u64>>,
+    /// The latest *done* read from each peer's window (never inferred): see [`Direct::settle`].
+    agreed: Vec<Cell<u64>>,
     /// Calls run on the line slots (for the tests).
     lines: u64,
     /// Line slots used by turns ([`line_turns`]).
@@ -157,8 +160,8 @@ pub(crate) struct Call<'a> {
     pub(crate) group: &'a tutti_runtime::Group,
     pub(crate) op_name: &'static str,
     pub(crate) desc: MsgDesc,
-    pub(crate) start: Instant,
-    pub(crate) deadline: Instant,
+    pub(crate) start: Moment,
+    pub(crate) deadline: Deadline,
     pub(crate) bytes: usize,
 }
 
@@ -294,6 +297,7 @@ impl Direct {
             (Spin { hot: us(0), yielding: us(500) }, usize::MAX)
         };
         let known_done = (0..n).map(|_| Cell::new(0)).collect();
+        let agreed = (0..n).map(|_| Cell::new(0)).collect();
         Ok(State::Ready(Box::new(Direct {
             me,
             wins,
@@ -301,6 +305,7 @@ impl Direct {
             spin,
             piece,
             known_done,
+            agreed,
             lines: 0,
             turns: line_turns(n),
             unchecked: RefCell::default(),
@@ -346,7 +351,7 @@ impl Direct {
         self.finish(g);
         for r in self.peers() {
             let v = self.wait(call, r, DONE, g, done)?;
-            self.knew_done(r, v);
+            self.agree(r, v);
         }
         Ok(())
     }
@@ -480,7 +485,7 @@ impl Direct {
             for r in self.peers() {
                 if self.known_done[r].get() < g - turns {
                     let v = self.wait(call, r, DONE, g - turns, done)?;
-                    self.knew_done(r, v);
+                    self.agree(r, v);
                 }
             }
         }
@@ -705,30 +710,65 @@ impl Direct {
         self.wins[self.me].publish(DONE, g.min(first - 1));
     }
 
-    /// Check the peers' stamps of the small broadcasts this rank made as root without waiting
-    /// for them: waiting for those of generations up to `must` (peers about to begin a later
-    /// generation need our *done* past them), and the others where already posted; then
+    /// Check the small broadcasts this rank made as root without waiting for its peers: those
+    /// of generations up to `must` now (peers about to begin a later generation need our
+    /// *done* past them), later ones only where the peers' *done* already covers them; then
     /// publish *done* = `done` (the last generation this rank is through), below the first
-    /// still unchecked. Each stamp stays in its peer's line slot until then. A peer that made
-    /// another call is named as a mismatch of the broadcast it did not make.
+    /// still unchecked.
+    ///
+    /// A peer whose *done* has reached a generation agreed with our call there: it finished
+    /// that generation, which as a non-root meant checking its root's stamp (ours, or that of a
+    /// rank that believed itself the root and holds its own *done* below it until it has
+    /// checked ours), and as a root of its own meant checking ours. So the check reads each
+    /// peer's *done* once, which covers many broadcasts at a time, and reads a peer's stamp
+    /// (waiting for it) only for a generation up to `must` that its *done* does not cover.
+    /// Each stamp stays in its peer's line slot until then. A peer that made another call is
+    /// named as a mismatch of the broadcast it did not make.
     fn settle(&self, call: &Call<'_>, must: u64, done: u64) -> Result<()> {
-        let mut settled = false;
-        loop {
-            let Some(u) = self.unchecked.borrow().front().copied() else { break };
-            let then = Call { desc: u.desc, op_name: u.op_name, ..*call };
-            if u.g > must && self.peers().any(|r| self.wins[r].line_gen(u.s) < u.g) {
-                break;
-            }
-            for r in self.peers() {
-                self.line_read(&then, r, u.g, u.s)?;
+        let first = |this: &Self| this.unchecked.borrow().front().copied();
+        let Some(u) = first(self) else { return Ok(()) };
+        if u.g > must && self.peers().any(|r| self.agreed[r].get() < u.g) {
+            // Nothing needed yet, and nothing known: no look at the peers (a look is a read of
+            // memory another core writes).
+            return Ok(());
+        }
+        let (mut read, mut popped) = (false, false);
+        while let Some(u) = first(self) {
+            if self.peers().any(|r| self.agreed[r].get() < u.g) {
+                if !read {
+                    read = true;
+                    for r in self.peers() {
+                        let v = self.wins[r].counter(DONE);
+                        self.agree(r, v);
+                    }
+                    continue;
+                }
+                if u.g > must {
+                    break;
+                }
+                let then = Call { desc: u.desc, op_name: u.op_name, ..*call };
+                for r in self.peers() {
+                    if self.agreed[r].get() < u.g {
+                        self.line_read(&then, r, u.g, u.s)?;
+                    }
+                }
             }
             self.unchecked.borrow_mut().pop_front();
-            settled = true;
+            popped = true;
         }
-        if settled {
+        if popped {
             self.finish(done);
         }
         Ok(())
+    }
+
+    /// Peer `r` published *done* = `v` (read from its window): it is through generation `v`
+    /// and agreed with every call of ours up to it ([`Direct::settle`]).
+    fn agree(&self, r: usize, v: u64) {
+        if self.agreed[r].get() < v {
+            self.agreed[r].set(v);
+        }
+        self.knew_done(r, v);
     }
 
     /// Before a call that does not read directly (messages, point to point): check the peers'
@@ -741,13 +781,13 @@ impl Direct {
     /// A mismatched stamp; a lost peer, an abort, or the group's timeout while waiting.
     pub(crate) fn settle_all(&self, group: &tutti_runtime::Group) -> Result<()> {
         let Some(u) = self.unchecked.borrow().front().copied() else { return Ok(()) };
-        let start = Instant::now();
+        let start = Moment::now();
         let call = Call {
             group,
             op_name: u.op_name,
             desc: u.desc,
             start,
-            deadline: start + group.timeout(),
+            deadline: Deadline::after(start, group.timeout()),
             bytes: 0,
         };
         self.settle(&call, u64::MAX, self.gen)
@@ -1264,13 +1304,13 @@ mod tests {
                     };
                     // Our own call: the peer's with another count.
                     let fp = Fingerprint { count: stamp.desc.fp.count + 1, ..stamp.desc.fp };
-                    let now = Instant::now();
+                    let now = Moment::now();
                     let call = Call {
                         group: &c0.group,
                         op_name: "allreduce",
                         desc: MsgDesc { fp, ..stamp.desc },
                         start: now,
-                        deadline: now + Duration::from_secs(10),
+                        deadline: Deadline::after(now, Duration::from_secs(10)),
                         bytes: 16,
                     };
                     let (other, same) = if small_peer {

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use tutti_runtime::clock::{Deadline, Moment};
 use tutti_runtime::{Fingerprint, Group, MsgDesc, OpId, Tag, Transport};
 
 use crate::dtype::{DType, ReduceOp};
@@ -142,7 +143,7 @@ pub(crate) fn execute(
     data: &mut [u8],
     input: Option<&[u8]>,
     scratch: &mut Scratch,
-    start: Instant,
+    start: Moment,
 ) -> Result<u64> {
     scratch.prepare(&plan.scratch);
     let Scratch { addrs, handles, outstanding, .. } = scratch;
@@ -160,7 +161,7 @@ pub(crate) fn execute(
         handles,
         outstanding,
         start,
-        deadline: start + call.group.timeout(),
+        deadline: Deadline::after(start, call.group.timeout()).instant(),
         sent: 0,
     };
     let mut r = ex.run(plan);
@@ -187,7 +188,7 @@ struct Exec<'a> {
     scratch: &'a [(*mut u8, usize)],
     handles: &'a mut Vec<Option<Posted>>,
     outstanding: &'a mut Vec<usize>,
-    start: Instant,
+    start: Moment,
     deadline: Instant,
     sent: u64,
 }

@@ -10,7 +10,7 @@
 //! in-place all-gather this way.
 
 use std::marker::PhantomData;
-use std::time::Instant;
+use tutti_runtime::clock::{Deadline, Moment};
 
 use crate::comm::{settings_digest, Comm, Stats};
 use crate::direct::{Call, Direct, State};
@@ -153,7 +153,7 @@ impl Comm {
     /// read-only (see [`SharedBuffer`]).
     pub fn allgather_shared<T: Element>(&self, buf: &mut SharedBuffer<T>) -> Result<Stats> {
         self.call(Coll::Allgather.name(), || {
-            let start = Instant::now();
+            let start = Moment::now();
             let n = self.size();
             if buf.broken {
                 return Err(self.invalid(
@@ -188,7 +188,7 @@ impl Comm {
                 op_name: Coll::Allgather.name(),
                 desc: crate::direct::desc(self.group().id(), seq, fp),
                 start,
-                deadline: start + self.group().timeout(),
+                deadline: Deadline::after(start, self.group().timeout()),
                 bytes: block * n,
             };
             if let Err(e) = buf.direct.gather_in_place(&call, block) {

@@ -457,6 +457,44 @@ both!(a_small_broadcast_root_mismatch_is_named_on_the_roots, |kind| {
     assert!(t < Duration::from_secs(10), "{t:?}");
 });
 
+both!(roots_that_only_broadcast_are_named_by_a_line_slot_reuse, |kind| {
+    // Two ranks each believe themselves the root of every small broadcast and make no other
+    // call: each runs ahead, and checks the other's stamps when it needs that line slot again
+    // (32 calls on with 2 ranks), not later.
+    let (rs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+        let c = c.with_algo(Algo::Direct);
+        for made in 0..200 {
+            let mut x = vec![c.rank() as u8; 64];
+            if let Err(e) = c.broadcast(&mut x, c.rank()) {
+                return (made, e.to_string());
+            }
+        }
+        (200, String::new())
+    });
+    for (made, e) in &rs {
+        assert!(e.contains("root 0") && e.contains("root 1"), "{e}");
+        assert!(*made <= 32, "{made} calls returned before the mismatch was named");
+    }
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
+both!(two_roots_with_a_reader_that_agrees_with_one_are_named_everywhere, |kind| {
+    // Rank 0 believes itself the root; ranks 1 and 2 believe rank 1 is. Rank 2 finishes each
+    // call (rank 1's stamp agrees with its own), so its *done* passes rank 0's broadcasts;
+    // the two roots still read each other's stamps, and every rank learns the mismatch.
+    let (rs, t) = run(kind, 3, Duration::from_secs(30), |c| {
+        let root = if c.rank() == 0 { 0 } else { 1 };
+        for _ in 0..200 {
+            let mut x = vec![c.rank() as u8; 16];
+            c.with_algo(Algo::Direct).broadcast(&mut x, root)?;
+        }
+        Ok(())
+    });
+    let errs = errors(rs);
+    assert!(errs.iter().all(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
+    assert!(t < Duration::from_secs(10), "{t:?}");
+});
+
 both!(a_small_broadcast_root_runs_ahead_of_slow_readers_exactly, |kind| {
     // The root of small broadcasts waits for nobody: it runs up to a line slot's reuse ahead
     // of its slowest reader, which here falls behind now and then. Every reader gets every

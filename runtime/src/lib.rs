@@ -25,6 +25,7 @@
 //! ```
 
 pub mod auth;
+pub mod clock;
 mod connect;
 pub mod elastic;
 pub mod error;

@@ -36,6 +36,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::clock::{Deadline, Moment};
 use crate::memfd::Mapping;
 
 /// Bytes before the data.
@@ -305,11 +306,11 @@ impl Window {
         &self,
         i: usize,
         at_least: u64,
-        until: Instant,
+        until: impl Into<Deadline>,
         spin: Spin,
         check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
-        self.wait_word(self.line_ref(i), at_least, until, spin, check)
+        self.wait_word(self.line_ref(i), at_least, until.into(), spin, check)
     }
 
     fn waiters(&self) -> &AtomicU32 {
@@ -373,18 +374,18 @@ impl Window {
         &self,
         i: usize,
         at_least: u64,
-        until: Instant,
+        until: impl Into<Deadline>,
         spin: Spin,
         check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
-        self.wait_word(self.counter_ref(i), at_least, until, spin, check)
+        self.wait_word(self.counter_ref(i), at_least, until.into(), spin, check)
     }
 
     fn wait_word<E>(
         &self,
         c: &AtomicU64,
         at_least: u64,
-        until: Instant,
+        until: Deadline,
         spin: Spin,
         mut check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
@@ -407,7 +408,7 @@ impl Window {
                 return Ok(Some(v));
             }
         }
-        let start = Instant::now();
+        let start = Moment::now();
         while start.elapsed() < spin.hot {
             if let Some(v) = looks() {
                 return Ok(Some(v));
@@ -425,6 +426,8 @@ impl Window {
                 check()?;
             }
         }
+        // The deadline as an instant only now, when the wait is about to sleep.
+        let until = until.instant();
         loop {
             check()?;
             let now = Instant::now();

@@ -75,6 +75,8 @@ fn secret_digest(token: &str) -> Vec<u8> {
 /// # Errors
 /// As [`init_from_env`].
 pub fn init(env: &EnvInfo, opts: &Options) -> Result<Group> {
+    // The call clock measures its rate while the rendezvous runs.
+    crate::clock::init();
     let (rank, world) = (env.rank, env.world);
     let deadline = opts.link.connect_timeout;
     let until = Instant::now() + deadline;

@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 use std::io::{IsTerminal, Write};
-use std::time::Instant;
+use tutti_runtime::clock::Moment;
 
 use half::{bf16, f16};
 use tutti_collectives::device::{overlap_fraction, Device, DeviceBuffer, Staged, StagingConfig};
@@ -660,19 +660,20 @@ impl Bench {
         self.comm.barrier()?;
         let mut iter_us = Vec::with_capacity(a.iters);
         // Back to back, one clock reading per iteration: each one's end is the next one's start.
-        let mut t = Instant::now();
+        // The runtime's clock: a counter read where the machine has a reliable one.
+        let mut t = Moment::now();
         for _ in 0..a.iters {
             if a.isolated {
                 self.comm.barrier()?;
-                t = Instant::now();
+                t = Moment::now();
             }
             for _ in 0..a.agg.max(1) {
                 if let Some(x) = call(self)? {
                     last = Some(x);
                 }
             }
-            let now = Instant::now();
-            iter_us.push((now - t).as_secs_f64() * 1e6 / a.agg.max(1) as f64);
+            let now = Moment::now();
+            iter_us.push(now.since(t).as_secs_f64() * 1e6 / a.agg.max(1) as f64);
             t = now;
         }
         if let Some(x) = last {
