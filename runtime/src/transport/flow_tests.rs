@@ -35,7 +35,9 @@ fn byte(step: usize, i: usize) -> u8 {
     (step * 31 + i / 4096) as u8
 }
 
-fn sender_waits_and_receiver_stays_bounded<T, D>(ts: Vec<T>)
+/// `kind`: what the link between the two must be (`Transport::link_kind`), so that a test of
+/// one way never passes over another.
+fn sender_waits_and_receiver_stays_bounded<T, D>(ts: Vec<T>, kind: &str)
 where
     T: Transport + Wired<Driver = D> + Sync,
     D: Driver,
@@ -79,6 +81,7 @@ where
         }
         let (last_done, t0) = sender.join().unwrap();
         assert!(!last_done, "every send completed although the receiver posted nothing");
+        assert_eq!((t0.link_kind(1), t1.link_kind(0)), (kind, kind), "the link's kind");
         drop(t0);
     });
 }
@@ -86,30 +89,30 @@ where
 /// In memory the sender waits on the same credits (nothing fails at a fixed budget).
 #[test]
 fn mem() {
-    sender_waits_and_receiver_stays_bounded(crate::transport::mem::MemTransport::world_with(
-        2,
-        &cfg(),
-    ));
+    sender_waits_and_receiver_stays_bounded(
+        crate::transport::mem::MemTransport::world_with(2, &cfg()),
+        "mem",
+    );
 }
 
 #[test]
 fn tcp() {
     let (ts, _store) = testing::tcp_world(2, &cfg()).unwrap();
-    sender_waits_and_receiver_stays_bounded(ts);
+    sender_waits_and_receiver_stays_bounded(ts, "tcp");
 }
 
 /// Over shared memory the ring holds what the kernel's buffers would; the window is the same.
 #[test]
 fn shm() {
     let (ts, _store) = testing::shm_world(2, &cfg()).unwrap();
-    sender_waits_and_receiver_stays_bounded(ts);
+    sender_waits_and_receiver_stays_bounded(ts, "shm");
 }
 
 #[cfg(feature = "quic")]
 #[test]
 fn quic() {
     let ts = testing::quic_world(2, &cfg()).unwrap();
-    sender_waits_and_receiver_stays_bounded(ts);
+    sender_waits_and_receiver_stays_bounded(ts, "quic");
 }
 
 /// A QUIC job's two ranks of one host: through the rings, under the mixed driver.
@@ -117,5 +120,5 @@ fn quic() {
 #[test]
 fn quic_shm() {
     let ts = testing::quic_hosts_world(2, &cfg(), |_| 0).unwrap();
-    sender_waits_and_receiver_stays_bounded(ts);
+    sender_waits_and_receiver_stays_bounded(ts, "shm");
 }
