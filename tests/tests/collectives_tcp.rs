@@ -14,9 +14,14 @@ fn job(n: usize) {
 
 /// Run the collectives on `n` ranks with `env`; every link must be of `kind`.
 fn job_with(n: usize, env: &[(&str, &str)], kind: &str) {
+    job_of("collectives", n, env, kind);
+}
+
+/// Run `tt-rank scenario` on `n` ranks with `env`; every link must be of `kind`.
+fn job_of(scenario: &str, n: usize, env: &[(&str, &str)], kind: &str) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-run"));
     cmd.envs(env.iter().copied());
-    cmd.args(["--nproc", &n.to_string(), "--", env!("CARGO_BIN_EXE_tt-rank"), "collectives"]);
+    cmd.args(["--nproc", &n.to_string(), "--", env!("CARGO_BIN_EXE_tt-rank"), scenario]);
     let (out, killed) = run_with_deadline(cmd, Duration::from_secs(300));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!killed, "n={n}: job did not finish in time:\n{text}");
@@ -67,6 +72,16 @@ fn collectives_five_to_seven_ranks() {
 #[test]
 fn collectives_eight_ranks() {
     job(8);
+}
+
+/// Every collective with every algorithm that can run, every dtype and op, exact, at 1 to 8
+/// ranks that are processes of one host (so over shared memory, direct reads included): the
+/// grid the collectives' own tests run on threads (`collectives/tests/common/grid.rs`).
+#[test]
+fn every_collective_algorithm_and_dtype_as_processes_at_one_to_eight_ranks() {
+    for n in 1..=8 {
+        job_of("grid", n, &[], "shm");
+    }
 }
 
 #[test]

@@ -6,15 +6,14 @@
 
 use std::time::Duration;
 
-use tutti_collectives::{Algo, Coll, Comm, Config, Element};
+use tutti_collectives::{Comm, Config};
 
 #[allow(unused_imports)]
 pub(crate) use tutti_collectives::verify::{input, reduced};
 
-/// Bitwise equality of two slices of elements.
-pub(crate) fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {
-    tutti_collectives::dtype::as_bytes(a) == tutti_collectives::dtype::as_bytes(b)
-}
+pub(crate) mod grid;
+#[allow(unused_imports)]
+pub(crate) use grid::{algos, allreduce_algos, counts, same_bits};
 
 /// Run `f` on every rank of an in-memory world of `n` with segment size `seg`.
 pub(crate) fn world(n: usize, seg: usize, f: impl Fn(Comm) + Sync) {
@@ -63,21 +62,6 @@ pub(crate) fn on_groups(groups: Vec<tutti_runtime::Group>, seg: usize, f: impl F
     });
 }
 
-/// The allreduce algorithms that can run on `c`: all of them, less two-level unless `c`'s ranks
-/// sit on at least 2 hosts with the same number (at least 2) on each.
-pub(crate) fn allreduce_algos(c: &Comm) -> Vec<Algo> {
-    let two_level = c.topology().unwrap().two_level().is_some();
-    algos(c, Coll::Allreduce).into_iter().filter(|a| *a != Algo::TwoLevel || two_level).collect()
-}
-
-/// The algorithms of `coll` that can run on `c`: all of them, less direct reads where a link
-/// of the group goes through the network (a QUIC job across hosts).
-pub(crate) fn algos(c: &Comm, coll: Coll) -> Vec<Algo> {
-    let t = c.group().transport();
-    let net = (0..c.size()).any(|p| matches!(t.link_kind(p), "tcp" | "quic"));
-    coll.algos().iter().copied().filter(|a| *a != Algo::Direct || !net).collect()
-}
-
 /// Host placements to run the grids on: (hosts of each rank, what it is).
 pub(crate) const PLACEMENTS: [(&[usize], &str); 6] = [
     (&[0, 0, 1, 1], "2 hosts x 2, by host"),
@@ -87,14 +71,6 @@ pub(crate) const PLACEMENTS: [(&[usize], &str); 6] = [
     (&[2, 2, 2, 0, 0, 0, 1, 1, 1], "3 hosts x 3, hosts numbered out of order"),
     (&[0, 0, 0, 1, 2], "uneven hosts (no two-level)"),
 ];
-
-/// The element counts of the grid for world `n`.
-pub(crate) fn counts(n: usize) -> Vec<usize> {
-    let mut c = vec![0, 1, n.saturating_sub(1), n, n + 1, 1000, 10007];
-    c.sort_unstable();
-    c.dedup();
-    c
-}
 
 /// The world sizes of the grid.
 pub(crate) const WORLDS: [usize; 18] =

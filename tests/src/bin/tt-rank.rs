@@ -5,6 +5,10 @@
 use std::time::Duration;
 
 use tutti_collectives::{verify, Comm, ReduceOp};
+
+/// The grid of every collective and algorithm that the collectives' own tests run on threads.
+#[path = "../../../collectives/tests/common/grid.rs"]
+mod grid;
 use tutti_runtime::auth::JobKey;
 use tutti_runtime::store::StoreServer;
 
@@ -281,8 +285,9 @@ fn main() {
     }
     let r = match scenario {
         "p2p" => p2p(&comm),
-        "collectives" => {
-            // `collectives [N]`: N rounds (default 1).
+        "collectives" | "grid" => {
+            // `collectives [N]`: N rounds (default 1). `grid`: every collective with every
+            // algorithm that can run here, every dtype and op (a mistake panics, naming it).
             let n: usize = args.get(1).and_then(|v| v.parse().ok()).unwrap_or(1);
             // How this rank's links move their bytes, for the tests that check the choice.
             let t = comm.group().transport();
@@ -296,7 +301,13 @@ fn main() {
                 .map(|p| if p == comm.rank() { "-" } else { t.link_kind(p) })
                 .collect();
             println!("LINKS {} {}", comm.rank(), kinds.join(","));
-            (0..n).try_for_each(|_| collectives(&comm))
+            if scenario == "grid" {
+                grid::every_grid(&comm, "processes");
+                grid::every_dtype(&comm, "processes");
+                Ok(())
+            } else {
+                (0..n).try_for_each(|_| collectives(&comm))
+            }
         }
         "connect" => Ok(()),
         "whereami" => {
