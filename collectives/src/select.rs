@@ -359,7 +359,8 @@ impl Selector {
                 .unwrap_or_else(|| choose(coll, bytes, n, uniform))
         };
         if let Some(key) = self.tuning(coll, bytes, uniform) {
-            let picked = self.tuner.pick(key, n, auto());
+            let direct = model.is_none() && self.direct_on();
+            let picked = self.tuner.pick(key, n, auto(), direct);
             // A class whose table choice was direct reads, in a group that turned out not to
             // share memory: messages.
             if picked == Algo::Direct && !self.direct_on() {

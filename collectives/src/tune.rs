@@ -62,8 +62,10 @@ fn passes(key: Key) -> usize {
     }
 }
 
-/// The algorithms worth trying for `coll` on `n` ranks, the table's choice first.
-fn candidates(coll: Coll, n: usize, uniform: bool, default: Algo) -> Vec<Algo> {
+/// The algorithms worth trying for `coll` on `n` ranks, the table's choice first; `direct`:
+/// whether direct reads may run in this group (every rank on one host, nothing found against
+/// them yet).
+fn candidates(coll: Coll, n: usize, uniform: bool, default: Algo, direct: bool) -> Vec<Algo> {
     let mut v = vec![default];
     for a in coll.algos() {
         // Linear and post-all gain nothing on a link-limited world that the others lack, and
@@ -71,10 +73,12 @@ fn candidates(coll: Coll, n: usize, uniform: bool, default: Algo) -> Vec<Algo> {
         // as it can run here.
         // Two-level depends on the hosts, which the candidates do not know: the cost model
         // chooses it on slow links, tuning does not explore it.
-        // Direct reads need a group that shares memory, which the candidates do not know
-        // either: the table chooses them where they can run.
-        let unknown = matches!(*a, Algo::TwoLevel | Algo::Direct);
-        if *a != default && !unknown && coll.supports(*a, n, uniform).is_ok() {
+        // Direct reads are tried where the group may share memory. If their one-time set-up
+        // then finds it cannot, every rank learns so at the same call and runs messages
+        // instead (the time is recorded for the algorithm that ran, so direct reads are never
+        // kept there).
+        let skip = *a == Algo::TwoLevel || (*a == Algo::Direct && !direct);
+        if *a != default && !skip && coll.supports(*a, n, uniform).is_ok() {
             v.push(*a);
         }
     }
@@ -86,11 +90,11 @@ impl Tuner {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The algorithm for the next call of class `key`.
-    pub(crate) fn pick(&self, key: Key, n: usize, default: Algo) -> Algo {
+    /// The algorithm for the next call of class `key` (`direct`: as for [`candidates`]).
+    pub(crate) fn pick(&self, key: Key, n: usize, default: Algo, direct: bool) -> Algo {
         let mut t = self.lock();
         let s = t.entry(key).or_insert_with(|| {
-            let cands = candidates(key.coll, n, key.uniform, default);
+            let cands = candidates(key.coll, n, key.uniform, default, direct);
             if cands.len() < 2 || n < 2 {
                 State::Decided(default)
             } else {
@@ -170,7 +174,7 @@ mod tests {
         let mut seen = Vec::new();
         let mut medians = None;
         for i in 0.. {
-            let a = t.pick(key, 4, default);
+            let a = t.pick(key, 4, default, false);
             seen.push(a);
             // Ring is fastest here.
             let ms = if a == Algo::Ring { 1 } else { 5 + i as u64 % 3 };
@@ -179,7 +183,7 @@ mod tests {
                 break;
             }
         }
-        let cands = candidates(Coll::Allreduce, 4, true, default);
+        let cands = candidates(Coll::Allreduce, 4, true, default, false);
         assert_eq!(seen.len(), cands.len() * TRIES * 2, "two passes at 64 KiB");
         assert_eq!(seen[0], default, "the table's choice goes first");
         for c in &cands {
@@ -187,17 +191,17 @@ mod tests {
         }
         let m = medians.unwrap();
         assert_eq!(t.decide(key, &m), Some(Algo::Ring));
-        assert_eq!(t.pick(key, 4, default), Algo::Ring);
+        assert_eq!(t.pick(key, 4, default, false), Algo::Ring);
         assert_eq!(t.record(key, Algo::Ring, Duration::from_millis(1)), None, "decided");
         assert_eq!(t.decided(), vec![(Coll::Allreduce, 65_536, Algo::Ring)]);
         // Another size class starts over; one rank or one candidate needs no tuning.
-        assert_eq!(t.pick(Key::new(Coll::Allreduce, 65_537, true), 4, default), default);
+        assert_eq!(t.pick(Key::new(Coll::Allreduce, 65_537, true), 4, default, false), default);
         assert_eq!(
-            t.pick(Key::new(Coll::Allreduce, 8, true), 1, Algo::RecursiveDoubling),
+            t.pick(Key::new(Coll::Allreduce, 8, true), 1, Algo::RecursiveDoubling, true),
             Algo::RecursiveDoubling
         );
         let b = Key::new(Coll::Barrier, 0, true);
-        assert_eq!(t.pick(b, 4, Algo::Dissemination), Algo::Dissemination);
+        assert_eq!(t.pick(b, 4, Algo::Dissemination, true), Algo::Dissemination);
         assert_eq!(t.record(b, Algo::Dissemination, Duration::from_millis(1)), None);
     }
 
@@ -207,8 +211,14 @@ mod tests {
             for n in [2, 3, 4, 5, 8] {
                 for uniform in [true, false] {
                     let d = crate::select::choose(c, 1 << 20, n, uniform);
-                    for a in candidates(c, n, uniform, d) {
-                        assert!(c.supports(a, n, uniform).is_ok(), "{c} {a} n={n}");
+                    for direct in [false, true] {
+                        let cands = candidates(c, n, uniform, d, direct);
+                        for a in &cands {
+                            assert!(c.supports(*a, n, uniform).is_ok(), "{c} {a} n={n}");
+                        }
+                        // Direct reads are tried where they may run, and only there.
+                        let may = direct && c.supports(Algo::Direct, n, uniform).is_ok();
+                        assert_eq!(cands.contains(&Algo::Direct), may || d == Algo::Direct);
                     }
                 }
             }

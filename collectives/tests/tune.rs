@@ -20,9 +20,9 @@ fn tuned_calls_are_exact_and_every_rank_agrees() {
                 .map(|c| {
                     s.spawn(move || {
                         let r = c.rank();
-                        // Enough rounds for a class of 4 candidates (the table's choice and
-                        // 3 more, 5 calls each, two passes) to decide.
-                        for round in 0..40u64 {
+                        // Enough rounds for a class of 5 candidates (the table's choice and
+                        // 4 more, direct reads among them, 5 calls each, two passes) to decide.
+                        for round in 0..50u64 {
                             for count in [7usize, 1000, 70_000] {
                                 let op = ReduceOp::Sum;
                                 let mut x = verify::input::<f32>(round, r, count, op);

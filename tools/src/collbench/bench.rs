@@ -643,10 +643,10 @@ impl Bench {
     ) -> Result<(Mode, String)> {
         let a = self.s.args.clone();
         // With tuning on (TUTTI_TUNE=1), warm up at least as long as a size class takes to try
-        // its candidates (at most 4 algorithms per collective, 5 runs each, two passes), so the
+        // its candidates (at most 5 algorithms per collective, 5 runs each, two passes), so the
         // timed iterations measure the choice.
         let tuning = std::env::var("TUTTI_TUNE").is_ok_and(|v| v.trim() == "1");
-        let warmup = if tuning { a.warmup.max(4 * 5 * 2 + 1) } else { a.warmup };
+        let warmup = if tuning { a.warmup.max(5 * 5 * 2 + 1) } else { a.warmup };
         let mut last = None;
         // The barrier that starts the timing warms up too: links connect on first use, and at
         // 64 ranks on 2 cores a first barrier that connects its links left the ranks 25–34 ms
