@@ -283,7 +283,7 @@ impl Direct {
         }
         // Every rank has attached every window: no descriptor needs to stay open.
         wins[me].seal_attachments();
-        let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let cpus = tutti_runtime::host_cpus();
         // Where each rank has a core, a wait spins hot for 5 µs, then gives the CPU away before
         // each look (another process may have taken the peer's core: spinning on would keep
         // it off this one). Where ranks share cores, a waiting rank gives its CPU away at once

@@ -46,6 +46,7 @@ pub mod wire;
 
 pub use error::{Error, OpContext, Result};
 pub use group::Group;
+pub use options::{host_cpus, HOST_CPUS_ENV};
 pub use rendezvous::{init, init_from_env, init_on_store, launched, EnvInfo, Options, Secret};
 pub use transport::{Op, OpId, Transport, TransportExt};
 pub use wire::{DType, Fingerprint, MsgDesc, OpKind, Tag};

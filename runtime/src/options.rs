@@ -193,6 +193,9 @@ impl Options {
             }
             o.link.tcp_congestion = (v != "system").then(|| v.to_string());
         }
+        if let Some(v) = get(HOST_CPUS_ENV) {
+            parse_host_cpus(&v)?;
+        }
         if let Some(v) = get("TUTTI_SHM") {
             o.link.shm = match v.as_str() {
                 "1" => true,
@@ -220,4 +223,25 @@ impl Options {
         }
         Ok(o)
     }
+}
+
+/// The variable a launcher that binds each rank to CPUs of its own sets: how many CPUs the
+/// ranks of this host share among them ([`host_cpus`]).
+pub const HOST_CPUS_ENV: &str = "TUTTI_HOST_CPUS";
+
+fn parse_host_cpus(v: &str) -> Result<usize> {
+    v.trim().parse::<usize>().ok().filter(|n| *n > 0).ok_or_else(|| {
+        Error::Config(format!("{HOST_CPUS_ENV}={v:?} is not a positive number of CPUs"))
+    })
+}
+
+/// How many CPUs the ranks of this host share among them, which decides whether a wait may
+/// spin on a core of its own: [`HOST_CPUS_ENV`] where a launcher that binds each rank to a
+/// CPU set it (`tutti-run --bind`, `collbench --np`), else the CPUs this process may run on.
+/// A malformed value is refused when the rank starts (its options are read then).
+pub fn host_cpus() -> usize {
+    std::env::var(HOST_CPUS_ENV)
+        .ok()
+        .and_then(|v| parse_host_cpus(&v).ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }

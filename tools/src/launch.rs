@@ -94,6 +94,66 @@ pub struct Job {
     /// With `elastic`: how many replacement processes to start in all, one for each rank that
     /// ends in failure while others run (`TUTTI_JOIN=1`: they join the running job).
     pub max_restarts: usize,
+    /// The CPUs to bind the local ranks to, by local rank (local rank `i` to `bind[i % len]`,
+    /// one CPU each: [`Bind::cpus`]); empty: no binding, the kernel places them.
+    pub bind: Vec<usize>,
+}
+
+/// Whether the ranks of a node are bound to CPUs (`--bind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bind {
+    /// Local rank `i` on the `i`-th CPU this launcher may use, where every rank gets one of
+    /// its own; otherwise not bound (as `mpirun` binds up to 2 ranks to a core each, and
+    /// leaves more to the kernel).
+    Auto,
+    /// Local rank `i` on the `i`-th CPU this launcher may use, wrapping around.
+    Core,
+    /// Not bound: the kernel places and moves them.
+    None,
+}
+
+impl Bind {
+    /// The CPUs for [`Job::bind`] with `nproc` local ranks.
+    pub fn cpus(self, nproc: usize) -> Vec<usize> {
+        let cpus = allowed_cpus();
+        match self {
+            Bind::Core => cpus,
+            Bind::Auto if nproc <= cpus.len() => cpus,
+            Bind::Auto | Bind::None => Vec::new(),
+        }
+    }
+}
+
+/// The CPUs this process may run on (its affinity mask), in order; empty if unknown.
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is ours and as large as passed.
+    let r = unsafe { libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) };
+    if r != 0 {
+        return Vec::new();
+    }
+    // SAFETY: reading bits of a set the kernel filled.
+    (0..libc::CPU_SETSIZE as usize).filter(|c| unsafe { libc::CPU_ISSET(*c, &set) }).collect()
+}
+
+/// CPU numbers in order as a short list (`0`, `0-3`, `0,2`), for reports.
+pub fn describe_list(cpus: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        parts.push(if j > i { format!("{}-{}", cpus[i], cpus[j]) } else { cpus[i].to_string() });
+        i = j + 1;
+    }
+    if parts.is_empty() {
+        "?".into()
+    } else {
+        parts.join(",")
+    }
 }
 
 impl std::fmt::Debug for Job {
@@ -329,6 +389,11 @@ impl Spawn<'_> {
         if join {
             cmd.env("TUTTI_JOIN", "1");
         }
+        if !job.bind.is_empty() {
+            // Each rank sees one CPU: tell it how many the ranks of this node share, so that
+            // its waits still spin where every rank has a core of its own.
+            cmd.env(tutti_runtime::HOST_CPUS_ENV, job.bind.len().to_string());
+        }
         cmd.envs(job.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         if job.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -339,9 +404,17 @@ impl Spawn<'_> {
         if let Some(fd) = read_fd {
             cmd.env(LAUNCHER_FD, fd.to_string());
         }
-        // SAFETY: getpid, setpgid, prctl, getppid, fcntl and _exit are async-signal-safe; the
-        // closure runs in the child before exec.
+        // SAFETY: getpid, setpgid, prctl, getppid, fcntl, sched_setaffinity and _exit are
+        // async-signal-safe; the closure runs in the child before exec.
         let launcher = unsafe { libc::getpid() };
+        // The CPU this rank is bound to, as a set made before the fork.
+        let cpu = (!job.bind.is_empty()).then(|| {
+            // SAFETY: a zeroed cpu_set_t is a valid empty set.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: the CPU came from `allowed_cpus`, below CPU_SETSIZE.
+            unsafe { libc::CPU_SET(job.bind[local % job.bind.len()], &mut set) };
+            set
+        });
         // SAFETY: see above.
         unsafe {
             cmd.pre_exec(move || {
@@ -356,6 +429,12 @@ impl Spawn<'_> {
                 if let Some(fd) = read_fd {
                     // This child, alone, keeps its notice pipe's read end across exec.
                     libc::fcntl(fd, libc::F_SETFD, 0);
+                }
+                if let Some(set) = &cpu {
+                    // sched_setaffinity is a plain system call (async-signal-safe).
+                    if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), set) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 Ok(())
             });

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use crate::launch::{self, Job};
+use crate::launch::{self, Bind, Job};
 use clap::Parser;
 
 /// What `tutti-run --help` prints after the flags.
@@ -100,6 +100,11 @@ pub(crate) struct Args {
     /// connect). Sets TUTTI_CONNECT for every rank.
     #[arg(long, value_parser = ["lazy", "eager"])]
     connect: Option<String>,
+    /// Bind each local rank to one CPU (`core`: local rank i to the i-th CPU this launcher may
+    /// use, wrapping around; `auto`: the same where every rank gets a CPU of its own, else
+    /// not bound) or leave them to the kernel (`none`, as torchrun does).
+    #[arg(long, value_enum, default_value_t = Bind::None)]
+    bind: Bind,
     /// The program and its arguments.
     #[arg(
         trailing_var_arg = true,
@@ -185,6 +190,7 @@ pub fn main() -> ExitCode {
         env: a.connect.into_iter().map(|c| ("TUTTI_CONNECT".to_string(), c)).collect(),
         elastic: a.elastic,
         max_restarts: a.max_restarts,
+        bind: a.bind.cpus(a.nproc as usize),
     };
     match launch::run(&job) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

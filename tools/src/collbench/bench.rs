@@ -217,16 +217,31 @@ impl Bench {
         // Every rank's device index, for the header (ranks may share a GPU), and how its links
         // move their bytes (shared memory to the ranks of its host).
         let (shm, unconnected) = self.link_counts();
-        let mut ords = vec![0i64; 3 * n];
-        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64), shm, unconnected];
+        let mut ords = vec![0i64; 4 * n];
+        // The CPUs this rank may run on (`--bind`), as a mask of CPUs 0–62 (-1: higher ones).
+        let cpus = crate::launch::allowed_cpus();
+        let mask = if cpus.iter().any(|c| *c >= 63) {
+            -1
+        } else {
+            cpus.iter().fold(0i64, |m, c| m | (1 << c))
+        };
+        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64), shm, unconnected, mask];
         self.comm.allgather(&mine, &mut ords)?;
         let t = self.comm.group().transport();
         if me == 0 {
             crate::outln!("#");
             crate::outln!("# Using devices");
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            for (r, rec) in ords.chunks(3).enumerate() {
+            for (r, rec) in ords.chunks(4).enumerate() {
                 let (ord, shm, unc) = (&rec[0], rec[1], rec[2]);
+                let cpus = match rec[3] {
+                    m if m <= 0 => "cpus many".to_string(),
+                    m => {
+                        let list: Vec<usize> = (0..63).filter(|c| m & (1 << c) != 0).collect();
+                        let word = if list.len() == 1 { "cpu" } else { "cpus" };
+                        format!("{word} {}", crate::launch::describe_list(&list))
+                    }
+                };
                 let kind = match a.device.as_str() {
                     "host" => "cpu".to_string(),
                     "nccl" => "nccl".to_string(),
@@ -240,7 +255,7 @@ impl Bench {
                 let dev = if *ord < 0 { "-".to_string() } else { ord.to_string() };
                 let links = describe_links(n, shm, unc, t.name());
                 crate::outln!(
-                    "#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}] links: {links}"
+                    "#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}] {cpus} links: {links}"
                 );
             }
             match model {

@@ -131,6 +131,12 @@ pub struct Args {
     /// refused.
     #[arg(long = "np")]
     pub np: Option<usize>,
+    /// How the --np ranks are placed on CPUs: `auto` binds local rank i to the i-th CPU
+    /// collbench may use where every rank gets one of its own (as mpirun binds 2 ranks to a
+    /// core each; otherwise not bound), `core` always does (wrapping around), `none` leaves
+    /// them to the kernel. Each rank's CPUs are in the `# Using devices` lines.
+    #[arg(long, value_enum, default_value_t = crate::launch::Bind::Auto)]
+    pub bind: crate::launch::Bind,
     /// Transport of the --np ranks: tcp, quic or mem (threads in one process) [default:
     /// TUTTI_TRANSPORT (tcp or quic), else tcp]. Given, it wins over TUTTI_TRANSPORT (and says so). Under a
     /// launcher the environment's transport is used; a different --transport is refused.
@@ -660,6 +666,7 @@ fn start_local(settings: &Settings) -> Result<i32, String> {
         ],
         elastic: false,
         max_restarts: 0,
+        bind: settings.args.bind.cpus(np),
     };
     crate::launch::run(&job).or_else(|e| {
         eprintln!("collbench: {e}");

@@ -146,7 +146,7 @@ impl TcpDriver {
         core.link_up(peer, now);
         self.any_socket = self.conns.iter().flatten().any(|c| c.shm.is_none());
         let local = self.conns.iter().flatten().filter(|c| c.shm.is_some()).count();
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpus = crate::options::host_cpus();
         // Links connect on first use, so the shared-memory links made so far undercount the
         // ranks of this host: take the launcher's count of them (`LOCAL_WORLD_SIZE`, set by
         // tutti-run and torchrun) when it says more, and without one the whole world.
