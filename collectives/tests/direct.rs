@@ -480,8 +480,9 @@ both!(roots_that_only_broadcast_are_named_by_a_line_slot_reuse, |kind| {
 
 both!(two_roots_with_a_reader_that_agrees_with_one_are_named_everywhere, |kind| {
     // Rank 0 believes itself the root; ranks 1 and 2 believe rank 1 is. Rank 2 finishes each
-    // call (rank 1's stamp agrees with its own), so its *done* passes rank 0's broadcasts;
-    // the two roots still read each other's stamps, and every rank learns the mismatch.
+    // call (rank 1's stamp agrees with its own), so its *done* passes rank 0's broadcasts.
+    // Checked: every rank fails, naming both roots, in time (which root finds it first is
+    // not: the other may learn it from the abort, which quotes it).
     let (rs, t) = run(kind, 3, Duration::from_secs(30), |c| {
         let root = if c.rank() == 0 { 0 } else { 1 };
         for _ in 0..200 {

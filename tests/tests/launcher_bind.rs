@@ -1,6 +1,7 @@
-//! `tutti-run --bind`: each local rank runs on the CPU its local rank names (wrapping around),
-//! and learns how many CPUs the node's ranks share (`TUTTI_HOST_CPUS`), so its waits still spin
-//! on a core of its own; without it the ranks run on every CPU the launcher may use.
+//! `tutti-run --bind`: each local rank runs on a CPU of its own (wrapping around when there are
+//! more ranks than CPUs), and where none shares its CPU it learns how many CPUs the node's ranks
+//! share (`TUTTI_HOST_CPUS`), so its waits still spin; without binding the ranks run on every
+//! CPU the launcher may use.
 
 use std::process::Command;
 use std::time::Duration;
@@ -51,22 +52,37 @@ fn parse_list(l: &str) -> Vec<usize> {
 #[test]
 fn bound_ranks_run_on_a_cpu_each_and_know_how_many_the_node_shares() {
     let mine = my_cpus();
-    let cpus = parse_list(&mine);
-    // One more rank than CPUs: `core` wraps around, `auto` does not bind.
-    let n = cpus.len() + 1;
-    let got = placements(n, Some("core"));
-    for (r, at) in got.iter().enumerate() {
-        let want = format!("{} {}", cpus[r % cpus.len()], cpus.len());
-        assert_eq!(*at, want, "rank {r} with --bind core");
-    }
+    let mut cpus = parse_list(&mine);
+    let k = cpus.len();
+    // One more rank than CPUs: `core` wraps around (every CPU once, then rank k on rank 0's),
+    // and since ranks then share a CPU, it does not tell them they may spin.
+    let got = placements(k + 1, Some("core"));
+    let mut used: Vec<usize> = got[..k]
+        .iter()
+        .map(|at| {
+            let (cpu, host) = at.split_once(' ').unwrap();
+            assert_eq!(host, "-", "{got:?}");
+            cpu.parse().unwrap_or_else(|_| panic!("not bound to one CPU: {got:?}"))
+        })
+        .collect();
+    assert_eq!(got[k], got[0], "rank {k} wraps around to rank 0's CPU");
+    used.sort_unstable();
+    cpus.sort_unstable();
+    assert_eq!(used, cpus, "each CPU once: {got:?}");
     for bind in [Some("auto"), Some("none"), None] {
-        for (r, at) in placements(n, bind).iter().enumerate() {
+        for (r, at) in placements(k + 1, bind).iter().enumerate() {
             assert_eq!(*at, format!("{mine} -"), "rank {r} with --bind {bind:?}");
         }
     }
-    // As many ranks as CPUs: `auto` binds one to each.
-    let got = placements(cpus.len(), Some("auto"));
-    for (r, at) in got.iter().enumerate() {
-        assert_eq!(*at, format!("{} {}", cpus[r], cpus.len()), "rank {r} with --bind auto");
-    }
+    // As many ranks as CPUs: `auto` binds one to each, and tells them how many.
+    let got = placements(k, Some("auto"));
+    let mut used: Vec<usize> = got
+        .iter()
+        .map(|at| {
+            assert!(at.ends_with(&format!(" {k}")), "{got:?}");
+            at.split(' ').next().unwrap().parse().unwrap()
+        })
+        .collect();
+    used.sort_unstable();
+    assert_eq!(used, cpus, "each CPU once: {got:?}");
 }

@@ -1,9 +1,11 @@
 //! No shared memory outlives a job: every segment the ranks of one host share (the rings of
 //! their links and the windows of direct reads) is an anonymous memfd, whose pages the kernel
 //! frees once the last rank that maps it is gone — SIGKILLed ranks included, which clean up
-//! nothing. Checked on the machine's own count of shared pages (`Shmem` in `/proc/meminfo`,
-//! which counts memfd pages): it grows while a 4-rank job runs and comes back when every rank
-//! has been killed. In a test binary of its own, so no other job of this suite runs meanwhile.
+//! nothing. Checked twice: no process maps any of the segments the ranks mapped (by inode,
+//! from `/proc/*/maps`), and the machine's own count of shared pages (`Shmem` in
+//! `/proc/meminfo`, which counts memfd pages), which grows while a 4-rank job runs, comes back
+//! when every rank has been killed. In a test binary of its own, so that no other job of this
+//! suite runs meanwhile under `cargo test`.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -21,6 +23,14 @@ fn shmem_kib() -> u64 {
         .expect("Shmem in /proc/meminfo")
 }
 
+/// The inodes of the `memfd:` segments a process maps (from its `/proc/PID/maps`).
+fn memfd_inodes(maps: &str) -> Vec<u64> {
+    maps.lines()
+        .filter(|l| l.contains("/memfd:"))
+        .filter_map(|l| l.split_whitespace().nth(4)?.parse().ok())
+        .collect()
+}
+
 #[test]
 fn no_shared_memory_outlives_a_job_whose_every_rank_is_killed() {
     let n = 4;
@@ -33,6 +43,16 @@ fn no_shared_memory_outlives_a_job_whose_every_rank_is_killed() {
     }
     // The loop runs every size (small ones by direct reads, large ones through the rings).
     std::thread::sleep(Duration::from_millis(300));
+    let mut segments: Vec<u64> = Vec::new();
+    for c in &job.children {
+        segments.extend(memfd_inodes(
+            &std::fs::read_to_string(format!("/proc/{}/maps", c.id())).expect("a rank's maps"),
+        ));
+    }
+    segments.sort_unstable();
+    segments.dedup();
+    // A ring per link (6) and a window per rank (4), each mapped by both or all sides.
+    assert!(segments.len() >= 4, "the ranks map only {} shared segments", segments.len());
     let during = shmem_kib();
     let held = during.saturating_sub(before);
     eprintln!("Shmem: {before} KiB before, {during} KiB while the job runs");
@@ -42,9 +62,22 @@ fn no_shared_memory_outlives_a_job_whose_every_rank_is_killed() {
         job.signal(r, libc::SIGKILL);
     }
     assert!(job.wait_exit(&(0..n).collect::<Vec<_>>(), Duration::from_secs(20)));
-    // The kernel frees the pages as the last mapping goes; allow it a moment, and other
-    // processes of the machine a tenth of what the job held.
-    let limit = before + held / 10;
+    // No process maps any of the job's segments any more (a memfd lives as long as a mapping
+    // or a descriptor of it does; the ranks' descriptors went with them).
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| {
+            let maps = std::fs::read_to_string(e.path().join("maps")).ok()?;
+            let held: Vec<u64> =
+                memfd_inodes(&maps).into_iter().filter(|i| segments.contains(i)).collect();
+            (!held.is_empty()).then(|| format!("{:?} maps {held:?}", e.file_name()))
+        })
+        .collect();
+    assert!(left.is_empty(), "the job's segments outlive it: {left:?}");
+    // And the machine's count of shared pages comes back: the kernel freed them. Other
+    // processes of the machine may change it meanwhile: half of what the job held is allowed.
+    let limit = before + held / 2;
     let t = Instant::now();
     let mut after = shmem_kib();
     while after > limit && t.elapsed() < Duration::from_secs(10) {

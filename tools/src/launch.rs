@@ -124,8 +124,36 @@ impl Bind {
     }
 }
 
-/// The CPUs this process may run on (its affinity mask), in order; empty if unknown.
+/// The CPUs this process may run on (its affinity mask), one hardware thread of every core
+/// before any second one of the same core (so that binding ranks in this order gives each a
+/// core of its own first), then by number; empty if unknown.
 pub fn allowed_cpus() -> Vec<usize> {
+    let mut cpus = allowed_cpu_numbers();
+    // (package, core) of each CPU; a CPU whose topology is unknown counts as a core of its own.
+    let core = |c: usize| {
+        let read = |f: &str| {
+            std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu{c}/topology/{f}"))
+                .ok()
+                .and_then(|v| v.trim().parse::<i64>().ok())
+        };
+        (read("physical_package_id").unwrap_or(-1), read("core_id").unwrap_or(-(c as i64) - 2))
+    };
+    let mut seen: std::collections::HashMap<(i64, i64), usize> = Default::default();
+    let mut keyed: Vec<(usize, usize)> = cpus
+        .iter()
+        .map(|&c| {
+            let k = seen.entry(core(c)).or_insert(0);
+            *k += 1;
+            (*k, c)
+        })
+        .collect();
+    keyed.sort_unstable();
+    cpus = keyed.into_iter().map(|(_, c)| c).collect();
+    cpus
+}
+
+/// The CPUs this process may run on, by number; empty if unknown.
+fn allowed_cpu_numbers() -> Vec<usize> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is ours and as large as passed.
@@ -389,9 +417,10 @@ impl Spawn<'_> {
         if join {
             cmd.env("TUTTI_JOIN", "1");
         }
-        if !job.bind.is_empty() {
-            // Each rank sees one CPU: tell it how many the ranks of this node share, so that
-            // its waits still spin where every rank has a core of its own.
+        if !job.bind.is_empty() && job.nproc <= job.bind.len() {
+            // Each rank sees one CPU, its own: tell it how many the ranks of this node share,
+            // so that its waits still spin. (Ranks that wrap around share CPUs, and their
+            // one CPU each tells them not to.)
             cmd.env(tutti_runtime::HOST_CPUS_ENV, job.bind.len().to_string());
         }
         cmd.envs(job.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));

@@ -217,30 +217,41 @@ impl Bench {
         // Every rank's device index, for the header (ranks may share a GPU), and how its links
         // move their bytes (shared memory to the ranks of its host).
         let (shm, unconnected) = self.link_counts();
-        let mut ords = vec![0i64; 4 * n];
-        // The CPUs this rank may run on (`--bind`), as a mask of CPUs 0–62 (-1: higher ones).
+        const REC: usize = 6;
+        let mut ords = vec![0i64; REC * n];
+        // The CPUs this rank may run on (`--bind`): a mask of CPUs 0–62 (-1: higher ones
+        // too), the lowest, and how many.
         let cpus = crate::launch::allowed_cpus();
         let mask = if cpus.iter().any(|c| *c >= 63) {
             -1
         } else {
             cpus.iter().fold(0i64, |m, c| m | (1 << c))
         };
-        let mine = [self.dev.as_ref().map_or(-1, |d| d.ordinal as i64), shm, unconnected, mask];
+        let lowest = cpus.iter().min().map_or(-1, |c| *c as i64);
+        let mine = [
+            self.dev.as_ref().map_or(-1, |d| d.ordinal as i64),
+            shm,
+            unconnected,
+            mask,
+            lowest,
+            cpus.len() as i64,
+        ];
         self.comm.allgather(&mine, &mut ords)?;
         let t = self.comm.group().transport();
         if me == 0 {
             crate::outln!("#");
             crate::outln!("# Using devices");
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            for (r, rec) in ords.chunks(4).enumerate() {
+            for (r, rec) in ords.chunks(REC).enumerate() {
                 let (ord, shm, unc) = (&rec[0], rec[1], rec[2]);
-                let cpus = match rec[3] {
-                    m if m <= 0 => "cpus many".to_string(),
-                    m => {
+                let cpus = match (rec[3], rec[4], rec[5]) {
+                    (_, _, 0) => "cpus ?".to_string(),
+                    (_, lowest, 1) => format!("cpu {lowest}"),
+                    (m, _, _) if m > 0 => {
                         let list: Vec<usize> = (0..63).filter(|c| m & (1 << c) != 0).collect();
-                        let word = if list.len() == 1 { "cpu" } else { "cpus" };
-                        format!("{word} {}", crate::launch::describe_list(&list))
+                        format!("cpus {}", crate::launch::describe_list(&list))
                     }
+                    (_, lowest, k) => format!("{k} cpus from {lowest}"),
                 };
                 let kind = match a.device.as_str() {
                     "host" => "cpu".to_string(),
