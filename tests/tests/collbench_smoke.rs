@@ -205,3 +205,25 @@ fn isolated_mode_times_single_calls_and_still_verifies() {
         assert_eq!((row[8].as_str(), row[12].as_str()), ("0", "0"), "{row:?}");
     }
 }
+
+/// The header names every rank's CPUs and, per kind of link, the peers behind it: 3 ranks over
+/// TCP alone have 2 TCP links each, to the two others, and bound with `--bind core` each runs
+/// on one CPU.
+#[test]
+fn the_header_names_each_ranks_cpus_and_the_peers_of_each_link() {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["allreduce", "-b", "8", "-e", "8", "-n", "3", "-w", "1", "--np", "3"]);
+    cmd.args(["--bind", "core"]).env("TUTTI_SHM", "0");
+    let (out, _) = run_with_deadline(cmd, Duration::from_secs(60));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let others = ["1-2", "0,2", "0-1"];
+    for (r, peers) in others.iter().enumerate() {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("#  Rank {r:>2} Group")))
+            .unwrap_or_else(|| panic!("no device line for rank {r}:\n{text}"));
+        assert!(line.contains(&format!("links: 2 tcp ({peers})")), "{line}");
+        assert!(line.contains(" cpu "), "rank {r} is not on one CPU: {line}");
+    }
+}

@@ -238,6 +238,7 @@ impl Bench {
         ];
         self.comm.allgather(&mine, &mut ords)?;
         let t = self.comm.group().transport();
+        let peers = self.peer_links()?;
         if me == 0 {
             crate::outln!("#");
             crate::outln!("# Using devices");
@@ -264,7 +265,10 @@ impl Bench {
                     host.trim().to_string()
                 };
                 let dev = if *ord < 0 { "-".to_string() } else { ord.to_string() };
-                let links = describe_links(n, shm, unc, t.name());
+                let links = match &peers {
+                    Some(p) => describe_peer_links(&p[r * n..(r + 1) * n], t.name()),
+                    None => describe_links(n, shm, unc, t.name()),
+                };
                 crate::outln!(
                     "#  Rank {r:>2} Group  0 on {on:>10} device {dev:>2} [{kind}] {cpus} links: {links}"
                 );
@@ -331,10 +335,13 @@ impl Bench {
         let (shm, unconnected) = self.link_counts();
         let mut after = vec![0i64; 2 * n];
         self.comm.allgather(&[shm, unconnected], &mut after)?;
+        let peers = self.peer_links()?;
         if me == 0 {
             let name = self.comm.group().transport().name();
-            let per: Vec<String> =
-                after.chunks(2).map(|c| describe_links(n, c[0], c[1], name)).collect();
+            let per: Vec<String> = match &peers {
+                Some(p) => p.chunks(n).map(|c| describe_peer_links(c, name)).collect(),
+                None => after.chunks(2).map(|c| describe_links(n, c[0], c[1], name)).collect(),
+            };
             let mut kinds = per.clone();
             kinds.sort();
             kinds.dedup();
@@ -362,6 +369,34 @@ impl Bench {
             }
         }
         Ok(code)
+    }
+
+    /// How every rank's link to every other goes, for groups of up to [`PER_PEER`] ranks (a
+    /// collective step: every rank calls it): `n` codes per rank ([`LinkCode`]), on every rank;
+    /// `None` for larger groups, whose reports give counts.
+    fn peer_links(&self) -> Result<Option<Vec<i64>>> {
+        let (me, n) = (self.comm.rank(), self.comm.size());
+        if n > PER_PEER {
+            return Ok(None);
+        }
+        let t = self.comm.group().transport();
+        let mine: Vec<i64> = (0..n)
+            .map(|p| {
+                let code = if p == me {
+                    LinkCode::Own
+                } else {
+                    match t.link_kind(p) {
+                        "shm" => LinkCode::Shm,
+                        "unconnected" => LinkCode::Unconnected,
+                        _ => LinkCode::Net,
+                    }
+                };
+                code as i64
+            })
+            .collect();
+        let mut all = vec![0i64; n * n];
+        self.comm.allgather(&mine, &mut all)?;
+        Ok(Some(all))
     }
 
     /// This rank's links through shared memory, and those not connected (yet: links connect
@@ -745,6 +780,41 @@ impl Bench {
 
 /// One rank's links among `n` ranks: `shm` through shared memory, `unconnected` not connected
 /// (links connect on first use), the rest over the transport `name`.
+/// Up to how many ranks the reports name the peers behind each kind of link.
+const PER_PEER: usize = 16;
+
+/// How one rank's link to a peer goes, as [`Bench::peer_links`] exchanges it.
+#[derive(Clone, Copy)]
+enum LinkCode {
+    Own = 0,
+    Shm = 1,
+    Net = 2,
+    Unconnected = 3,
+}
+
+/// One rank's links by kind, naming the peers: `2 shm (1-2), 1 tcp (3)`.
+fn describe_peer_links(codes: &[i64], name: &str) -> String {
+    let kinds = [
+        (LinkCode::Shm as i64, "shm"),
+        (LinkCode::Net as i64, name),
+        (LinkCode::Unconnected as i64, "not connected"),
+    ];
+    let parts: Vec<String> = kinds
+        .iter()
+        .filter_map(|&(code, word)| {
+            let peers: Vec<usize> = (0..codes.len()).filter(|p| codes[*p] == code).collect();
+            (!peers.is_empty()).then(|| {
+                format!("{} {word} ({})", peers.len(), crate::launch::describe_list(&peers))
+            })
+        })
+        .collect();
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
 fn describe_links(n: usize, shm: i64, unconnected: i64, name: &str) -> String {
     let net = n as i64 - 1 - shm - unconnected;
     let mut parts = Vec::new();
