@@ -161,7 +161,8 @@ pub(crate) fn execute(
         handles,
         outstanding,
         start,
-        deadline: Deadline::after(start, call.group.timeout()).instant(),
+        deadline: Deadline::after(start, call.group.timeout()),
+        until: None,
         sent: 0,
     };
     let mut r = ex.run(plan);
@@ -189,7 +190,10 @@ struct Exec<'a> {
     handles: &'a mut Vec<Option<Posted>>,
     outstanding: &'a mut Vec<usize>,
     start: Moment,
-    deadline: Instant,
+    deadline: Deadline,
+    /// `deadline` as an instant, once a wait needed it (a call with no wait, of one rank,
+    /// reads no clock for it).
+    until: Option<Instant>,
     sent: u64,
 }
 
@@ -278,7 +282,8 @@ impl Exec<'_> {
             return Err(self.internal(format!("wait for unknown or finished handle {h}")));
         };
         let (id, want, peer) = (p.id, p.region.len, p.peer);
-        let got = self.t.wait(id, self.deadline)?;
+        let until = *self.until.get_or_insert_with(|| self.deadline.instant());
+        let got = self.t.wait(id, until)?;
         self.handles[h] = None;
         self.outstanding.retain(|&x| x != h);
         if got != want {
