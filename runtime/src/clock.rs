@@ -14,6 +14,9 @@
 //! use has doubled, and fixed after 1 s; between those measurements a reading is the counter
 //! alone. A wait that must sleep turns its [`Deadline`] into an `Instant` only then, so a call
 //! that never sleeps reads no other clock.
+//!
+//! The choice is made once per process: a kernel that stops trusting the counter later (and
+//! moves to another clocksource) does not move this clock with it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
