@@ -616,6 +616,17 @@ impl Comm {
         self.inner.size()
     }
 
+    /// How this rank's link to each rank of the group goes, by rank: `"shm"` (shared memory,
+    /// between ranks of one host), `"tcp"` or `"quic"` (the network), `"unconnected"` (no call
+    /// has needed it yet: links connect on first use), `"-"` for this rank.
+    fn links(&self) -> Vec<&'static str> {
+        let g = self.inner.group();
+        let t = g.transport();
+        (0..g.size())
+            .map(|p| if p == g.rank() { "-" } else { t.link_kind(g.global_rank(p)) })
+            .collect()
+    }
+
     /// A sub-communicator over `ranks` (every rank calls it; `None` where this rank is not in
     /// it).
     fn split(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<Option<Comm>> {

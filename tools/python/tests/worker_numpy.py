@@ -1,6 +1,7 @@
 """The torch-free API on numpy arrays and bytearrays: run as N processes with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; prints "ALL OK" per rank."""
 
+import os
 import sys
 
 import numpy as np
@@ -144,7 +145,6 @@ def main():
     # others join rank 0's call only once rank 0 has timed out waiting (a file says so), and
     # 0.3 s after that, so it cannot end early.
     if n > 1:
-        import os
         import threading
         import time
 
@@ -194,6 +194,15 @@ def main():
     else:
         assert evens is None
     c.barrier()
+    # With nothing set, ranks of one host link through shared memory (links connect on first
+    # use: some may not be connected yet, none goes through a socket).
+    links = c.links()
+    assert len(links) == n and links[r] == "-", links
+    kinds = set(links) - {"-"}
+    want = {"tcp", "unconnected"} if os.environ.get("TUTTI_SHM") == "0" else {"shm", "unconnected"}
+    assert kinds <= want, f"rank {r}'s links: {links}"
+    if n > 1:
+        assert "shm" in kinds or os.environ.get("TUTTI_SHM") == "0", f"rank {r}'s links: {links}"
     print(f"rank {r} ALL OK", flush=True)
 
 

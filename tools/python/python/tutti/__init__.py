@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from . import _dtypes, _tutti
 from ._tutti import TuttiError, Work
@@ -140,6 +140,12 @@ class Comm:
     @property
     def size(self) -> int:
         return self._c.size
+
+    def links(self) -> List[str]:
+        """How this rank's link to each rank goes, by rank: ``"shm"`` (shared memory, between
+        ranks of one host), ``"tcp"`` or ``"quic"`` (the network), ``"unconnected"`` (no call
+        has needed it yet: links connect on first use), ``"-"`` for this rank."""
+        return list(self._c.links())
 
     def split(self, ranks: Sequence[int]) -> Optional["Comm"]:
         """A sub-communicator over ``ranks`` (called by every rank; ``None`` outside it)."""
