@@ -725,16 +725,16 @@ impl Direct {
     /// Each stamp stays in its peer's line slot until then. A peer that made another call is
     /// named as a mismatch of the broadcast it did not make.
     fn settle(&self, call: &Call<'_>, must: u64, done: u64) -> Result<()> {
-        let first = |this: &Self| this.unchecked.borrow().front().copied();
-        let Some(u) = first(self) else { return Ok(()) };
-        if u.g > must && self.peers().any(|r| self.agreed[r].get() < u.g) {
-            // Nothing needed yet, and nothing known: no look at the peers (a look is a read of
-            // memory another core writes).
-            return Ok(());
-        }
         let (mut read, mut popped) = (false, false);
-        while let Some(u) = first(self) {
+        loop {
+            // (A `while let` would hold this borrow through the body, over the pop below.)
+            let Some(u) = self.unchecked.borrow().front().copied() else { break };
             if self.peers().any(|r| self.agreed[r].get() < u.g) {
+                // Not covered, and not needed yet: no look at the peers (a look is a read of
+                // memory another core writes).
+                if u.g > must {
+                    break;
+                }
                 if !read {
                     read = true;
                     for r in self.peers() {
@@ -742,9 +742,6 @@ impl Direct {
                         self.agree(r, v);
                     }
                     continue;
-                }
-                if u.g > must {
-                    break;
                 }
                 let then = Call { desc: u.desc, op_name: u.op_name, ..*call };
                 for r in self.peers() {

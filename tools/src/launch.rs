@@ -128,7 +128,7 @@ impl Bind {
 /// before any second one of the same core (so that binding ranks in this order gives each a
 /// core of its own first), then by number; empty if unknown.
 pub fn allowed_cpus() -> Vec<usize> {
-    let mut cpus = allowed_cpu_numbers();
+    let cpus = allowed_cpu_numbers();
     // (package, core) of each CPU; a CPU whose topology is unknown counts as a core of its own.
     let core = |c: usize| {
         let read = |f: &str| {
@@ -148,8 +148,7 @@ pub fn allowed_cpus() -> Vec<usize> {
         })
         .collect();
     keyed.sort_unstable();
-    cpus = keyed.into_iter().map(|(_, c)| c).collect();
-    cpus
+    keyed.into_iter().map(|(_, c)| c).collect()
 }
 
 /// The CPUs this process may run on, by number; empty if unknown.

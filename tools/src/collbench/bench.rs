@@ -332,16 +332,17 @@ impl Bench {
             }
         }
         // Links connect on first use: say which ones the run needed.
-        let (shm, unconnected) = self.link_counts();
-        let mut after = vec![0i64; 2 * n];
-        self.comm.allgather(&[shm, unconnected], &mut after)?;
-        let peers = self.peer_links()?;
+        let name = self.comm.group().transport().name();
+        let per: Vec<String> = match self.peer_links()? {
+            Some(p) => p.chunks(n).map(|c| describe_peer_links(c, name)).collect(),
+            None => {
+                let (shm, unconnected) = self.link_counts();
+                let mut after = vec![0i64; 2 * n];
+                self.comm.allgather(&[shm, unconnected], &mut after)?;
+                after.chunks(2).map(|c| describe_links(n, c[0], c[1], name)).collect()
+            }
+        };
         if me == 0 {
-            let name = self.comm.group().transport().name();
-            let per: Vec<String> = match &peers {
-                Some(p) => p.chunks(n).map(|c| describe_peer_links(c, name)).collect(),
-                None => after.chunks(2).map(|c| describe_links(n, c[0], c[1], name)).collect(),
-            };
             let mut kinds = per.clone();
             kinds.sort();
             kinds.dedup();
@@ -778,8 +779,6 @@ impl Bench {
     }
 }
 
-/// One rank's links among `n` ranks: `shm` through shared memory, `unconnected` not connected
-/// (links connect on first use), the rest over the transport `name`.
 /// Up to how many ranks the reports name the peers behind each kind of link.
 const PER_PEER: usize = 16;
 
@@ -815,6 +814,8 @@ fn describe_peer_links(codes: &[i64], name: &str) -> String {
     }
 }
 
+/// One rank's links among `n` ranks: `shm` through shared memory, `unconnected` not connected
+/// (links connect on first use), the rest over the transport `name`.
 fn describe_links(n: usize, shm: i64, unconnected: i64, name: &str) -> String {
     let net = n as i64 - 1 - shm - unconnected;
     let mut parts = Vec::new();
