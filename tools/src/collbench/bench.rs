@@ -15,6 +15,10 @@ use super::Settings;
 
 const SEED: u64 = 0x7475_7474;
 
+/// One collective call on prepared buffers: (communicator, input, output or in-place buffer,
+/// op, root) to the call's stats (`None` for point-to-point).
+type CallFn<T> = fn(&Comm, &[T], &mut [T], ReduceOp, usize) -> Result<Option<Stats>>;
+
 /// One rank's benchmark state.
 pub struct Bench {
     comm: Comm,
@@ -475,40 +479,32 @@ impl Bench {
         })
     }
 
-    /// One call of the collective on prepared buffers.
-    fn call<T: Element>(
-        &self,
-        c: &Comm,
-        coll: &str,
-        ip: bool,
-        inp: &[T],
-        out: &mut [T],
-    ) -> Result<Option<Stats>> {
-        let (op, root, n, r) = (self.s.op, self.s.args.root, c.size(), c.rank());
-        let st = match (coll, ip) {
-            ("allreduce", false) => c.allreduce_from(inp, out, op)?,
-            ("allreduce", true) => c.allreduce(out, op)?,
-            ("broadcast", false) => c.broadcast_from(inp, out, root)?,
-            ("broadcast", true) => c.broadcast(out, root)?,
-            ("reduce", false) => c.reduce_from(inp, out, op, root)?,
-            ("reduce", true) => c.reduce(out, op, root)?,
-            ("allgather", false) => c.allgather(inp, out)?,
-            ("allgather", true) => c.allgather_inplace(out)?,
-            ("reduce_scatter", false) => c.reduce_scatter(inp, out, op)?,
-            ("reduce_scatter", true) => c.reduce_scatter_inplace(out, op)?,
-            ("alltoall", false) => c.all_to_all(inp, out)?,
-            ("alltoall", true) => c.all_to_all_inplace(out)?,
-            ("gather", false) => c.gather(inp, out, root)?,
-            ("gather", true) => c.gather_inplace(out, root)?,
-            ("scatter", false) => c.scatter(inp, out, root)?,
-            ("scatter", true) => c.scatter_inplace(out, root)?,
-            ("sendrecv", _) => {
-                c.sendrecv(inp, (r + 1) % n, out, (r + n - 1) % n, 0)?;
-                return Ok(None);
-            }
-            _ => c.barrier()?,
-        };
-        Ok(Some(st))
+    /// The call of `coll` on prepared buffers (input, output or in-place buffer, op, root),
+    /// chosen once per mode: the timed loop then makes the call itself and nothing else.
+    fn caller<T: Element>(coll: &str, ip: bool) -> CallFn<T> {
+        match (coll, ip) {
+            ("allreduce", false) => |c, i, o, op, _| c.allreduce_from(i, o, op).map(Some),
+            ("allreduce", true) => |c, _, o, op, _| c.allreduce(o, op).map(Some),
+            ("broadcast", false) => |c, i, o, _, root| c.broadcast_from(i, o, root).map(Some),
+            ("broadcast", true) => |c, _, o, _, root| c.broadcast(o, root).map(Some),
+            ("reduce", false) => |c, i, o, op, root| c.reduce_from(i, o, op, root).map(Some),
+            ("reduce", true) => |c, _, o, op, root| c.reduce(o, op, root).map(Some),
+            ("allgather", false) => |c, i, o, _, _| c.allgather(i, o).map(Some),
+            ("allgather", true) => |c, _, o, _, _| c.allgather_inplace(o).map(Some),
+            ("reduce_scatter", false) => |c, i, o, op, _| c.reduce_scatter(i, o, op).map(Some),
+            ("reduce_scatter", true) => |c, _, o, op, _| c.reduce_scatter_inplace(o, op).map(Some),
+            ("alltoall", false) => |c, i, o, _, _| c.all_to_all(i, o).map(Some),
+            ("alltoall", true) => |c, _, o, _, _| c.all_to_all_inplace(o).map(Some),
+            ("gather", false) => |c, i, o, _, root| c.gather(i, o, root).map(Some),
+            ("gather", true) => |c, _, o, _, root| c.gather_inplace(o, root).map(Some),
+            ("scatter", false) => |c, i, o, _, root| c.scatter(i, o, root).map(Some),
+            ("scatter", true) => |c, _, o, _, root| c.scatter_inplace(o, root).map(Some),
+            ("sendrecv", _) => |c, i, o, _, _| {
+                let (r, n) = (c.rank(), c.size());
+                c.sendrecv(i, (r + 1) % n, o, (r + n - 1) % n, 0).map(|_| None)
+            },
+            _ => |c, _, _, _, _| c.barrier().map(Some),
+        }
     }
 
     /// Buffers for one mode: (input, output-or-inplace buffer) filled with exact data.
@@ -577,15 +573,16 @@ impl Bench {
         }
         let mut wrong = 0u64;
         let mut algo = String::from("-");
+        let (f, op, root) = (Self::caller::<T>(coll, ip), self.s.op, self.s.args.root);
         if self.s.args.check > 0 {
-            if let Some(st) = self.call(&c, coll, ip, &inp, &mut out)? {
+            if let Some(st) = f(&c, &inp, &mut out, op, root)? {
                 algo = st.algo.name().to_string();
             }
             wrong = self.verify(coll, d, ip, &out);
         }
         // The algorithm's name is borrowed: the timed loop allocates nothing of its own.
-        let mut call = |b: &Bench| -> Result<Option<Cow<'static, str>>> {
-            Ok(b.call(&c, coll, ip, &inp, &mut out)?.map(|st| Cow::Borrowed(st.algo.name())))
+        let mut call = |_: &Bench| -> Result<Option<Cow<'static, str>>> {
+            Ok(f(&c, &inp, &mut out, op, root)?.map(|st| Cow::Borrowed(st.algo.name())))
         };
         self.measure(d, wrong, algo, &mut call)
     }
@@ -720,24 +717,36 @@ impl Bench {
             }
         }
         self.comm.barrier()?;
-        let mut iter_us = Vec::with_capacity(a.iters);
         // Back to back, one clock reading per iteration: each one's end is the next one's start.
-        // The runtime's clock: a counter read where the machine has a reliable one.
-        let mut t = Moment::now();
+        // The runtime's clock: a counter read where the machine has a reliable one. The
+        // readings are kept as they are and turned into times after the loop.
+        let mut ends = Vec::with_capacity(a.iters);
+        let mut starts = Vec::with_capacity(if a.isolated { a.iters } else { 1 });
+        starts.push(Moment::now());
         for _ in 0..a.iters {
             if a.isolated {
                 self.comm.barrier()?;
-                t = Moment::now();
+                starts.push(Moment::now());
             }
             for _ in 0..a.agg.max(1) {
                 if let Some(x) = call(self)? {
                     last = Some(x);
                 }
             }
-            let now = Moment::now();
-            iter_us.push(now.since(t).as_secs_f64() * 1e6 / a.agg.max(1) as f64);
-            t = now;
+            ends.push(Moment::now());
         }
+        let per = 1e6 / a.agg.max(1) as f64;
+        let mut iter_us: Vec<f64> = (0..ends.len())
+            .map(|i| {
+                // Isolated: from the barrier's end; otherwise from the previous iteration's end.
+                let t = match (a.isolated, i) {
+                    (true, _) => starts[i + 1],
+                    (false, 0) => starts[0],
+                    (false, _) => ends[i - 1],
+                };
+                ends[i].since(t).as_secs_f64() * per
+            })
+            .collect();
         if let Some(x) = last {
             algo = x.into_owned();
         }
