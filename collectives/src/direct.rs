@@ -981,9 +981,6 @@ impl Direct {
                 let p = self.line_wait(call, root, g, s)?;
                 // SAFETY: the root's posted bytes into our output.
                 unsafe { std::ptr::copy_nonoverlapping(p, dst, len) };
-                // The root's next slot, which a root that runs ahead has written already: its
-                // transfer from the root's core then overlaps the rest of this call.
-                prefetch(self.wins[root].line((s + 1) % self.turns as usize));
             }
             self.finish(g);
             return Ok(());
@@ -1211,19 +1208,6 @@ impl Direct {
         self.finish(g);
         Ok(())
     }
-}
-
-/// Ask the processor to bring the cache line at `p` in (a hint: no fault, no effect on
-/// what is read later).
-#[inline(always)]
-fn prefetch(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing and faults on no address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// The descriptor of a direct call: its tag (step 0) and fingerprint.
