@@ -707,7 +707,12 @@ impl Direct {
     /// still unchecked.
     fn finish(&self, g: u64) {
         let first = self.unchecked.borrow().front().map_or(u64::MAX, |u| u.g);
-        self.wins[self.me].publish(DONE, g.min(first - 1));
+        let v = g.min(first - 1);
+        // Unchanged (a root whose unchecked broadcasts hold it): no store, which would take
+        // the line back from the peers that read it.
+        if self.wins[self.me].counter(DONE) != v {
+            self.wins[self.me].publish(DONE, v);
+        }
     }
 
     /// Check the small broadcasts this rank made as root without waiting for its peers: those
