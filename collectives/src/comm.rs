@@ -19,20 +19,16 @@ use crate::select::{Algo, Selector};
 use crate::topo::Topology;
 
 /// What one collective call did.
-// Laid out in whole words (the time's padding last, the algorithm after it), so that every
-// move of a call's result copies the same pieces it was written in: the processor forwards
-// those stores to the loads that follow, where mixed pieces made each small call wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(C)]
 pub struct Stats {
-    /// Bytes this rank sent.
-    pub bytes_sent: u64,
-    /// The call's sequence number in the group.
-    pub seq: u64,
-    /// Wall time of the call on this rank.
-    pub elapsed: Duration,
     /// The algorithm that ran.
     pub algo: Algo,
+    /// Bytes this rank sent.
+    pub bytes_sent: u64,
+    /// Wall time of the call on this rank.
+    pub elapsed: Duration,
+    /// The call's sequence number in the group.
+    pub seq: u64,
 }
 
 /// Collectives over a [`Group`].
@@ -590,9 +586,8 @@ impl Comm {
     }
 
     /// Run `req` by direct reads of the peers' windows (`st`, set up: see
-    /// [`Comm::direct_ready`]): the bytes this rank published and the call's sequence number
-    /// (two plain words: the caller builds the stats, which moved through here cost a
-    /// noticeable part of a small call).
+    /// [`Comm::direct_ready`]): the bytes this rank published and the call's sequence number,
+    /// from which the caller builds the stats ([`Comm::direct_done`]).
     fn execute_direct(
         &self,
         mut st: MutexGuard<'_, crate::direct::State>,

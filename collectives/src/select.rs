@@ -7,11 +7,8 @@ use std::fmt;
 use crate::coll::Coll;
 
 /// Algorithms.
-// Four bytes: `Stats` then ends in no one-byte field ahead of padding, which moves of a call's
-// result copied with overlapping stores and loads the processor could not forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-#[repr(u32)]
 pub enum Algo {
     /// Segmented pipelined ring.
     Ring,
