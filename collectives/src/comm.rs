@@ -360,6 +360,7 @@ impl Comm {
 
     /// Run the link measurement if this group has not yet (inside a call: every collective's first
     /// step, on every rank alike). One host (a loopback address, or a single rank) needs none.
+    #[inline]
     pub(crate) fn ensure_measured(&self) -> Result<()> {
         if self.sel.link.get().is_some() {
             return Ok(());
@@ -382,6 +383,7 @@ impl Comm {
     /// aborts the peers once, naming this rank, the call and the cause — a local refusal too (a
     /// bad argument, a forced algorithm that does not apply), since the peers would otherwise
     /// wait in a call this rank never makes until their timeout.
+    #[inline]
     pub(crate) fn call<R>(&self, op: &'static str, body: impl FnOnce() -> Result<R>) -> Result<R> {
         self.drain()?;
         self.group.check()?;

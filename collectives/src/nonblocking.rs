@@ -444,6 +444,7 @@ impl Comm {
 
     /// Wait until every submitted non-blocking call has finished (each is bounded by the
     /// group's timeout).
+    #[inline]
     pub(crate) fn drain(&self) -> Result<()> {
         if self.in_worker {
             return Ok(());

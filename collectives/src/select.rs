@@ -284,6 +284,7 @@ impl Selector {
 
     /// Whether the automatic choice may take direct reads: the setting (`TUTTI_DIRECT`), until
     /// the set-up finds the group cannot ([`Selector::direct_failed`]).
+    #[inline]
     pub(crate) fn direct_on(&self) -> bool {
         self.cfg.direct && !self.direct_off.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -295,11 +296,13 @@ impl Selector {
     }
 
     /// Whether `coll`'s algorithm is forced (`Comm::with_algo` or `TUTTI_ALGO`).
+    #[inline]
     pub(crate) fn forced(&self, coll: Coll) -> bool {
         self.force.is_some() || self.cfg.overrides.get(coll).is_some()
     }
 
     /// The cost model, once the measurement found slow links (or `Comm::with_model` set one).
+    #[inline]
     pub(crate) fn link_model(&self) -> Option<crate::model::Model> {
         self.link.get().copied().flatten()
     }
@@ -313,6 +316,7 @@ impl Selector {
     }
 
     /// The tuning class of a call, when tuning decides it.
+    #[inline]
     pub(crate) fn tuning(
         &self,
         coll: Coll,
@@ -330,6 +334,7 @@ impl Selector {
 
     /// The algorithm for a call of `coll` moving `bytes` (nccl-tests' S) on `n` ranks
     /// (`uniform`: every rank contributes the same count).
+    #[inline]
     pub(crate) fn algo(&self, coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
         let model = self.link_model();
         let auto = || {

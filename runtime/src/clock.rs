@@ -51,8 +51,20 @@ struct Clock {
     next: AtomicU64,
 }
 
+static CLOCK: OnceLock<Clock> = OnceLock::new();
+
+/// The clock, started at its first use (a load and a test once started: every call reads it).
+#[inline]
 fn clock() -> &'static Clock {
-    static CLOCK: OnceLock<Clock> = OnceLock::new();
+    match CLOCK.get() {
+        Some(c) => c,
+        None => start(),
+    }
+}
+
+/// The clock's first use: chooses its source and anchors it.
+#[cold]
+fn start() -> &'static Clock {
     CLOCK.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         if tsc::usable() {
@@ -158,6 +170,7 @@ pub enum Deadline {
 
 impl Deadline {
     /// `after` past `from`.
+    #[inline]
     pub fn after(from: Moment, after: Duration) -> Deadline {
         Deadline::After { from, after }
     }

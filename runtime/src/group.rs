@@ -107,16 +107,19 @@ impl Group {
     }
 
     /// This rank within the group (`0..size()`).
+    #[inline]
     pub fn rank(&self) -> usize {
         self.inner.rank
     }
 
     /// Number of ranks in the group.
+    #[inline]
     pub fn size(&self) -> usize {
         self.inner.members.len()
     }
 
     /// Group id carried in every frame (0 is the world group).
+    #[inline]
     pub fn id(&self) -> u32 {
         self.inner.id
     }
@@ -125,6 +128,7 @@ impl Group {
     ///
     /// # Panics
     /// If `r >= size()`; callers check ranks with [`Group::check_rank`] first.
+    #[inline]
     pub fn global_rank(&self, r: usize) -> usize {
         self.inner.members[r]
     }
@@ -147,6 +151,7 @@ impl Group {
 
     /// Per-operation timeout. Default 30 s ([`DEFAULT_TIMEOUT`]), or `TUTTI_TIMEOUT` seconds when
     /// built by rendezvous.
+    #[inline]
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.inner.timeout_ms.load(Ordering::Relaxed))
     }
@@ -161,6 +166,7 @@ impl Group {
     }
 
     /// Take the next collective sequence number. Every member takes them in the same order.
+    #[inline]
     pub fn next_seq(&self) -> u64 {
         self.inner.seq.fetch_add(1, Ordering::Relaxed)
     }
@@ -170,6 +176,7 @@ impl Group {
     ///
     /// # Errors
     /// [`Error::Poisoned`] with the original cause.
+    #[inline]
     pub fn check(&self) -> Result<()> {
         match self.inner.transport.poisoned() {
             Some(e) => Err(e.poisoned()),

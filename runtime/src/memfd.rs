@@ -33,6 +33,7 @@ pub(crate) fn os_err(what: &str) -> String {
 
 impl Mapping {
     /// The first byte.
+    #[inline]
     pub(crate) fn base(&self) -> *mut u8 {
         self.base
     }

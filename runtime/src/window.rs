@@ -230,12 +230,14 @@ impl Window {
     }
 
     /// The first byte of the data.
+    #[inline]
     pub fn data(&self) -> *mut u8 {
         // SAFETY: the data starts inside the mapping.
         unsafe { self.map.base().add(HEADER) }
     }
 
     /// Bytes of data.
+    #[inline]
     pub fn data_len(&self) -> usize {
         self.data_len
     }
@@ -245,12 +247,14 @@ impl Window {
     ///
     /// # Panics
     /// If `i` is not below [`STAMPS`].
+    #[inline]
     pub fn stamp(&self, i: usize) -> *mut u8 {
         assert!(i < STAMPS, "stamp slot {i} of {STAMPS}");
         // SAFETY: inside the header page.
         unsafe { self.map.base().add(STAMPS_AT + i * STAMP_BYTES) }
     }
 
+    #[inline]
     fn counter_ref(&self, i: usize) -> &AtomicU64 {
         assert!(i < COUNTERS, "counter {i} of {COUNTERS}");
         // SAFETY: inside the header page, 128-byte aligned, valid for the mapping's life; only
@@ -264,12 +268,14 @@ impl Window {
     ///
     /// # Panics
     /// If `i` is not below [`LINES`].
+    #[inline]
     pub fn line(&self, i: usize) -> *mut u8 {
         assert!(i < LINES, "line slot {i} of {LINES}");
         // SAFETY: inside the header, cache-line aligned.
         unsafe { self.map.base().add(LINES_AT + i * LINE_BYTES) }
     }
 
+    #[inline]
     fn line_ref(&self, i: usize) -> &AtomicU64 {
         // SAFETY: the slot's first word, 8-byte aligned, valid for the mapping's life; only ever
         // accessed atomically.
@@ -280,6 +286,7 @@ impl Window {
     ///
     /// # Panics
     /// If `i` is not below [`LINES`].
+    #[inline]
     pub fn line_gen(&self, i: usize) -> u64 {
         self.line_ref(i).load(Ordering::Acquire)
     }
@@ -289,6 +296,7 @@ impl Window {
     ///
     /// # Panics
     /// If `i` is not below [`LINES`].
+    #[inline]
     pub fn publish_line(&self, i: usize, v: u64) {
         self.line_ref(i).store(v, Ordering::Release);
         self.wake();
@@ -313,6 +321,7 @@ impl Window {
         self.wait_word(self.line_ref(i), at_least, until.into(), spin, check)
     }
 
+    #[inline]
     fn waiters(&self) -> &AtomicU32 {
         // SAFETY: as `counter_ref`.
         unsafe { &*self.map.base().add(WAITERS_AT).cast::<AtomicU32>() }
@@ -321,6 +330,7 @@ impl Window {
     /// The futex word: bumped by a publish that finds sleepers registered, so a sleeper that
     /// read it before that publish never sleeps through it (a counter's own bits may come back
     /// to an earlier value).
+    #[inline]
     fn ticket(&self) -> &AtomicU32 {
         // SAFETY: as `counter_ref`.
         unsafe { &*self.map.base().add(TICKET_AT).cast::<AtomicU32>() }
@@ -330,6 +340,7 @@ impl Window {
     ///
     /// # Panics
     /// If `i` is not below [`COUNTERS`].
+    #[inline]
     pub fn counter(&self, i: usize) -> u64 {
         self.counter_ref(i).load(Ordering::Acquire)
     }
@@ -339,6 +350,7 @@ impl Window {
     ///
     /// # Panics
     /// If `i` is not below [`COUNTERS`].
+    #[inline]
     pub fn publish(&self, i: usize, v: u64) {
         self.counter_ref(i).store(v, Ordering::Release);
         self.wake();
@@ -352,6 +364,7 @@ impl Window {
     /// looks at the word again, by when any such publish is visible; a publish after that sees
     /// the registration and bumps the ticket (so a sleeper that read the old ticket does not
     /// sleep). No bump when nobody sleeps: the ticket's cache line stays put.
+    #[inline]
     fn wake(&self) {
         if self.waiters().load(Ordering::Relaxed) != 0 {
             let t = self.ticket();

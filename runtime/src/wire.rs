@@ -302,6 +302,7 @@ pub enum HeaderError {
 
 impl Header {
     /// A data frame header.
+    #[inline]
     pub fn data(desc: MsgDesc, src: usize, len: usize) -> Header {
         Header { kind: FrameKind::Data, desc, src: src as u32, len: len as u64 }
     }
@@ -323,6 +324,7 @@ impl Header {
     }
 
     /// Encode into exactly [`HEADER_LEN`] bytes.
+    #[inline]
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..2].copy_from_slice(&MAGIC.to_le_bytes());
