@@ -565,6 +565,11 @@ impl Direct {
         raw: &[u8; HEADER_LEN],
     ) -> std::result::Result<(), RtError> {
         let (me, peer) = (call.global(self.me), call.global(r));
+        // The stamp the peer writes when it makes this call: the same bytes, the common case,
+        // need no decoding.
+        if *raw == Header::data(call.desc, peer, g as usize).encode() {
+            return Ok(());
+        }
         match Header::decode(raw) {
             Ok(h) if h.desc == call.desc && h.len == g && h.src as usize == peer => Ok(()),
             Ok(h) if h.desc != call.desc => Err(RtError::Mismatch {
