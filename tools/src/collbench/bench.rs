@@ -698,7 +698,8 @@ impl Bench {
         d: Dims,
         wrong: u64,
         mut algo: String,
-        call: &mut dyn FnMut(&Bench) -> Result<Option<Cow<'static, str>>>,
+        // Generic, not `dyn`: the timed loop calls the closure in line.
+        call: &mut impl FnMut(&Bench) -> Result<Option<Cow<'static, str>>>,
     ) -> Result<(Mode, String)> {
         let a = self.s.args.clone();
         // With tuning on (TUTTI_TUNE=1), warm up at least as long as a size class takes to try
