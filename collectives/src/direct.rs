@@ -1224,7 +1224,7 @@ impl Direct {
 /// `memcmp`).
 #[inline]
 fn same_stamp(a: &[u8; HEADER_LEN], b: &[u8; HEADER_LEN]) -> bool {
-    const { assert!(HEADER_LEN % 8 == 0) };
+    const { assert!(HEADER_LEN.is_multiple_of(8)) };
     let word = |x: &[u8; HEADER_LEN], i: usize| {
         let mut w = [0u8; 8];
         w.copy_from_slice(&x[i * 8..i * 8 + 8]);
