@@ -1254,6 +1254,34 @@ mod tests {
         f(d)
     }
 
+    /// The stamp compare that skips decoding sees every byte: the same call, rank and
+    /// generation give the same bytes, and a change anywhere (any one byte, the rank, the
+    /// generation, the sequence number, the count) is a different stamp.
+    #[test]
+    fn a_stamp_is_the_same_only_when_every_byte_is() {
+        let fp = Fingerprint {
+            op: Coll::Broadcast.op_kind(),
+            dtype: DType::F32,
+            redop: 0,
+            root: 1,
+            count: 2,
+            settings: 0x1234,
+        };
+        let d = desc(7, 41, fp);
+        let base = Header::data(d, 3, 9).encode();
+        assert!(same_stamp(&base, &Header::data(d, 3, 9).encode()));
+        for i in 0..HEADER_LEN {
+            let mut b = base;
+            b[i] ^= 0x40;
+            assert!(!same_stamp(&base, &b), "byte {i}");
+        }
+        assert!(!same_stamp(&base, &Header::data(d, 4, 9).encode()));
+        assert!(!same_stamp(&base, &Header::data(d, 3, 10).encode()));
+        assert!(!same_stamp(&base, &Header::data(desc(7, 42, fp), 3, 9).encode()));
+        let other = Fingerprint { count: 3, ..fp };
+        assert!(!same_stamp(&base, &Header::data(desc(7, 41, other), 3, 9).encode()));
+    }
+
     #[test]
     fn small_calls_take_the_line_slots() {
         let comms = Comm::mem_world(3);

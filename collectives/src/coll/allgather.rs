@@ -33,8 +33,9 @@ impl Comm {
                     ),
                 ));
             }
-            let counts = vec![input.len(); n];
-            self.allgather_impl(Some(input), output, &counts)
+            super::with_equal_counts(input.len(), n, |counts| {
+                self.allgather_impl(Some(input), output, counts)
+            })
         })
     }
 
@@ -54,8 +55,9 @@ impl Comm {
                     format!("{} elements do not divide by {n} ranks", buf.len()),
                 ));
             }
-            let counts = vec![buf.len() / n; n];
-            self.allgather_impl(None, buf, &counts)
+            super::with_equal_counts(buf.len() / n, n, |counts| {
+                self.allgather_impl(None, buf, counts)
+            })
         })
     }
 

@@ -32,8 +32,9 @@ impl Comm {
                 ));
             }
             let c = input.len() / n;
-            let counts = vec![c; n];
-            self.all_to_all_impl(Some(input), output, &counts, &counts, true)
+            super::with_equal_counts(c, n, |counts| {
+                self.all_to_all_impl(Some(input), output, counts, counts, true)
+            })
         })
     }
 
@@ -53,8 +54,9 @@ impl Comm {
                     format!("{} elements do not divide by {n} ranks", buf.len()),
                 ));
             }
-            let counts = vec![buf.len() / n; n];
-            self.all_to_all_impl(None, buf, &counts, &counts, true)
+            super::with_equal_counts(buf.len() / n, n, |counts| {
+                self.all_to_all_impl(None, buf, counts, counts, true)
+            })
         })
     }
 

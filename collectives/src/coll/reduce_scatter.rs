@@ -37,8 +37,9 @@ impl Comm {
                     ),
                 ));
             }
-            let counts = vec![output.len(); n];
-            self.reduce_scatter_impl(Some(input), output, &counts, op)
+            super::with_equal_counts(output.len(), n, |counts| {
+                self.reduce_scatter_impl(Some(input), output, counts, op)
+            })
         })
     }
 
@@ -59,8 +60,9 @@ impl Comm {
                     format!("{} elements do not divide by {n} ranks", buf.len()),
                 ));
             }
-            let counts = vec![buf.len() / n; n];
-            self.reduce_scatter_impl(None, buf, &counts, op)
+            super::with_equal_counts(buf.len() / n, n, |counts| {
+                self.reduce_scatter_impl(None, buf, counts, op)
+            })
         })
     }
 
