@@ -454,20 +454,13 @@ impl Comm {
             // Set up already, the common case: straight to the call.
             let st = self.sel.direct.lock().unwrap_or_else(|p| p.into_inner());
             if let crate::direct::State::Ready(_) = &*st {
-                let start = Moment::now();
-                let (coll, bytes) = (req.coll, req.bytes);
-                let (bytes_sent, seq) = self.execute_direct(st, req, start)?;
-                return Ok(self.direct_done(coll, bytes, bytes_sent, seq, start));
+                return self.direct_call(st, req, Moment::now());
             }
             let (st, ready) = self.direct_ready(st)?;
             // The call's deadline starts after the one-time set-up, whichever way it runs.
             let start = Moment::now();
             match ready {
-                None => {
-                    let (coll, bytes) = (req.coll, req.bytes);
-                    let (bytes_sent, seq) = self.execute_direct(st, req, start)?;
-                    return Ok(self.direct_done(coll, bytes, bytes_sent, seq, start));
-                }
+                None => return self.direct_call(st, req, start),
                 Some(why) if self.sel.forced(req.coll) => {
                     return Err(Error::Unsupported {
                         rank: self.rank(),
@@ -579,17 +572,26 @@ impl Comm {
         Ok((st, why))
     }
 
-    /// The stats of a call by direct reads that began at `start`: it ends now.
+    /// Run `req` by direct reads (`st`, set up) from `start`, and its stats. They are built
+    /// here from the two words [`Comm::execute_direct`] returns: with the stats built there and
+    /// moved out, the 2-rank 8-byte allreduce took 0.19–0.23 µs against 0.17–0.19.
     #[inline(always)]
-    fn direct_done(&self, coll: Coll, bytes: usize, sent: u64, seq: u64, start: Moment) -> Stats {
+    fn direct_call(
+        &self,
+        st: MutexGuard<'_, crate::direct::State>,
+        req: Req<'_>,
+        start: Moment,
+    ) -> Result<Stats> {
+        let (coll, bytes) = (req.coll, req.bytes);
+        let (sent, seq) = self.execute_direct(st, req, start)?;
         let elapsed = start.elapsed();
         debug!(op = coll.name(), seq, bytes, algo = "direct", ?elapsed, "collective done");
-        Stats { algo: Algo::Direct, bytes_sent: sent, elapsed, seq }
+        Ok(Stats { algo: Algo::Direct, bytes_sent: sent, elapsed, seq })
     }
 
     /// Run `req` by direct reads of the peers' windows (`st`, set up: see
     /// [`Comm::direct_ready`]): the bytes this rank published and the call's sequence number,
-    /// from which the caller builds the stats ([`Comm::direct_done`]).
+    /// from which [`Comm::direct_call`] builds the stats.
     fn execute_direct(
         &self,
         mut st: MutexGuard<'_, crate::direct::State>,
