@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tutti_collectives::device::sim::{SimConfig, SimDevice};
-use tutti_collectives::device::{Action, Device, DeviceBuffer, StagingConfig};
+use tutti_collectives::device::{Action, Device, DeviceBuffer, StagingConfig, ONE_HOST_PIECES};
 use tutti_collectives::dtype::{as_bytes, as_bytes_mut};
 use tutti_collectives::verify::input;
 use tutti_collectives::{Comm, Element, Error, ReduceOp};
@@ -59,7 +59,8 @@ fn check<T: Element>(kind: Kind, n: usize, count: usize, cfg: StagingConfig) {
             bits(&want),
             "allreduce n={n} count={count}"
         );
-        assert_eq!(s.segments, count.div_ceil(cfg.segment_elems(count, size_of::<T>())));
+        let eff = st.settings().unwrap();
+        assert_eq!(s.segments, count.div_ceil(eff.segment_elems(count, size_of::<T>())));
         // Allreduce out of place: the input stays.
         let (bi, bo) = (up(&*dev, &x), dev.alloc(count * size_of::<T>()).unwrap());
         st.allreduce_from::<T>(&*bi, &*bo, count, op).unwrap();
@@ -176,6 +177,30 @@ fn staged_allreduce_with_default_segments() {
     for n in [2, 3] {
         check::<f32>(Kind::Mem, n, 1 << 20, StagingConfig::default());
     }
+}
+
+#[test]
+fn pieces_default_to_four_on_one_host_and_follow_an_explicit_setting() {
+    world(Kind::Mem, 2, |c: Comm| {
+        let dev = device();
+        let b = dev.alloc(4 << 20).unwrap();
+        // One host (memory transport): a 4 MiB call, one segment, runs as 4 pieces of 1 MiB; a
+        // 1 MiB call as 4 of 256 KiB (the smallest piece); 256 KiB stays whole.
+        let st = c.staged(dev.clone(), StagingConfig::default());
+        assert_eq!(st.settings().unwrap().pieces, ONE_HOST_PIECES);
+        let s = st.allreduce::<f32>(&*b, 1 << 20, ReduceOp::Sum).unwrap();
+        assert_eq!(s.segments, 4, "4 MiB call");
+        let s = st.allreduce::<f32>(&*b, 1 << 18, ReduceOp::Sum).unwrap();
+        assert_eq!(s.segments, 4, "1 MiB call");
+        let s = st.allreduce::<f32>(&*b, 1 << 16, ReduceOp::Sum).unwrap();
+        assert_eq!(s.segments, 1, "256 KiB call");
+        // An explicit setting is kept: 1 turns cutting off.
+        let one = StagingConfig { pieces: 1, ..StagingConfig::default() };
+        let st = c.staged(dev.clone(), one);
+        assert_eq!(st.settings().unwrap().pieces, 1);
+        let s = st.allreduce::<f32>(&*b, 1 << 20, ReduceOp::Sum).unwrap();
+        assert_eq!(s.segments, 1);
+    });
 }
 
 #[test]

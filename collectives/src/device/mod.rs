@@ -172,6 +172,10 @@ pub(crate) fn bytes(parts: &[usize]) -> Option<usize> {
     parts.iter().try_fold(1usize, |acc, p| acc.checked_mul(*p))
 }
 
+/// The pieces a call of less than [`ONE_HOST_PIECES`] segments is cut into when every rank of
+/// the group is on one host and [`StagingConfig::pieces`] is 0.
+pub const ONE_HOST_PIECES: usize = 4;
+
 /// Settings of the staging engine.
 #[derive(Clone, Copy, Debug)]
 pub struct StagingConfig {
@@ -188,9 +192,13 @@ pub struct StagingConfig {
     /// The fewest segments a call is cut into, while each stays at least `min_piece_bytes` (per
     /// block). A call of one segment runs its copy down, its collective and its copy up one
     /// after the other; cut into pieces, the copies of one piece run while another is on the
-    /// network. Default 1 (no cutting): on an H200 with 2 and 4 ranks, 2 or 4 pieces of 1 and
-    /// 4 MiB calls measured 0.88–1.02× the time of one segment, inside the 0.88–1.10× that the
-    /// same 5 rounds gave for identical settings (docs/gpu.md).
+    /// network. 0, the default, chooses by the group: [`ONE_HOST_PIECES`] when every rank is
+    /// on one host (the host collectives read each other's memory, so an extra piece costs
+    /// microseconds), 1 (no cutting) across hosts, where each piece would pay a network round
+    /// trip and cutting has not been measured. On an H200 with 2 and 4 ranks on its host, 4
+    /// pieces of 1 and 4 MiB calls took 0.83–0.96× the time of one segment in two runs a day
+    /// apart (8 of 8 medians below 1), while identical settings (16 MiB) gave 0.88–1.10×
+    /// (docs/gpu.md).
     pub pieces: usize,
     /// The smallest piece `pieces` cuts a call into. Default 256 KiB.
     pub min_piece_bytes: usize,
@@ -198,7 +206,7 @@ pub struct StagingConfig {
 
 impl Default for StagingConfig {
     fn default() -> Self {
-        StagingConfig { segment_bytes: 4 << 20, depth: 3, pieces: 1, min_piece_bytes: 256 << 10 }
+        StagingConfig { segment_bytes: 4 << 20, depth: 3, pieces: 0, min_piece_bytes: 256 << 10 }
     }
 }
 
@@ -241,7 +249,8 @@ impl StagingConfig {
 
     /// Elements of one block per segment for a call of `count` elements of `esz` bytes per
     /// block: a whole segment, or less where `pieces` cuts the call (into as many equal pieces
-    /// as `pieces` asks and `min_piece_bytes` allows), never more than the call.
+    /// as `pieces` asks and `min_piece_bytes` allows), never more than the call. `pieces` 0
+    /// counts as 1 here: a [`Staged`] resolves it by its group first.
     pub fn segment_elems(&self, count: usize, esz: usize) -> usize {
         let esz = esz.max(1);
         let whole = (self.segment_bytes / esz).max(1);
@@ -326,7 +335,6 @@ impl Comm {
             cfg: StagingConfig {
                 segment_bytes: cfg.segment_bytes.max(1),
                 depth: cfg.depth.max(2),
-                pieces: cfg.pieces.max(1),
                 ..cfg
             },
             pool: Mutex::new(Vec::new()),
@@ -379,6 +387,24 @@ impl Staged {
     /// copy down is queued before segment `k`'s collective starts.
     pub fn take_actions(&self) -> Vec<Action> {
         std::mem::take(&mut *self.actions.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The settings calls run with: the [`StagingConfig`] given, with `pieces` 0 resolved by the
+    /// group's hosts (every rank finds the same topology, so the segments line up).
+    ///
+    /// # Collective contract
+    /// On a group of several hosts whose link has not been measured yet (no collective has run),
+    /// this measures it: every rank calls it then, as for [`Comm::topology`].
+    ///
+    /// # Errors
+    /// As [`Comm::topology`].
+    pub fn settings(&self) -> Result<StagingConfig> {
+        if self.cfg.pieces != 0 {
+            return Ok(self.cfg);
+        }
+        self.comm.ensure_measured()?;
+        let one_host = self.comm.topo_now().hosts() <= 1;
+        Ok(StagingConfig { pieces: if one_host { ONE_HOST_PIECES } else { 1 }, ..self.cfg })
     }
 
     fn check_len(
@@ -596,7 +622,7 @@ impl Staged {
         let start = Instant::now();
         let esz = size_of::<T>();
         // A call smaller than a segment gets slots of its own size, not a whole segment's.
-        let seg = self.cfg.segment_elems(shape.count, esz);
+        let seg = self.settings()?.segment_elems(shape.count, esz);
         let nseg = shape.count.div_ceil(seg);
         let depth = self.cfg.depth;
         let mut slots = Vec::with_capacity(depth.min(nseg));
