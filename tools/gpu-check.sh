@@ -12,7 +12,8 @@
 # Phases (default all, in this order): info suite copy correct fault nccl sanitizer perf tune
 # overlap golden moves. Each writes OUT/<phase>.log; the summary table at the end is read from
 # those logs. Settings from the environment: PERF_MAX (largest perf size, default 1G),
-# PERF_PIECES (TUTTI_STAGE_PIECES values timed in each perf round up to 16 MiB, default "2 4"),
+# PERF_PIECES (TUTTI_STAGE_PIECES values timed in each perf round up to 16 MiB against the
+# default, which cuts calls of one host into 4; default "1 2"),
 # GOLDEN_REPEAT (runs of each golden case, default 3), MOVES_SIZES (default 1M,16M).
 # torch (for the gloo-CUDA comparison), compute-sanitizer and NCCL (a wheel's libnccl.so.2) are
 # used when present and reported missing otherwise.
@@ -150,7 +151,7 @@ print(",".join(out))' "$PERF_MAX") && [ -n "$gloo_sizes" ] || {
     echo "gpu-check: PERF_MAX=$PERF_MAX: expected a size of at least 1M, such as 256M or 1G" >&2
     exit 2
 }
-PERF_PIECES=$(echo "${PERF_PIECES-2 4}" | tr , ' ')
+PERF_PIECES=$(echo "${PERF_PIECES-1 2}" | tr , ' ')
 phase_perf() {
     local have_torch=1
     "$PY" -c 'import torch, torch.distributed' 2>/dev/null || have_torch=0
@@ -167,7 +168,7 @@ phase_perf() {
                             "$HERE/bench/gloo_cuda.py" --sizes "$gloo_sizes" --iters 5 \
                             --json "$OUT/perf-r$r-n$n-gloo.json" ;;
                     cudap*)
-                        # The same staged allreduce with a call cut into pieces, up to 16 MiB.
+                        # The same staged allreduce with another TUTTI_STAGE_PIECES, up to 16 MiB.
                         run 240 env TUTTI_STAGE_PIECES="${dev#cudap}" "$BIN/collbench" allreduce \
                             -b 1M -e 16M -f 4 -n 5 -w 1 --np "$n" --device cuda \
                             -J "$OUT/perf-r$r-n$n-$dev.json" ;;

@@ -179,16 +179,16 @@ def main():
                 sb = med(c) / bound if bound == bound else float("nan")
                 print(f"  {n:>2}  {human(b):>7}  {med(h):>10.0f} {med(c):>10.0f} {med(g):>13.0f}  {med(ch):>11.2f}  {med(gc):>11.2f}  {bound:>8.0f}  {sb:>12.2f}")
 
-    # Calls cut into pieces (TUTTI_STAGE_PIECES) against whole segments, same rounds.
+    # Other settings of TUTTI_STAGE_PIECES against the default (4 pieces on one host), same rounds.
     pieces = sorted({d for (_, d) in perf if d.startswith("cudap")}, key=lambda d: int(d[5:]))
     if pieces:
-        print("\nstaged allreduce cut into pieces: mean µs per call (median over rounds); pP/1 = per-round median ratio to whole segments")
-        print("   n     size   pieces=1" + "".join(f"  pieces={d[5:]:<3} p{d[5:]}/1" for d in pieces))
+        print("\nstaged allreduce with TUTTI_STAGE_PIECES=P: mean µs per call (median over rounds); pP/d = per-round median ratio to the default")
+        print("   n     size    default" + "".join(f"  pieces={d[5:]:<3} p{d[5:]}/d" for d in pieces))
         for n in sorted({k[0] for k in perf}):
             one = perf.get((n, "cuda"), {})
             sizes = sorted({b for d in pieces for rr in perf.get((n, d), {}).values() for b in rr})
             for b in sizes:
-                row = f"  {n:>2}  {human(b):>7}  {med([one[r][b] for r in one if b in one[r]]):>9.0f}"
+                row = f"  {n:>2}  {human(b):>7}  {med([one[r][b] for r in one if b in one[r]]):>10.0f}"
                 for d in pieces:
                     pc = perf.get((n, d), {})
                     v = [pc[r][b] for r in pc if b in pc[r]]
