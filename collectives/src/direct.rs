@@ -1119,14 +1119,28 @@ impl Direct {
                 continue;
             }
             // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
+            // An all-to-all's own block goes to no peer: it is not posted (see below).
+            let a2a = coll == Coll::AllToAll;
             // SAFETY: pieces of the caller's input into our own free buffer.
             unsafe {
                 let w = self.buf(me, b);
-                for k in 0..n {
+                for k in (0..n).filter(|k| !a2a || *k != me) {
                     std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
                 }
             }
             self.progress(g, n * piece);
+            if a2a && !in_place {
+                // Our own block straight from input to output, while the peers post theirs (in
+                // place it is where it belongs already).
+                // SAFETY: the caller's buffers at this generation's offset of our block.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.add(me * block + off),
+                        dst.add(me * block + off),
+                        l,
+                    )
+                };
+            }
             for r in self.peers() {
                 self.posted(call, r, g, b, me * piece + l, off)?;
             }
@@ -1135,7 +1149,7 @@ impl Direct {
             unsafe {
                 match coll {
                     Coll::AllToAll => {
-                        for r in 0..n {
+                        for r in self.peers() {
                             let from = self.buf(r, b).add(me * piece);
                             std::ptr::copy_nonoverlapping(from, dst.add(r * block + off), l);
                         }
