@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
         --out) OUT=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
         --phases) PHASES=$(echo "$2" | tr , ' '); shift 2 ;;
-        -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,19p "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
     esac
 done

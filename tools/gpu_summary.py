@@ -183,7 +183,7 @@ def main():
     pieces = sorted({d for (_, d) in perf if d.startswith("cudap")}, key=lambda d: int(d[5:]))
     if pieces:
         print("\nstaged allreduce with TUTTI_STAGE_PIECES=P: mean µs per call (median over rounds); pP/d = per-round median ratio to the default")
-        print("   n     size    default" + "".join(f"  pieces={d[5:]:<3} p{d[5:]}/d" for d in pieces))
+        print("   n     size     default" + "".join(f"  pieces={d[5:]:<3} p{d[5:]}/d" for d in pieces))
         for n in sorted({k[0] for k in perf}):
             one = perf.get((n, "cuda"), {})
             sizes = sorted({b for d in pieces for rr in perf.get((n, d), {}).values() for b in rr})

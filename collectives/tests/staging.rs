@@ -180,7 +180,7 @@ fn staged_allreduce_with_default_segments() {
 }
 
 #[test]
-fn pieces_default_to_four_on_one_host_and_follow_an_explicit_setting() {
+fn pieces_default_to_four_on_one_host_only_and_follow_an_explicit_setting() {
     world(Kind::Mem, 2, |c: Comm| {
         let dev = device();
         let b = dev.alloc(4 << 20).unwrap();
@@ -200,6 +200,17 @@ fn pieces_default_to_four_on_one_host_and_follow_an_explicit_setting() {
         assert_eq!(st.settings().unwrap().pieces, 1);
         let s = st.allreduce::<f32>(&*b, 1 << 20, ReduceOp::Sum).unwrap();
         assert_eq!(s.segments, 1);
+        // Across hosts the default does not cut.
+        let apart = c.with_hosts(&[0, 1]).unwrap();
+        let st = apart.staged(dev.clone(), StagingConfig::default());
+        assert_eq!(st.settings().unwrap().pieces, 1);
+        let s = st.allreduce::<f32>(&*b, 1 << 20, ReduceOp::Sum).unwrap();
+        assert_eq!(s.segments, 1);
+    });
+    // Nor for one rank, whose host collective does nothing to overlap.
+    world(Kind::Mem, 1, |c: Comm| {
+        let st = c.staged(device(), StagingConfig::default());
+        assert_eq!(st.settings().unwrap().pieces, 1);
     });
 }
 

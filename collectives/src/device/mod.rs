@@ -172,8 +172,8 @@ pub(crate) fn bytes(parts: &[usize]) -> Option<usize> {
     parts.iter().try_fold(1usize, |acc, p| acc.checked_mul(*p))
 }
 
-/// The pieces a call of less than [`ONE_HOST_PIECES`] segments is cut into when every rank of
-/// the group is on one host and [`StagingConfig::pieces`] is 0.
+/// The pieces a call of fewer than 4 segments is cut into when its group is on one host and
+/// [`StagingConfig::pieces`] is 0 (each piece at least [`StagingConfig::min_piece_bytes`]).
 pub const ONE_HOST_PIECES: usize = 4;
 
 /// Settings of the staging engine.
@@ -192,13 +192,13 @@ pub struct StagingConfig {
     /// The fewest segments a call is cut into, while each stays at least `min_piece_bytes` (per
     /// block). A call of one segment runs its copy down, its collective and its copy up one
     /// after the other; cut into pieces, the copies of one piece run while another is on the
-    /// network. 0, the default, chooses by the group: [`ONE_HOST_PIECES`] when every rank is
-    /// on one host (the host collectives read each other's memory, so an extra piece costs
-    /// microseconds), 1 (no cutting) across hosts, where each piece would pay a network round
-    /// trip and cutting has not been measured. On an H200 with 2 and 4 ranks on its host, 4
-    /// pieces of 1 and 4 MiB calls took 0.83–0.96× the time of one segment in two runs a day
-    /// apart (8 of 8 medians below 1), while identical settings (16 MiB) gave 0.88–1.10×
-    /// (docs/gpu.md).
+    /// network. 0, the default, chooses by the group: [`ONE_HOST_PIECES`] when it has 2 ranks
+    /// or more, all on one host (their host collectives mostly read each other's memory, and
+    /// even over messages a piece costs far less than a network round trip), 1 (no cutting)
+    /// for one rank and across hosts, where each piece would pay a network round trip and
+    /// cutting has not been measured. On an H200 with 2 and 4 ranks on its host, 4 pieces of
+    /// 1 and 4 MiB calls took 0.83–0.96× the time of one segment in two runs a day apart (8 of
+    /// 8 medians below 1), while identical settings (16 MiB) gave 0.88–1.10× (docs/gpu.md).
     pub pieces: usize,
     /// The smallest piece `pieces` cuts a call into. Default 256 KiB.
     pub min_piece_bytes: usize,
@@ -215,7 +215,8 @@ impl StagingConfig {
     /// `TUTTI_STAGE_PIECES` and `TUTTI_STAGE_MIN_PIECE_BYTES`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a value that is not a positive integer.
+    /// [`Error::InvalidArgument`] for a value that is not a positive integer (or 0 for
+    /// `TUTTI_STAGE_PIECES`: the choice by the group).
     pub fn from_env() -> Result<StagingConfig> {
         let mut c = StagingConfig::default();
         let get = |k: &str| -> Result<Option<usize>> {
@@ -238,7 +239,10 @@ impl StagingConfig {
         if let Some(v) = get("TUTTI_STAGE_DEPTH")? {
             c.depth = v.max(2);
         }
-        if let Some(v) = get("TUTTI_STAGE_PIECES")? {
+        // 0 asks for the default's choice by the group, as the field's doc says.
+        if std::env::var("TUTTI_STAGE_PIECES").is_ok_and(|v| v.trim() == "0") {
+            c.pieces = 0;
+        } else if let Some(v) = get("TUTTI_STAGE_PIECES")? {
             c.pieces = v;
         }
         if let Some(v) = get("TUTTI_STAGE_MIN_PIECE_BYTES")? {
@@ -390,20 +394,29 @@ impl Staged {
     }
 
     /// The settings calls run with: the [`StagingConfig`] given, with `pieces` 0 resolved by the
-    /// group's hosts (every rank finds the same topology, so the segments line up).
+    /// group (every rank finds the same topology, so the segments line up).
     ///
     /// # Collective contract
-    /// On a group of several hosts whose link has not been measured yet (no collective has run),
-    /// this measures it: every rank calls it then, as for [`Comm::topology`].
+    /// Before the group's first collective, on ranks that advertise a non-loopback address,
+    /// this runs the link measurement that finds the hosts: every rank calls it then, as for
+    /// [`Comm::topology`]. After that, or on loopback and memory, any rank may call it alone.
     ///
     /// # Errors
     /// As [`Comm::topology`].
     pub fn settings(&self) -> Result<StagingConfig> {
+        self.comm.call("staged_settings", || self.resolved())
+    }
+
+    /// [`Staged::settings`], inside a call.
+    fn resolved(&self) -> Result<StagingConfig> {
         if self.cfg.pieces != 0 {
             return Ok(self.cfg);
         }
         self.comm.ensure_measured()?;
-        let one_host = self.comm.topo_now().hosts() <= 1;
+        // A cost model (slow links, or one given by `Comm::with_model`) means other hosts.
+        let one_host = self.comm.size() >= 2
+            && self.comm.topo_now().hosts() <= 1
+            && self.comm.link_model().is_none();
         Ok(StagingConfig { pieces: if one_host { ONE_HOST_PIECES } else { 1 }, ..self.cfg })
     }
 
@@ -622,7 +635,7 @@ impl Staged {
         let start = Instant::now();
         let esz = size_of::<T>();
         // A call smaller than a segment gets slots of its own size, not a whole segment's.
-        let seg = self.settings()?.segment_elems(shape.count, esz);
+        let seg = self.resolved()?.segment_elems(shape.count, esz);
         let nseg = shape.count.div_ceil(seg);
         let depth = self.cfg.depth;
         let mut slots = Vec::with_capacity(depth.min(nseg));
