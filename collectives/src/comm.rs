@@ -640,11 +640,13 @@ impl Comm {
                 }
                 Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll if req.uniform => {
                     let block = req.bytes / n;
+                    // What the peers take from this rank: its block (all-gather, read by each),
+                    // or the n - 1 blocks that are theirs, as a message algorithm sends them.
                     d.blocks(&call, req.coll, src, dst, block, req.dtype, op).map(|()| {
                         if req.coll == Coll::Allgather {
                             block
                         } else {
-                            block * n
+                            block * (n - 1)
                         }
                     })
                 }

@@ -1119,12 +1119,15 @@ impl Direct {
                 continue;
             }
             // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
-            // An all-to-all's own block goes to no peer: it is not posted (see below).
+            // Our own block goes to no peer: an all-to-all's is not posted (see below), nor an
+            // out-of-place reduce-scatter's, which we reduce straight from the input (in place
+            // the output is that block, so it is posted and read from our buffer).
             let a2a = coll == Coll::AllToAll;
+            let own_posted = !a2a && in_place;
             // SAFETY: pieces of the caller's input into our own free buffer.
             unsafe {
                 let w = self.buf(me, b);
-                for k in (0..n).filter(|k| !a2a || *k != me) {
+                for k in (0..n).filter(|k| own_posted || *k != me) {
                     std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
                 }
             }
@@ -1154,10 +1157,22 @@ impl Direct {
                             std::ptr::copy_nonoverlapping(from, dst.add(r * block + off), l);
                         }
                     }
-                    _ => {
-                        let at = if in_place { me * block } else { 0 };
-                        let out = std::slice::from_raw_parts_mut(dst.add(at + off), l);
+                    _ if in_place => {
+                        let out = std::slice::from_raw_parts_mut(dst.add(me * block + off), l);
                         self.reduce_from(b, me * piece, out, dtype, op);
+                    }
+                    _ => {
+                        // Out of place: our own piece from the input (the output, one block,
+                        // does not overlap it), the others' from their buffers, in rank order.
+                        let out = std::slice::from_raw_parts_mut(dst.add(off), l);
+                        let base = |r: usize| {
+                            if r == me {
+                                src.add(me * block + off)
+                            } else {
+                                self.buf(r, b).add(me * piece).cast_const()
+                            }
+                        };
+                        self.reduce_ranks(base, out, dtype, op);
                     }
                 }
             }
