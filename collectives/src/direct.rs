@@ -1147,8 +1147,9 @@ impl Direct {
             for r in self.peers() {
                 self.posted(call, r, g, b, me * piece + l, off)?;
             }
-            // SAFETY: every read is of a posted piece; every write inside the caller's output
-            // at this generation's offset (the input's pieces there were posted already).
+            // SAFETY: every read is of a posted piece or of our own input; every write inside
+            // the caller's output at this generation's offset (the input's pieces there were
+            // posted already).
             unsafe {
                 match coll {
                     Coll::AllToAll => {
