@@ -200,7 +200,8 @@ phase_tune() {
             for cfg in 1048576:3 2097152:3 4194304:3 8388608:3 16777216:3 4194304:2 4194304:4; do
                 seg=${cfg%:*} depth=${cfg#*:}
                 log "tune round=$r n=$n seg=$seg depth=$depth"
-                run 120 env TUTTI_STAGE_SEGMENT_BYTES=$seg TUTTI_STAGE_DEPTH=$depth \
+                # Whole segments (no pieces), as the sweep that set the defaults measured them.
+                run 120 env TUTTI_STAGE_SEGMENT_BYTES=$seg TUTTI_STAGE_DEPTH=$depth TUTTI_STAGE_PIECES=1 \
                     "$BIN/collbench" allreduce -b 1M -e 256M -f 4 -n 5 -w 1 --np "$n" --device cuda \
                     -J "$OUT/tune-r$r-n$n-s$seg-d$depth.json"
             done

@@ -198,7 +198,7 @@ pub struct StagingConfig {
     /// for one rank and across hosts, where each piece would pay a network round trip and
     /// cutting has not been measured. On an H200 with 2 and 4 ranks on its host, 4 pieces of
     /// 1 and 4 MiB calls took 0.83–0.96× the time of one segment in two runs a day apart (8 of
-    /// 8 medians below 1), while identical settings (16 MiB) gave 0.88–1.10× (docs/gpu.md).
+    /// 8 below 1), while identical settings (16 MiB) gave 0.88–1.10× (docs/gpu.md).
     pub pieces: usize,
     /// The smallest piece `pieces` cuts a call into. Default 256 KiB.
     pub min_piece_bytes: usize,
