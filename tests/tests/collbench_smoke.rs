@@ -176,6 +176,31 @@ fn device_sim_is_staged_verified_and_reports_overlap() {
 }
 
 #[test]
+fn staged_piece_settings_are_taken_from_the_environment_and_a_bad_one_is_named() {
+    // 0 (the choice by the group) and an explicit count both run and verify; a word is refused
+    // with the variable's name.
+    for pieces in ["0", "3"] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+        cmd.args(["allreduce", "-b", "1M", "-e", "1M", "-n", "2", "--np", "2", "--device", "sim"]);
+        cmd.env("TUTTI_STAGE_PIECES", pieces);
+        let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(!killed, "collbench hung:\n{text}");
+        assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        let rs = rows(&text);
+        assert_eq!(rs.len(), 1, "{text}");
+        assert!(rs[0][rs[0].len() - 1] == "0" && rs[0][rs[0].len() - 5] == "0", "{text}");
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["allreduce", "-b", "1M", "-e", "1M", "-n", "1", "--np", "2", "--device", "sim"]);
+    cmd.env("TUTTI_STAGE_PIECES", "many");
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!killed && !out.status.success(), "{err}");
+    assert!(err.contains("TUTTI_STAGE_PIECES=\"many\" is not a non-negative integer"), "{err}");
+}
+
+#[test]
 fn device_cuda_without_a_gpu_fails_with_the_reason() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
     cmd.args(["allreduce", "-b", "1K", "-e", "1K", "-n", "1", "--np", "2", "--device", "cuda"]);

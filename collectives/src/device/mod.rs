@@ -219,33 +219,35 @@ impl StagingConfig {
     /// `TUTTI_STAGE_PIECES`: the choice by the group).
     pub fn from_env() -> Result<StagingConfig> {
         let mut c = StagingConfig::default();
-        let get = |k: &str| -> Result<Option<usize>> {
+        // The least value `k` takes: 1, or 0 where 0 means something.
+        let get = |k: &str, least: usize| -> Result<Option<usize>> {
             match std::env::var(k) {
                 Ok(v) => {
-                    v.trim().parse::<usize>().ok().filter(|x| *x > 0).map(Some).ok_or_else(|| {
-                        Error::InvalidArgument {
+                    v.trim().parse::<usize>().ok().filter(|x| *x >= least).map(Some).ok_or_else(
+                        || Error::InvalidArgument {
                             rank: 0,
                             op: "StagingConfig::from_env",
-                            detail: format!("{k}={v:?} is not a positive integer"),
-                        }
-                    })
+                            detail: format!(
+                                "{k}={v:?} is not a {} integer",
+                                if least == 0 { "non-negative" } else { "positive" }
+                            ),
+                        },
+                    )
                 }
                 Err(_) => Ok(None),
             }
         };
-        if let Some(v) = get("TUTTI_STAGE_SEGMENT_BYTES")? {
+        if let Some(v) = get("TUTTI_STAGE_SEGMENT_BYTES", 1)? {
             c.segment_bytes = v;
         }
-        if let Some(v) = get("TUTTI_STAGE_DEPTH")? {
+        if let Some(v) = get("TUTTI_STAGE_DEPTH", 1)? {
             c.depth = v.max(2);
         }
-        // 0 asks for the default's choice by the group, as the field's doc says.
-        if std::env::var("TUTTI_STAGE_PIECES").is_ok_and(|v| v.trim() == "0") {
-            c.pieces = 0;
-        } else if let Some(v) = get("TUTTI_STAGE_PIECES")? {
+        // 0: the choice by the group, as the field's doc says.
+        if let Some(v) = get("TUTTI_STAGE_PIECES", 0)? {
             c.pieces = v;
         }
-        if let Some(v) = get("TUTTI_STAGE_MIN_PIECE_BYTES")? {
+        if let Some(v) = get("TUTTI_STAGE_MIN_PIECE_BYTES", 1)? {
             c.min_piece_bytes = v;
         }
         Ok(c)
