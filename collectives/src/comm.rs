@@ -551,6 +551,7 @@ impl Comm {
             *st = crate::direct::Direct::setup(
                 &self.group,
                 self.topo_now().hosts() <= 1,
+                self.sel.cfg.single_copy,
                 |mine, all| self.exec_allgather(Algo::Ring, mine, all),
                 |x| {
                     let mut v = [x];

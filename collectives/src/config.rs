@@ -34,6 +34,11 @@ pub struct Config {
     /// rank of a group can map every other's (`TUTTI_DIRECT`, default on; `0` keeps every call
     /// on messages). Every rank must have the same setting. A forced `direct` runs either way.
     pub direct: bool,
+    /// Let direct reads copy a peer's data straight out of its own buffers, one copy through
+    /// the kernel (cross-memory attach), where the kernel allows it between every pair of the
+    /// group's ranks (`TUTTI_SINGLE_COPY`, default on; `0` copies through the windows). Any
+    /// rank's `0` turns it off for its whole group, at the group's first direct call.
+    pub single_copy: bool,
 }
 
 impl Default for Config {
@@ -44,12 +49,14 @@ impl Default for Config {
             overrides: Overrides::default(),
             tune: false,
             direct: true,
+            single_copy: true,
         }
     }
 }
 
 impl Config {
-    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE`, `TUTTI_DIRECT`, `TUTTI_SEGMENT_BYTES` and `TUTTI_CHUNK_BYTES`
+    /// Defaults plus `TUTTI_ALGO`, `TUTTI_TUNE`, `TUTTI_DIRECT`, `TUTTI_SINGLE_COPY`,
+    /// `TUTTI_SEGMENT_BYTES` and `TUTTI_CHUNK_BYTES`
     /// from the environment; an empty variable counts as unset (as the runtime's settings do).
     ///
     /// # Errors
@@ -62,19 +69,19 @@ impl Config {
         if let Some(v) = var("TUTTI_ALGO") {
             c.overrides = Overrides::parse(&v).map_err(bad)?;
         }
-        if let Some(v) = var("TUTTI_TUNE") {
-            c.tune = match v.trim() {
-                "1" => true,
-                "0" => false,
-                _ => return Err(bad(format!("TUTTI_TUNE={v:?}: expected 1 or 0"))),
-            };
-        }
-        if let Some(v) = var("TUTTI_DIRECT") {
-            c.direct = match v.trim() {
-                "1" => true,
-                "0" => false,
-                _ => return Err(bad(format!("TUTTI_DIRECT={v:?}: expected 1 or 0"))),
-            };
+        // The switches: 1 or 0.
+        for (k, slot) in [
+            ("TUTTI_TUNE", &mut c.tune),
+            ("TUTTI_DIRECT", &mut c.direct),
+            ("TUTTI_SINGLE_COPY", &mut c.single_copy),
+        ] {
+            if let Some(v) = var(k) {
+                *slot = match v.trim() {
+                    "1" => true,
+                    "0" => false,
+                    _ => return Err(bad(format!("{k}={v:?}: expected 1 or 0"))),
+                };
+            }
         }
         if let Some(v) = var("TUTTI_SEGMENT_BYTES") {
             c.segment = v.trim().parse::<usize>().ok().filter(|s| *s > 0).ok_or_else(|| {

@@ -25,6 +25,11 @@
 //! Per generation an allreduce moves `S` into the window, reads `S` to reduce `S/n` and copies
 //! `S` out: no byte crosses a socket or a ring, and no rank forwards another's data.
 //!
+//! An out-of-place all-to-all of large blocks posts nothing: each peer copies its pieces
+//! straight out of the owner's input, one copy through the kernel ([`Window::read_owner`],
+//! where the set-up found that the kernel allows it on every pair), at the address the owner
+//! wrote next to its stamp; the owner returns once every peer is *done*.
+//!
 //! Small calls ([`on_lines`]) run in one generation on the windows' line slots instead of the
 //! buffers, by turns ([`line_turns`] of the [`LINES`]), each carrying its stamp and data in the cache lines a reader waits
 //! on. A small broadcast's root waits for nobody: it checks its readers' stamps at its later
@@ -44,7 +49,9 @@ use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 
 use tutti_runtime::clock::{Deadline, Moment};
-use tutti_runtime::window::{Offer, ProcessState, Spin, Window, LINES, LINE_BYTES, OFFER_LEN};
+use tutti_runtime::window::{
+    Offer, ProcessState, ReadError, Spin, Window, LINES, LINE_BYTES, OFFER_LEN,
+};
 use tutti_runtime::wire::{Fingerprint, Header, MsgDesc, Tag, HEADER_LEN};
 use tutti_runtime::{Error as RtError, OpContext};
 
@@ -68,6 +75,17 @@ const PIECE: usize = 64 << 10;
 /// Allreduces whose n buffers together hold at most this many bytes run in one phase: every
 /// rank reduces everything, which reads n times its buffer but waits once instead of twice.
 const ONE_PHASE: usize = 16 << 10;
+
+/// Where a buffer's stamp slot holds the *source* of a generation's pieces after the stamp: 0
+/// when they are in the buffer, else the address of the owner's input (in its own memory), which
+/// a reader copies from with one copy through the kernel ([`Window::read_owner`]).
+const SOURCE_AT: usize = HEADER_LEN;
+const _: () = assert!(SOURCE_AT + 8 <= tutti_runtime::window::STAMP_BYTES);
+/// All-to-all blocks of at least this many bytes go by single copy where the group can
+/// ([`Direct::blocks`]). The kernel's copy runs at a quarter of `memcpy`'s speed on data in
+/// cache (13 against 47–56 GB/s on the reference machine): it pays where it saves copies of
+/// larger blocks, not at 256 KiB.
+const SINGLE_FROM: usize = 512 << 10;
 
 /// Where a line slot's stamp starts (after its generation word), and its data.
 const LINE_STAMP: usize = 8;
@@ -116,6 +134,9 @@ pub(crate) struct Direct {
     spin: Spin,
     /// Bytes between two publications of *posted* ([`PIECE`], or a whole buffer).
     piece: usize,
+    /// Every rank may copy from every other's memory with one copy through the kernel
+    /// ([`Window::read_owner`]): found at set-up, the same on every rank.
+    single: bool,
     /// The latest generation each peer is known to be done with, from its *done* as last read
     /// or from a later generation it was seen to begin: a buffer or line slot needs no look at
     /// a peer's *done* when this covers its last use.
@@ -124,6 +145,8 @@ pub(crate) struct Direct {
     agreed: Vec<Cell<u64>>,
     /// Calls run on the line slots (for the tests).
     lines: u64,
+    /// Calls whose pieces the peers took by single copy (for the tests).
+    singles: u64,
     /// Line slots used by turns ([`line_turns`]).
     turns: u64,
     /// Small broadcasts this rank made as root whose peers' stamps it has not checked yet, in
@@ -197,11 +220,12 @@ impl Direct {
     pub(crate) fn setup(
         group: &tutti_runtime::Group,
         one_host: bool,
+        single_copy: bool,
         allgather: impl FnOnce(&[u8], &mut [u8]) -> Result<()>,
         agree: impl FnOnce(f64) -> Result<f64>,
     ) -> Result<State> {
         let data = 2 * buffer_for(group.size());
-        Self::setup_sized(group, one_host, data, allgather, agree)
+        Self::setup_sized(group, one_host, single_copy, data, allgather, agree)
     }
 
     /// [`Direct::setup`] with windows of `data` bytes each (a shared buffer's: see
@@ -212,6 +236,7 @@ impl Direct {
     pub(crate) fn setup_sized(
         group: &tutti_runtime::Group,
         one_host: bool,
+        single_copy: bool,
         data: usize,
         allgather: impl FnOnce(&[u8], &mut [u8]) -> Result<()>,
         agree: impl FnOnce(f64) -> Result<f64>,
@@ -274,9 +299,31 @@ impl Direct {
             }
             wins.insert(me.min(wins.len()), own);
         }
-        // Every rank learns whether any could not attach: all go direct or none does.
-        let failed = agree(if why.is_some() { 1.0 } else { 0.0 })?;
-        if failed > 0.0 || wins.len() != n {
+        // Whether the kernel lets this rank copy from every peer's memory (`single_copy`:
+        // `TUTTI_SINGLE_COPY`): a read of nothing checks it, and that each peer is its
+        // window's owner.
+        let single = single_copy
+            && why.is_none()
+            && wins.iter().enumerate().all(|(r, w)| {
+                // SAFETY: nothing is written with a length of 0.
+                let probe = unsafe { w.read_owner(0, std::ptr::null_mut(), 0) };
+                if let Err(e) = &probe {
+                    if r != me {
+                        tracing::debug!(rank = me, peer = r, "no single-copy reads: {e}");
+                    }
+                }
+                r == me || probe.is_ok()
+            });
+        // Every rank learns whether any could not attach (2: all go direct or none does), and
+        // whether any cannot copy from every peer (1: all use single copies or none does).
+        let failed = agree(if why.is_some() {
+            2.0
+        } else if single {
+            0.0
+        } else {
+            1.0
+        })?;
+        if failed > 1.0 || wins.len() != n {
             let why = why.unwrap_or_else(|| "another rank could not map every window".into());
             tracing::debug!(rank = me, "no direct reads in this group: {why}");
             return Ok(State::Off(why));
@@ -304,9 +351,11 @@ impl Direct {
             gen: 0,
             spin,
             piece,
+            single: failed == 0.0,
             known_done,
             agreed,
             lines: 0,
+            singles: 0,
             turns: line_turns(n),
             unchecked: RefCell::default(),
         })))
@@ -331,7 +380,7 @@ impl Direct {
         let n = self.wins.len();
         assert!(block * n <= self.wins[self.me].data_len(), "blocks past the shared buffer");
         let (g, b) = self.next();
-        self.begin(call, g, b, 0)?;
+        self.begin(call, g, b, 0, 0)?;
         let mut done = 0;
         for i in 1..n {
             let r = (self.me + i) % n;
@@ -597,16 +646,18 @@ impl Direct {
 
     /// Step 1 of generation `g` and the start of step 2: wait until buffer `b` is free, stamp
     /// it and publish that nothing is posted yet; [`Direct::progress`] publishes the bytes.
-    fn begin(&self, call: &Call<'_>, g: u64, b: usize, done: usize) -> Result<()> {
+    fn begin(&self, call: &Call<'_>, g: u64, b: usize, done: usize, source: u64) -> Result<()> {
         // A generation moves up to a buffer: an abort (or a failure seen by the transport)
         // ends a long call between two, even where no wait ever needs to sleep.
         call.group.check()?;
         self.free(call, g, 2, false, done)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
-        // SAFETY: our own window's stamp slot, HEADER_LEN ≤ STAMP_BYTES; peers read it only
-        // after the publish below.
+        let slot = self.wins[self.me].stamp(b);
+        // SAFETY: our own window's stamp slot, HEADER_LEN + 8 ≤ STAMP_BYTES; peers read it
+        // only after the publish below.
         unsafe {
-            std::ptr::copy_nonoverlapping(stamp.as_ptr(), self.wins[self.me].stamp(b), HEADER_LEN)
+            std::ptr::copy_nonoverlapping(stamp.as_ptr(), slot, HEADER_LEN);
+            std::ptr::copy_nonoverlapping(source.to_le_bytes().as_ptr(), slot.add(SOURCE_AT), 8);
         };
         self.wins[self.me].publish(POSTED, g * GEN);
         Ok(())
@@ -891,7 +942,7 @@ impl Direct {
             // Small, past the line slot: every rank reduces the whole buffer out of every
             // window, in rank order (the same bits everywhere), with one wait instead of two.
             let (g, b) = self.next();
-            self.begin(call, g, b, 0)?;
+            self.begin(call, g, b, 0, 0)?;
             // SAFETY: `len` bytes of the caller's source into our own free buffer.
             unsafe { std::ptr::copy_nonoverlapping(src, self.buf(self.me, b), len) };
             self.progress(g, len);
@@ -915,7 +966,7 @@ impl Direct {
         for off in (0..len.div_ceil(piece).max(1)).map(|k| k * piece) {
             let l = piece.min(len - off);
             let (g, b) = self.next();
-            self.begin(call, g, b, off)?;
+            self.begin(call, g, b, off, 0)?;
             // SAFETY: `l` bytes of the caller's source into our own free buffer.
             self.fill(g, b, l, |w, at, k| unsafe {
                 std::ptr::copy_nonoverlapping(src.add(off + at), w, k)
@@ -1002,7 +1053,7 @@ impl Direct {
             let (g, b) = self.next();
             // Every rank stamps its buffer, so that the root too learns of a peer that makes
             // another call (another root, say), in the call's first generation.
-            self.begin(call, g, b, off)?;
+            self.begin(call, g, b, off, 0)?;
             if self.me == root {
                 // SAFETY: the caller's bytes into our own free buffer, and to its output when
                 // out of place.
@@ -1067,11 +1118,18 @@ impl Direct {
             (Coll::Allgather, false) => 0,
             _ => k * block,
         };
+        // Out of place, an all-to-all's pieces may stay in our input: the peers copy them from
+        // there with one copy through the kernel (the `single` reads), which the generation's
+        // stamp slot says, and this rank returns only once every peer is done with them. In
+        // place the input is also the output, so the pieces go through our buffer.
+        let single = coll == Coll::AllToAll && !in_place && self.single && block >= SINGLE_FROM;
+        let source = if single { src as u64 } else { 0 };
+        self.singles += u64::from(single);
         // One generation at least: a call of nothing still checks that the peers make it.
         for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
             let l = piece.min(block - off);
             let (g, b) = self.next();
-            self.begin(call, g, b, off)?;
+            self.begin(call, g, b, off, source)?;
             if coll == Coll::Allgather {
                 // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
                 let mut at = 0;
@@ -1127,7 +1185,7 @@ impl Direct {
             // SAFETY: pieces of the caller's input into our own free buffer.
             unsafe {
                 let w = self.buf(me, b);
-                for k in (0..n).filter(|k| own_posted || *k != me) {
+                for k in (0..n).filter(|k| !single && (own_posted || *k != me)) {
                     std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
                 }
             }
@@ -1154,8 +1212,17 @@ impl Direct {
                 match coll {
                     Coll::AllToAll => {
                         for r in self.peers() {
-                            let from = self.buf(r, b).add(me * piece);
-                            std::ptr::copy_nonoverlapping(from, dst.add(r * block + off), l);
+                            let to = dst.add(r * block + off);
+                            match self.source(r, b) {
+                                0 => {
+                                    let from = self.buf(r, b).add(me * piece);
+                                    std::ptr::copy_nonoverlapping(from, to, l);
+                                }
+                                at => {
+                                    let from = at.wrapping_add((me * block + off) as u64);
+                                    self.read_owner(call, r, g, from, to, l, off)?;
+                                }
+                            }
                         }
                     }
                     _ if in_place => {
@@ -1179,7 +1246,67 @@ impl Direct {
             }
             self.finish(g);
         }
+        if single {
+            // Our input stays the caller's to change once we return: every peer must be done
+            // copying from it.
+            let g = self.gen;
+            for r in self.peers() {
+                if self.known_done[r].get() < g {
+                    let v = self.wait(call, r, DONE, g, block)?;
+                    self.agree(r, v);
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The *source* peer `r` published with generation `g`'s stamp in its buffer `b` (0: the
+    /// pieces are in the buffer).
+    fn source(&self, r: usize, b: usize) -> u64 {
+        let mut w = [0u8; 8];
+        // SAFETY: the peer's stamp slot, written before it published the generation, which the
+        // caller waited for; it does not write it again before we publish *done*.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.wins[r].stamp(b).add(SOURCE_AT), w.as_mut_ptr(), 8)
+        };
+        u64::from_le_bytes(w)
+    }
+
+    /// Copy `len` bytes at `from` in peer `r`'s memory into `to` with one copy through the
+    /// kernel, in generation `g` (`done`: the bytes of the call done before). A peer found gone
+    /// is named as a wait on it names it (from its link, or from what the kernel says of its
+    /// process); nothing read from it counts.
+    ///
+    /// # Safety
+    /// `to` is valid for writes of `len` bytes.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn read_owner(
+        &self,
+        call: &Call<'_>,
+        r: usize,
+        g: u64,
+        from: u64,
+        to: *mut u8,
+        len: usize,
+        done: usize,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        let e = match unsafe { self.wins[r].read_owner(from, to, len) } {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if let ReadError::Gone(_) = e {
+            // A counter it never reaches: the wait ends with the peer's loss, named.
+            self.wait(call, r, DONE, u64::MAX, done)?;
+        }
+        Err(Error::Runtime(RtError::Protocol {
+            rank: call.global(self.me),
+            peer: call.global(r),
+            detail: format!(
+                "{} (sequence {}, generation {g}): reading {len} bytes of its input: {e}",
+                call.op_name, call.desc.tag.seq
+            ),
+        }))
     }
 
     /// [`Direct::blocks`] on the line slots ([`on_lines`]): every rank posts its block (all-gather)
@@ -1410,6 +1537,112 @@ mod tests {
     /// threads, a pair never connected, and the one's window watched as if a child process
     /// that is killed owned it. The other rank, waiting for it in a call, names it at the end
     /// of the grace after the kill, well before the call's deadline.
+    #[test]
+    fn an_all_to_all_out_of_place_lends_large_blocks_by_single_copy() {
+        use tutti_runtime::testing::{groups, Kind};
+        // Rank q's block for rank r, element i: exact, different everywhere.
+        let val = |q: usize, r: usize, i: usize| (q * 1_000_003 + r * 7_919 + i * 13) as i64;
+        for single_copy in [true, false] {
+            let n = 3;
+            // 640 KB blocks: over SINGLE_FROM, and over a buffer's n-th part (generations).
+            let blk = 80_000;
+            let cfg = crate::Config { single_copy, ..Default::default() };
+            let comms: Vec<Comm> = groups(Kind::Mem, n)
+                .unwrap()
+                .into_iter()
+                .map(|g| Comm::with_config(g, cfg.clone()))
+                .collect();
+            std::thread::scope(|s| {
+                for c in &comms {
+                    s.spawn(move || {
+                        let (c, r) = (c.with_algo(Algo::Direct), c.rank());
+                        let input: Vec<i64> =
+                            (0..n).flat_map(|j| (0..blk).map(move |i| val(r, j, i))).collect();
+                        let want: Vec<i64> =
+                            (0..n).flat_map(|q| (0..blk).map(move |i| val(q, r, i))).collect();
+                        // Twice, rank 0 in place (through its buffer) and the others out of
+                        // place: a call mixes both kinds of pieces.
+                        for _ in 0..2 {
+                            if r == 0 {
+                                let mut buf = input.clone();
+                                c.all_to_all_inplace(&mut buf).unwrap();
+                                assert!(buf == want, "rank {r}: in place");
+                            } else {
+                                let mut out = vec![0i64; n * blk];
+                                c.all_to_all(&input, &mut out).unwrap();
+                                assert!(out == want, "rank {r}: out of place");
+                            }
+                        }
+                        // A small block stays in the buffers.
+                        let small: Vec<i64> = (0..n * 1000).map(|i| val(r, 0, i)).collect();
+                        let mut out = vec![0i64; small.len()];
+                        c.all_to_all(&small, &mut out).unwrap();
+                    });
+                }
+            });
+            for c in &comms {
+                let singles = with_direct(c, |d| d.singles);
+                let want = if single_copy && c.rank() != 0 { 2 } else { 0 };
+                assert_eq!(singles, want, "rank {} (single copy {single_copy})", c.rank());
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_gone_under_a_single_copy_is_named_and_nothing_it_lent_is_used() {
+        use tutti_runtime::testing::{groups, Kind};
+        use tutti_runtime::window::Process;
+        let n = 4;
+        let comms: Vec<Comm> = groups(Kind::Shm, n).unwrap().into_iter().map(Comm::new).collect();
+        std::thread::scope(|s| {
+            for c in &comms {
+                c.group().set_timeout(Duration::from_secs(5));
+                s.spawn(move || {
+                    c.with_algo(Algo::Direct).allreduce(&mut [1f32; 4], ReduceOp::Sum).unwrap()
+                });
+            }
+        });
+        assert!(comms.iter().all(|c| with_direct(c, |d| d.single)), "single copies refused");
+        // Rank w sees rank v's window owned by a process that ended (a pid of another
+        // process, then none): w's read of v's block finds no owner.
+        let (w, v) = (0..n)
+            .flat_map(|a| (0..n).map(move |b| (a, b)))
+            .find(|&(a, b)| a != b && !comms[a].group().transport().is_connected(b))
+            .expect("a pair the set-up did not connect");
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        {
+            let mut st = comms[w].sel.direct.lock().unwrap();
+            let State::Ready(d) = &mut *st else { panic!("not set up") };
+            d.wins[v].watch_as_owner(Process::watch(child.id()).unwrap());
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let blk = 1 << 17; // 1 MiB of i64 per block
+        let start = Instant::now();
+        let outs: Vec<(Result<()>, Vec<i64>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let input = vec![c.rank() as i64 + 1; n * blk];
+                        let mut out = vec![-1i64; n * blk];
+                        let r = c.with_algo(Algo::Direct).all_to_all(&input, &mut out);
+                        (r.map(|_| ()), out)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let took = start.elapsed();
+        let e = outs[w].0.as_ref().expect_err("the read from a gone owner must fail").to_string();
+        assert!(e.contains(&format!("rank {v}")) && e.contains("seen by the kernel"), "{e}");
+        // Nothing of v's block was taken from the other process: the output kept what the
+        // read found there (none of it) or stayed as it was.
+        let got = &outs[w].1[v * blk..(v + 1) * blk];
+        assert!(got.iter().all(|x| *x == -1), "rank {w} kept bytes from the gone owner");
+        assert!(took < Duration::from_secs(10), "named after {took:?}");
+    }
+
     #[test]
     fn a_wait_without_a_link_learns_from_the_kernel_that_its_peer_ended() {
         use tutti_runtime::testing::{groups, Kind};

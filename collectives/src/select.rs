@@ -216,9 +216,13 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// on the reference machine (2 cores; `docs/algorithms.md`), direct reads against messages
 /// through shared memory, interleaved, in steady state (hundreds of calls of one size): with 2
 /// ranks, each on a core, they win up to 16 KiB (64 KiB for a broadcast) and where messages
-/// take several steps (a large broadcast, an allreduce of 1–4 MiB); with 4 ranks on 2 cores, whose
-/// waits give the CPU to the rank waited for, they win at every size but all-to-all past 1 MiB
-/// (a small broadcast's root runs ahead of its readers on the line slots, as on messages).
+/// take several steps (a large broadcast, an allreduce of 1–4 MiB); with 4 ranks on 2 cores,
+/// whose waits give the CPU to the rank waited for, they win at every size (a small broadcast's
+/// root runs ahead of its readers on the line slots, as on messages). All-to-all past 1 MiB,
+/// where out of place the blocks go by single copy (`direct.rs`), against pairwise exchange,
+/// medians of 4 interleaved rounds: with 4 ranks direct reads take 0.53, 0.78 and 0.87 of its
+/// time out of place at 2, 8 and 32 MiB (0.63, 0.70, 0.91 in place); with 3 ranks 1.02, 1.13
+/// and 1.31 out of place (0.36–0.48 in place), with 8 ranks 1.76 at 2 MiB: messages there.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
@@ -233,6 +237,7 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
         (Coll::Allreduce, 2) => b <= 16 * K || (M..=4 * M).contains(&b),
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
+        (Coll::AllToAll, 4) => true,
         (Coll::AllToAll, _) => b <= M,
         (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
     }

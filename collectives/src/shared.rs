@@ -103,6 +103,9 @@ impl Comm {
             Direct::setup_sized(
                 self.group(),
                 self.topo_now().hosts() <= 1,
+                // Shared buffers are read straight from the windows: nothing to copy from
+                // elsewhere.
+                false,
                 bytes.max(1),
                 |mine, all| self.exec_allgather(Algo::Ring, mine, all),
                 |x| {

@@ -4,6 +4,7 @@
 //! ```text
 //! window (memfd, sealed against resizing), 68 KiB + data bytes
 //!   0       stamp: magic, nonce (checked when a peer attaches)
+//!   32      the owner's address of this mapping (for single-copy reads, see below)
 //!   1024    COUNTERS counters (u64), each on its own cache line, written by the owner only
 //!   1536    waiters: how many peers sleep on the window; 1600: the ticket (futex word),
 //!           bumped at a publish that finds sleepers
@@ -25,6 +26,11 @@
 //! Nothing read from a peer's window decides where this rank reads or writes: lengths and
 //! offsets come from the caller, so a peer that writes garbage into its window gives wrong
 //! numbers or a failed stamp check, never an access outside the mapping.
+//!
+//! A peer may also copy from the owner's own memory (its buffers) with one copy through the
+//! kernel, where the kernel allows it ([`Window::read_owner`]: cross-memory attach). The owner
+//! decides what to expose, by publishing an address in its window; a reader reads only there,
+//! into its own memory at the offsets and lengths its caller gives.
 //!
 //! A window is made by [`Window::create`], which returns the [`Offer`] to send to the peers
 //! over an authenticated link; each peer [`attaches`](Window::attach) it (see the `memfd`
@@ -56,7 +62,11 @@ pub const LINE_BYTES: usize = 2048;
 pub const OFFER_LEN: usize = 40;
 
 const MAGIC: &[u8; 8] = b"TUTTIWIN";
+/// Where the owner writes the address of its own mapping of the window (a `u64`, in its own
+/// address space): a single-copy read reads the stamp back from there in the same system call.
+const BASE_AT: usize = crate::memfd::STAMP;
 const COUNTERS_AT: usize = 1024;
+const _: () = assert!(BASE_AT + 8 <= COUNTERS_AT);
 const WAITERS_AT: usize = COUNTERS_AT + 128 * COUNTERS;
 const TICKET_AT: usize = WAITERS_AT + 64;
 const STAMPS_AT: usize = 2048;
@@ -95,6 +105,21 @@ const NAP: Duration = Duration::from_micros(500);
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("shared window: {0}")]
 pub struct WindowError(pub String);
+
+/// Why a single-copy read of a window owner's memory ([`Window::read_owner`]) failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    /// The kernel does not allow such reads here (a `ptrace` policy such as Yama's, a seccomp
+    /// filter, a kernel without them): the callers copy through the windows instead.
+    #[error("single-copy reads refused: {0}")]
+    Refused(String),
+    /// The owner's process ended, or its pid names another process now.
+    #[error("the window's owner is gone: {0}")]
+    Gone(String),
+    /// The range is not the owner's readable memory (a broken or hostile peer).
+    #[error("single-copy read failed: {0}")]
+    Fault(String),
+}
 
 /// What a peer needs to attach a window: the owner's process id, its descriptor number, the
 /// data size and the nonce stamped in the window. It carries no secret (the kernel checks the
@@ -180,6 +205,9 @@ impl Window {
         let nonce = crate::auth::random::<16>().map_err(|e| WindowError(e.to_string()))?;
         let (map, fd) = Mapping::create(c"tutti-window", HEADER + data_len, MAGIC, 0, &nonce)
             .map_err(WindowError)?;
+        let base = (map.base() as u64).to_le_bytes();
+        // SAFETY: inside the header page of our fresh mapping, which no peer has yet.
+        unsafe { std::ptr::copy_nonoverlapping(base.as_ptr(), map.base().add(BASE_AT), 8) };
         let offer = Offer {
             pid: std::process::id(),
             fd: fd.as_raw_fd() as u32,
@@ -222,6 +250,99 @@ impl Window {
     /// no link to the owner says it (see [`Process`]).
     pub fn owner(&self) -> Option<&Process> {
         self.owner.as_ref()
+    }
+
+    /// Copy `len` bytes at `addr` of the owner's memory (an address in the owner's own space,
+    /// which the owner published) straight into `dst`: one copy, made by the kernel
+    /// (cross-memory attach, `process_vm_readv`). The same system call reads the segment's
+    /// stamp back from the owner's mapping of this window, at the address the owner wrote in
+    /// it: a process that is not the owner (one that took its pid after it ended) does not
+    /// pass. With `len` 0 it only checks that the kernel allows such reads here.
+    ///
+    /// Where this rank writes comes from the caller only; `addr` only says where to read in
+    /// the owner's memory, which the kernel checks.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `len` bytes.
+    ///
+    /// # Errors
+    /// [`ReadError`]: the kernel refuses such reads here (a `ptrace` policy, a seccomp filter,
+    /// no support), the owner ended, or the range is not the owner's readable memory.
+    pub unsafe fn read_owner(&self, addr: u64, dst: *mut u8, len: usize) -> Result<(), ReadError> {
+        let Some(owner) = &self.owner else {
+            return Err(ReadError::Refused("a rank's own window has no other owner".into()));
+        };
+        let mut base = [0u8; 8];
+        // SAFETY: inside the header page of our mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.map.base().add(BASE_AT), base.as_mut_ptr(), 8)
+        };
+        let base = u64::from_le_bytes(base);
+        let mut stamp = [0u8; crate::memfd::STAMP];
+        let pid = owner.pid() as libc::pid_t;
+        let (mut at, mut first) = (0usize, true);
+        while first || at < len {
+            // The stamp with the first read only: a later one continues where a short read
+            // stopped, from the same process (the stamp matched).
+            let local = [
+                libc::iovec { iov_base: stamp.as_mut_ptr().cast(), iov_len: stamp.len() },
+                // SAFETY: inside `dst`, as the caller promised.
+                libc::iovec { iov_base: unsafe { dst.add(at) }.cast(), iov_len: len - at },
+            ];
+            let remote = [
+                libc::iovec { iov_base: base as usize as *mut libc::c_void, iov_len: stamp.len() },
+                libc::iovec {
+                    iov_base: (addr as usize).wrapping_add(at) as *mut libc::c_void,
+                    iov_len: len - at,
+                },
+            ];
+            let skip = usize::from(!first);
+            // SAFETY: the local vectors are ours (`stamp`) or the caller's (`dst`); the kernel
+            // checks the remote ones against the owner's memory.
+            let got = unsafe {
+                libc::process_vm_readv(
+                    pid,
+                    local[skip..].as_ptr(),
+                    (2 - skip) as libc::c_ulong,
+                    remote[skip..].as_ptr(),
+                    (2 - skip) as libc::c_ulong,
+                    0,
+                )
+            };
+            if got < 0 {
+                let e = std::io::Error::last_os_error();
+                let what = format!("reading process {pid}'s memory: {e}");
+                return Err(match e.raw_os_error() {
+                    Some(libc::ESRCH) => ReadError::Gone(what),
+                    Some(libc::EPERM | libc::EACCES | libc::ENOSYS) => ReadError::Refused(what),
+                    _ => ReadError::Fault(what),
+                });
+            }
+            let mut got = got as usize;
+            if first {
+                if got < stamp.len() {
+                    return Err(ReadError::Fault(format!(
+                        "process {pid}'s window is not at the address it published"
+                    )));
+                }
+                // SAFETY: our mapping of the same segment holds the same stamp.
+                let ours = unsafe { std::slice::from_raw_parts(self.map.base(), stamp.len()) };
+                if stamp[..] != *ours {
+                    return Err(ReadError::Gone(format!(
+                        "process {pid} no longer maps the window it offered (it ended, or \
+                         its pid names another process)"
+                    )));
+                }
+                got -= stamp.len();
+                first = false;
+            } else if got == 0 {
+                return Err(ReadError::Fault(format!(
+                    "process {pid}'s memory is readable for {at} of {len} bytes only"
+                )));
+            }
+            at += got;
+        }
+        Ok(())
     }
 
     /// Close the owner's descriptor: no peer attaches any more (the mappings stay).
@@ -772,6 +893,52 @@ mod tests {
         let mut w = w;
         w.seal_attachments();
         assert!(Window::attach(&offer).is_err());
+    }
+
+    #[test]
+    fn a_single_copy_read_takes_the_owners_bytes_and_checks_the_owner() {
+        // Owner and reader in one process: the kernel's read of "the owner's memory" is of
+        // this process, which is what a peer's read is of the owner's.
+        let (mine, offer) = Window::create(4096).unwrap();
+        let peer = Window::attach(&offer).unwrap();
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        // SAFETY: `dst` holds `src.len()` bytes.
+        unsafe { peer.read_owner(src.as_ptr() as u64, dst.as_mut_ptr(), src.len()) }.unwrap();
+        assert_eq!(dst, src);
+        // SAFETY: nothing is written with a length of 0.
+        unsafe { peer.read_owner(0, dst.as_mut_ptr(), 0) }.unwrap();
+        // An address outside the owner's memory is a fault, never a read of ours.
+        // SAFETY: as above.
+        let e = unsafe { peer.read_owner(8, dst.as_mut_ptr(), 16) }.unwrap_err();
+        assert!(matches!(e, ReadError::Fault(_)), "{e}");
+        // A range that runs off the owner's memory: a fault, after what could be read.
+        // SAFETY: two fresh private pages, the second made unreadable; unmapped below.
+        let e = unsafe {
+            let (rw, none) = (libc::PROT_READ | libc::PROT_WRITE, libc::PROT_NONE);
+            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+            let p = libc::mmap(std::ptr::null_mut(), 8192, rw, flags, -1, 0);
+            assert_ne!(p, libc::MAP_FAILED);
+            assert_eq!(libc::mprotect(p.cast::<u8>().add(4096).cast(), 4096, none), 0);
+            // The last 100 bytes of the readable page, then the unreadable one.
+            let e = peer.read_owner(p as u64 + 4096 - 100, dst.as_mut_ptr(), 200);
+            libc::munmap(p, 8192);
+            e
+        };
+        assert!(matches!(e, Err(ReadError::Fault(_))), "{e:?}");
+        // A process whose memory at the published address does not hold the window's stamp
+        // is not the owner: here, the owner's address of its mapping rewritten.
+        let other = [0u8; 64];
+        let at = (other.as_ptr() as u64).to_le_bytes();
+        // SAFETY: the header of our own window (the peer's mapping of it shows the same).
+        unsafe { std::ptr::copy_nonoverlapping(at.as_ptr(), mine.map.base().add(BASE_AT), 8) };
+        // SAFETY: as above.
+        let e = unsafe { peer.read_owner(src.as_ptr() as u64, dst.as_mut_ptr(), 16) };
+        assert!(matches!(e, Err(ReadError::Gone(_))), "{e:?}");
+        // A rank's own window has no owner to read from.
+        // SAFETY: as above.
+        let e = unsafe { mine.read_owner(src.as_ptr() as u64, dst.as_mut_ptr(), 16) };
+        assert!(matches!(e, Err(ReadError::Refused(_))), "{e:?}");
     }
 
     /// Waits until `p`'s state (read afresh, past the look cache) satisfies `ok`.

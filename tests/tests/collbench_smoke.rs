@@ -201,6 +201,33 @@ fn staged_piece_settings_are_taken_from_the_environment_and_a_bad_one_is_named()
 }
 
 #[test]
+fn large_all_to_alls_of_processes_verify_with_single_copies_on_and_off() {
+    // 4 processes on one host: 4 MiB runs by direct reads, its out-of-place blocks by single
+    // copy where the kernel allows it (and through the windows with 0); collbench checks every
+    // element of both. A word is refused with the variable's name.
+    for single in ["1", "0"] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+        cmd.args(["alltoall", "-b", "4M", "-e", "4M", "-n", "3", "-w", "1", "--np", "4"]);
+        cmd.env("TUTTI_SINGLE_COPY", single);
+        let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(!killed, "collbench hung:\n{text}");
+        assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        let rs = rows(&text);
+        assert_eq!(rs.len(), 1, "{text}");
+        assert!(rs[0][rs[0].len() - 1] == "0" && rs[0][rs[0].len() - 5] == "0", "{text}");
+        assert!(text.contains("direct"), "{text}");
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(["alltoall", "-b", "4M", "-e", "4M", "-n", "1", "--np", "2"]);
+    cmd.env("TUTTI_SINGLE_COPY", "yes");
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!killed && !out.status.success(), "{err}");
+    assert!(err.contains("TUTTI_SINGLE_COPY=\"yes\": expected 1 or 0"), "{err}");
+}
+
+#[test]
 fn device_cuda_without_a_gpu_fails_with_the_reason() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
     cmd.args(["allreduce", "-b", "1K", "-e", "1K", "-n", "1", "--np", "2", "--device", "cuda"]);
