@@ -137,9 +137,9 @@ class Launched:
         return errs
 
 
-def round_(rng, binary, world, hang, launcher):
+def round_(rng, binary, world, hang, launcher, colls=COLLS, sizes=SIZES):
     transport = rng.choice(["shm", "tcp", "quic"])
-    coll, size = rng.choice(COLLS), rng.choice(SIZES)
+    coll, size = rng.choice(colls), rng.choice(sizes)
     victim = rng.randrange(world)
     sig = signal.SIGSTOP if rng.random() < 0.2 else signal.SIGKILL
     delay = rng.uniform(0.3, 1.5)
@@ -185,11 +185,15 @@ def main():
     ap.add_argument("--hang", type=float, default=60.0, help="seconds before a round is a hang")
     ap.add_argument("--bin", default="target/release/collbench")
     ap.add_argument("--launcher", help="start each round's ranks under this tutti-run")
+    ap.add_argument("--colls", default=",".join(COLLS), help="collectives to draw from")
+    ap.add_argument("--sizes", default=",".join(SIZES), help="sizes to draw from")
     a = ap.parse_args()
     if not os.path.exists(a.bin):
         sys.exit(f"{a.bin} not found: cargo build --release -p tutti-tools")
     rng = random.Random(a.seed)
-    results = [r for r in (round_(rng, a.bin, a.world, a.hang, a.launcher) for _ in range(a.rounds)) if r]
+    colls, sizes = a.colls.split(","), a.sizes.split(",")
+    runs = (round_(rng, a.bin, a.world, a.hang, a.launcher, colls, sizes) for _ in range(a.rounds))
+    results = [r for r in runs if r]
     print("\n| transport | signal | rounds | median | worst | error names the victim | hangs |")
     print("|---|---|---|---|---|---|---|")
     for t in ["shm", "tcp", "quic"]:
