@@ -561,8 +561,10 @@ impl Comm {
             )?;
             // The set-up, which every rank reaches at the same call (the first the table or a
             // forced algorithm gives to direct reads), told every rank the same.
-            if !matches!(*st, crate::direct::State::Ready(_)) {
-                self.sel.direct_failed();
+            match &*st {
+                crate::direct::State::Ready(d) if !d.single() => self.sel.single_failed(),
+                crate::direct::State::Ready(_) => {}
+                _ => self.sel.direct_failed(),
             }
         }
         let why = match &*st {

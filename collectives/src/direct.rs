@@ -42,6 +42,7 @@
 //! dead-peer limit) — and give up at the call's deadline with a timeout that names the peer
 //! and the generation.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -81,11 +82,15 @@ const ONE_PHASE: usize = 16 << 10;
 /// a reader copies from with one copy through the kernel ([`Window::read_owner`]).
 const SOURCE_AT: usize = HEADER_LEN;
 const _: () = assert!(SOURCE_AT + 8 <= tutti_runtime::window::STAMP_BYTES);
+const _: () = assert!((tutti_runtime::window::STAMP_BYTES + SOURCE_AT).is_multiple_of(8));
+/// The *source* of an owner that left its call with an error: its input is its caller's again,
+/// and nothing copied from it counts (a reader checks the word again after each copy).
+const WITHDRAWN: u64 = u64::MAX;
 /// All-to-all blocks of at least this many bytes go by single copy where the group can
 /// ([`Direct::blocks`]). The kernel's copy runs at a quarter of `memcpy`'s speed on data in
 /// cache (13 against 47–56 GB/s on the reference machine): it pays where it saves copies of
 /// larger blocks, not at 256 KiB.
-const SINGLE_FROM: usize = 512 << 10;
+pub(crate) const SINGLE_FROM: usize = 512 << 10;
 
 /// Where a line slot's stamp starts (after its generation word), and its data.
 const LINE_STAMP: usize = 8;
@@ -359,6 +364,12 @@ impl Direct {
             turns: line_turns(n),
             unchecked: RefCell::default(),
         })))
+    }
+
+    /// Whether the group's large out-of-place all-to-all blocks go by single copy (agreed at
+    /// the set-up: the same on every rank).
+    pub(crate) fn single(&self) -> bool {
+        self.single
     }
 
     /// This rank's window's data (a shared buffer's memory) and its length.
@@ -653,12 +664,10 @@ impl Direct {
         self.free(call, g, 2, false, done)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
         let slot = self.wins[self.me].stamp(b);
-        // SAFETY: our own window's stamp slot, HEADER_LEN + 8 ≤ STAMP_BYTES; peers read it
-        // only after the publish below.
-        unsafe {
-            std::ptr::copy_nonoverlapping(stamp.as_ptr(), slot, HEADER_LEN);
-            std::ptr::copy_nonoverlapping(source.to_le_bytes().as_ptr(), slot.add(SOURCE_AT), 8);
-        };
+        // SAFETY: our own window's stamp slot, HEADER_LEN ≤ STAMP_BYTES; peers read it only
+        // after the publish below.
+        unsafe { std::ptr::copy_nonoverlapping(stamp.as_ptr(), slot, HEADER_LEN) };
+        self.source_word(self.me, b).store(source, Ordering::Relaxed);
         self.wins[self.me].publish(POSTED, g * GEN);
         Ok(())
     }
@@ -1125,185 +1134,214 @@ impl Direct {
         let single = coll == Coll::AllToAll && !in_place && self.single && block >= SINGLE_FROM;
         let source = if single { src as u64 } else { 0 };
         self.singles += u64::from(single);
-        // One generation at least: a call of nothing still checks that the peers make it.
-        for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
-            let l = piece.min(block - off);
-            let (g, b) = self.next();
-            self.begin(call, g, b, off, source)?;
-            if coll == Coll::Allgather {
-                // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
-                let mut at = 0;
-                while at < l {
-                    let k = self.piece.min(l - at);
-                    let mine = self.buf(me, b);
-                    // SAFETY: our input's piece into our own free buffer; then posted pieces
-                    // of every buffer into our output's blocks at this offset (ours too when
-                    // out of place).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.add(ours(me) + off + at),
-                            mine.add(at),
-                            k,
-                        );
-                        self.progress(g, at + k);
-                        if !in_place {
-                            std::ptr::copy_nonoverlapping(
-                                mine.add(at),
-                                dst.add(me * block + off + at),
-                                k,
-                            );
-                        }
-                    }
-                    for r in self.peers() {
-                        self.posted(call, r, g, b, at + k, off + at)?;
-                        // SAFETY: as above.
+        let mut run = || -> Result<()> {
+            // One generation at least: a call of nothing still checks that the peers make it.
+            for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
+                let l = piece.min(block - off);
+                let (g, b) = self.next();
+                self.begin(call, g, b, off, source)?;
+                if coll == Coll::Allgather {
+                    // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
+                    let mut at = 0;
+                    while at < l {
+                        let k = self.piece.min(l - at);
+                        let mine = self.buf(me, b);
+                        // SAFETY: our input's piece into our own free buffer; then posted pieces
+                        // of every buffer into our output's blocks at this offset (ours too when
+                        // out of place).
                         unsafe {
                             std::ptr::copy_nonoverlapping(
-                                self.buf(r, b).add(at),
-                                dst.add(r * block + off + at),
+                                src.add(ours(me) + off + at),
+                                mine.add(at),
                                 k,
-                            )
-                        };
-                    }
-                    at += k;
-                }
-                if l == 0 {
-                    // A call of nothing: still check that the peers make the same call.
-                    for r in self.peers() {
-                        self.posted(call, r, g, b, 0, off)?;
-                    }
-                }
-                self.finish(g);
-                continue;
-            }
-            // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
-            // Our own block goes to no peer: an all-to-all's is not posted (see below), nor an
-            // out-of-place reduce-scatter's, which we reduce straight from the input (in place
-            // the output is that block, so it is posted and read from our buffer).
-            let a2a = coll == Coll::AllToAll;
-            let own_posted = !a2a && in_place;
-            // SAFETY: pieces of the caller's input into our own free buffer.
-            unsafe {
-                let w = self.buf(me, b);
-                for k in (0..n).filter(|k| !single && (own_posted || *k != me)) {
-                    std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
-                }
-            }
-            self.progress(g, n * piece);
-            if a2a && !in_place {
-                // Our own block straight from input to output, while the peers post theirs (in
-                // place it is where it belongs already).
-                // SAFETY: the caller's buffers at this generation's offset of our block.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.add(me * block + off),
-                        dst.add(me * block + off),
-                        l,
-                    )
-                };
-            }
-            for r in self.peers() {
-                self.posted(call, r, g, b, me * piece + l, off)?;
-            }
-            // SAFETY: every read is of a posted piece or of our own input; every write inside
-            // the caller's output at this generation's offset (the input's pieces there were
-            // posted already).
-            unsafe {
-                match coll {
-                    Coll::AllToAll => {
+                            );
+                            self.progress(g, at + k);
+                            if !in_place {
+                                std::ptr::copy_nonoverlapping(
+                                    mine.add(at),
+                                    dst.add(me * block + off + at),
+                                    k,
+                                );
+                            }
+                        }
                         for r in self.peers() {
-                            let to = dst.add(r * block + off);
-                            match self.source(r, b) {
-                                0 => {
+                            self.posted(call, r, g, b, at + k, off + at)?;
+                            // SAFETY: as above.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    self.buf(r, b).add(at),
+                                    dst.add(r * block + off + at),
+                                    k,
+                                )
+                            };
+                        }
+                        at += k;
+                    }
+                    if l == 0 {
+                        // A call of nothing: still check that the peers make the same call.
+                        for r in self.peers() {
+                            self.posted(call, r, g, b, 0, off)?;
+                        }
+                    }
+                    self.finish(g);
+                    continue;
+                }
+                // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
+                // Our own block goes to no peer: an all-to-all's is not posted (see below), nor an
+                // out-of-place reduce-scatter's, which we reduce straight from the input (in place
+                // the output is that block, so it is posted and read from our buffer).
+                let a2a = coll == Coll::AllToAll;
+                let own_posted = !a2a && in_place;
+                // SAFETY: pieces of the caller's input into our own free buffer.
+                unsafe {
+                    let w = self.buf(me, b);
+                    for k in (0..n).filter(|k| !single && (own_posted || *k != me)) {
+                        std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
+                    }
+                }
+                self.progress(g, n * piece);
+                if a2a && !in_place {
+                    // Our own block straight from input to output, while the peers post theirs (in
+                    // place it is where it belongs already).
+                    // SAFETY: the caller's buffers at this generation's offset of our block.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.add(me * block + off),
+                            dst.add(me * block + off),
+                            l,
+                        )
+                    };
+                }
+                for r in self.peers() {
+                    self.posted(call, r, g, b, me * piece + l, off)?;
+                }
+                // SAFETY: every read is of a posted piece, of our own input, or (through the kernel,
+                // which checks it) of a peer's lent input; every write inside the caller's output at
+                // this generation's offset (the input's pieces there were posted already).
+                unsafe {
+                    match coll {
+                        Coll::AllToAll => {
+                            for r in self.peers() {
+                                let to = dst.add(r * block + off);
+                                if !self.take_lent(call, r, (g, b), me * block + off, to, l, off)? {
                                     let from = self.buf(r, b).add(me * piece);
                                     std::ptr::copy_nonoverlapping(from, to, l);
                                 }
-                                at => {
-                                    let from = at.wrapping_add((me * block + off) as u64);
-                                    self.read_owner(call, r, g, from, to, l, off)?;
-                                }
                             }
                         }
+                        _ if in_place => {
+                            let out = std::slice::from_raw_parts_mut(dst.add(me * block + off), l);
+                            self.reduce_from(b, me * piece, out, dtype, op);
+                        }
+                        _ => {
+                            // Out of place: our own piece from the input (the output, one block,
+                            // does not overlap it), the others' from their buffers, in rank order.
+                            let out = std::slice::from_raw_parts_mut(dst.add(off), l);
+                            let base = |r: usize| {
+                                if r == me {
+                                    src.add(me * block + off)
+                                } else {
+                                    self.buf(r, b).add(me * piece).cast_const()
+                                }
+                            };
+                            self.reduce_ranks(base, out, dtype, op);
+                        }
                     }
-                    _ if in_place => {
-                        let out = std::slice::from_raw_parts_mut(dst.add(me * block + off), l);
-                        self.reduce_from(b, me * piece, out, dtype, op);
-                    }
-                    _ => {
-                        // Out of place: our own piece from the input (the output, one block,
-                        // does not overlap it), the others' from their buffers, in rank order.
-                        let out = std::slice::from_raw_parts_mut(dst.add(off), l);
-                        let base = |r: usize| {
-                            if r == me {
-                                src.add(me * block + off)
-                            } else {
-                                self.buf(r, b).add(me * piece).cast_const()
-                            }
-                        };
-                        self.reduce_ranks(base, out, dtype, op);
+                }
+                self.finish(g);
+            }
+            if single {
+                // Our input stays the caller's to change once we return: every peer must be done
+                // copying from it.
+                let g = self.gen;
+                for r in self.peers() {
+                    if self.known_done[r].get() < g {
+                        let v = self.wait(call, r, DONE, g, block)?;
+                        self.agree(r, v);
                     }
                 }
             }
-            self.finish(g);
-        }
-        if single {
-            // Our input stays the caller's to change once we return: every peer must be done
-            // copying from it.
-            let g = self.gen;
-            for r in self.peers() {
-                if self.known_done[r].get() < g {
-                    let v = self.wait(call, r, DONE, g, block)?;
-                    self.agree(r, v);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The *source* peer `r` published with generation `g`'s stamp in its buffer `b` (0: the
-    /// pieces are in the buffer).
-    fn source(&self, r: usize, b: usize) -> u64 {
-        let mut w = [0u8; 8];
-        // SAFETY: the peer's stamp slot, written before it published the generation, which the
-        // caller waited for; it does not write it again before we publish *done*.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.wins[r].stamp(b).add(SOURCE_AT), w.as_mut_ptr(), 8)
+            Ok(())
         };
-        u64::from_le_bytes(w)
+        let r = run();
+        if single && r.is_err() {
+            // Leaving with an error, before every peer is done: a copy of our input that a peer
+            // makes from now on (or is making) is found out and not used.
+            self.withdraw(source);
+        }
+        r
     }
 
-    /// Copy `len` bytes at `from` in peer `r`'s memory into `to` with one copy through the
-    /// kernel, in generation `g` (`done`: the bytes of the call done before). A peer found gone
-    /// is named as a wait on it names it (from its link, or from what the kernel says of its
-    /// process); nothing read from it counts.
+    /// Peer `r`'s *source* word in its stamp slot `b` (ours at `r` = `me`).
+    fn source_word(&self, r: usize, b: usize) -> &AtomicU64 {
+        // SAFETY: inside the window's stamp slot `b`, 8-byte aligned (checked above), valid
+        // for the mapping's life; only ever accessed atomically.
+        unsafe { AtomicU64::from_ptr(self.wins[r].stamp(b).add(SOURCE_AT).cast()) }
+    }
+
+    /// Mark every stamp slot that lends `source` (our input) [`WITHDRAWN`], before the caller
+    /// gets the input back. A reader checks the word after each copy: one that saw our data
+    /// change under it (the caller's writes come after this store) sees the mark.
+    fn withdraw(&self, source: u64) {
+        for b in 0..2 {
+            let w = self.source_word(self.me, b);
+            let _ = w.compare_exchange(source, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Take the piece at `at` of peer `r`'s generation `(g, b)` from its lent input into `to`
+    /// (`len` bytes; `done`: the bytes of the call done before), with one copy through the
+    /// kernel: `Ok(false)` when the peer put its pieces in its buffer instead. A copy counts
+    /// only if the peer's *source* is still the same after it (it did not leave the call with
+    /// an error meanwhile). A peer found gone is named as a wait on it names it (from its link,
+    /// or from what the kernel says of its process).
     ///
     /// # Safety
     /// `to` is valid for writes of `len` bytes.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn read_owner(
+    unsafe fn take_lent(
         &self,
         call: &Call<'_>,
         r: usize,
-        g: u64,
-        from: u64,
+        (g, b): (u64, usize),
+        at: usize,
         to: *mut u8,
         len: usize,
         done: usize,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        let e = match unsafe { self.wins[r].read_owner(from, to, len) } {
-            Ok(()) => return Ok(()),
-            Err(e) => e,
+    ) -> Result<bool> {
+        // Read after the wait for the generation (an acquire): the owner wrote it before.
+        let source = self.source_word(r, b).load(Ordering::Relaxed);
+        let why = match source {
+            0 => return Ok(false),
+            WITHDRAWN => "it left the call with an error".to_string(),
+            _ => {
+                // SAFETY: forwarded contract.
+                let read =
+                    unsafe { self.wins[r].read_owner(source.wrapping_add(at as u64), to, len) };
+                // Whatever the copy saw of the owner's writes, a look at the word after it sees
+                // the mark stored before them.
+                std::sync::atomic::fence(Ordering::SeqCst);
+                let now = self.source_word(r, b).load(Ordering::Relaxed);
+                match read {
+                    Ok(()) if now == source => return Ok(true),
+                    Ok(()) => "it left the call with an error while this rank copied".to_string(),
+                    Err(ReadError::Gone(e)) => {
+                        // A counter it never reaches: the wait ends with the peer's loss, named.
+                        self.wait(call, r, DONE, u64::MAX, done)?;
+                        e
+                    }
+                    Err(e) => e.to_string(),
+                }
+            }
         };
-        if let ReadError::Gone(_) = e {
-            // A counter it never reaches: the wait ends with the peer's loss, named.
-            self.wait(call, r, DONE, u64::MAX, done)?;
-        }
+        // The group's failure first (an abort names what went wrong), else the peer.
+        call.group.check()?;
         Err(Error::Runtime(RtError::Protocol {
             rank: call.global(self.me),
             peer: call.global(r),
             detail: format!(
-                "{} (sequence {}, generation {g}): reading {len} bytes of its input: {e}",
+                "{} (sequence {}, generation {g}): {len} bytes of its input not taken: {why}",
                 call.op_name, call.desc.tag.seq
             ),
         }))
@@ -1532,25 +1570,25 @@ mod tests {
         }
     }
 
-    /// A wait on a peer this rank has no link to learns from the kernel that the peer's
-    /// process ended (the windows' set-up connected only the links it used): 4 ranks as
-    /// threads, a pair never connected, and the one's window watched as if a child process
-    /// that is killed owned it. The other rank, waiting for it in a call, names it at the end
-    /// of the grace after the kill, well before the call's deadline.
     #[test]
     fn an_all_to_all_out_of_place_lends_large_blocks_by_single_copy() {
         use tutti_runtime::testing::{groups, Kind};
         // Rank q's block for rank r, element i: exact, different everywhere.
         let val = |q: usize, r: usize, i: usize| (q * 1_000_003 + r * 7_919 + i * 13) as i64;
-        for single_copy in [true, false] {
+        // On for all; off for all; off on rank 2 only, which turns it off for the group.
+        for offs in [&[][..], &[0, 1, 2], &[2]] {
             let n = 3;
-            // 640 KB blocks: over SINGLE_FROM, and over a buffer's n-th part (generations).
+            // 640 KB blocks: over SINGLE_FROM, and over a buffer's n-th part (2 generations).
             let blk = 80_000;
-            let cfg = crate::Config { single_copy, ..Default::default() };
             let comms: Vec<Comm> = groups(Kind::Mem, n)
                 .unwrap()
                 .into_iter()
-                .map(|g| Comm::with_config(g, cfg.clone()))
+                .enumerate()
+                .map(|(r, g)| {
+                    let cfg =
+                        crate::Config { single_copy: !offs.contains(&r), ..Default::default() };
+                    Comm::with_config(g, cfg)
+                })
                 .collect();
             std::thread::scope(|s| {
                 for c in &comms {
@@ -1582,10 +1620,57 @@ mod tests {
             });
             for c in &comms {
                 let singles = with_direct(c, |d| d.singles);
-                let want = if single_copy && c.rank() != 0 { 2 } else { 0 };
-                assert_eq!(singles, want, "rank {} (single copy {single_copy})", c.rank());
+                let want = if offs.is_empty() && c.rank() != 0 { 2 } else { 0 };
+                assert_eq!(singles, want, "rank {} (single copies off on {offs:?})", c.rank());
             }
         }
+    }
+
+    #[test]
+    fn a_copy_from_an_owner_that_left_with_an_error_is_not_used() {
+        use tutti_runtime::testing::{groups, Kind};
+        // 2 ranks, 512 KiB blocks: single copies, one generation.
+        let (n, blk) = (2, 1 << 16);
+        let comms: Vec<Comm> = groups(Kind::Mem, n).unwrap().into_iter().map(Comm::new).collect();
+        let inputs: Vec<Vec<i64>> = (0..n).map(|r| vec![r as i64 + 1; n * blk]).collect();
+        std::thread::scope(|s| {
+            for (c, input) in comms.iter().zip(&inputs) {
+                s.spawn(move || {
+                    let mut out = vec![0i64; n * blk];
+                    c.with_algo(Algo::Direct).all_to_all(input, &mut out).unwrap();
+                    assert!(out[..blk].iter().all(|x| *x == 1));
+                    assert!(out[blk..].iter().all(|x| *x == 2));
+                });
+            }
+        });
+        assert!(comms.iter().all(|c| with_direct(c, |d| d.singles) == 1));
+        let take = |d: &Direct| {
+            let (g, b) = (d.gen, (d.gen % 2) as usize);
+            // SAFETY: our own stamp slot of the last generation.
+            let raw = unsafe { Direct::read_stamp(d.wins[0].stamp(b)) };
+            let now = Moment::now();
+            let call = Call {
+                group: comms[0].group(),
+                op_name: "all_to_all",
+                desc: Header::decode(&raw).unwrap().desc,
+                start: now,
+                deadline: Deadline::after(now, Duration::from_secs(5)),
+                bytes: 0,
+            };
+            let mut to = [0u8; 64];
+            // SAFETY: `to` holds 64 bytes.
+            let r = unsafe { d.take_lent(&call, 1, (g, b), 0, to.as_mut_ptr(), 64, 0) };
+            (r, to)
+        };
+        // Rank 1's piece of the last generation, taken again while it is lent: its bytes.
+        let (r, to) = with_direct(&comms[0], take);
+        assert!(r.unwrap(), "lent");
+        assert_eq!(to[..8], 2i64.to_ne_bytes());
+        // Rank 1 leaves as if with an error: its input is withdrawn, and a copy is refused,
+        // naming it.
+        with_direct(&comms[1], |d| d.withdraw(inputs[1].as_ptr() as u64));
+        let e = with_direct(&comms[0], take).0.unwrap_err().to_string();
+        assert!(e.contains("rank 1") && e.contains("left the call with an error"), "{e}");
     }
 
     #[test]
@@ -1643,6 +1728,11 @@ mod tests {
         assert!(took < Duration::from_secs(10), "named after {took:?}");
     }
 
+    /// A wait on a peer this rank has no link to learns from the kernel that the peer's
+    /// process ended (the windows' set-up connected only the links it used): 4 ranks as
+    /// threads, a pair never connected, and the one's window watched as if a child process
+    /// that is killed owned it. The other rank, waiting for it in a call, names it at the end
+    /// of the grace after the kill, well before the call's deadline.
     #[test]
     fn a_wait_without_a_link_learns_from_the_kernel_that_its_peer_ended() {
         use tutti_runtime::testing::{groups, Kind};

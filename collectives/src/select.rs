@@ -218,12 +218,15 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// ranks, each on a core, they win up to 16 KiB (64 KiB for a broadcast) and where messages
 /// take several steps (a large broadcast, an allreduce of 1–4 MiB); with 4 ranks on 2 cores,
 /// whose waits give the CPU to the rank waited for, they win at every size (a small broadcast's
-/// root runs ahead of its readers on the line slots, as on messages). All-to-all past 1 MiB,
-/// where out of place the blocks go by single copy (`direct.rs`), against pairwise exchange,
-/// medians of 4 interleaved rounds: with 4 ranks direct reads take 0.53, 0.78 and 0.87 of its
-/// time out of place at 2, 8 and 32 MiB (0.63, 0.70, 0.91 in place); with 3 ranks 1.02, 1.13
-/// and 1.31 out of place (0.36–0.48 in place), with 8 ranks 1.76 at 2 MiB: messages there.
-pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
+/// root runs ahead of its readers on the line slots, as on messages), but all-to-all past
+/// 1 MiB. There, with 4 ranks whose out-of-place blocks go by single copy (blocks of 512 KiB
+/// or more, where the group can: `single`, assumed until the set-up says), direct reads
+/// against pairwise exchange took 0.53, 0.78 and 0.87 of its time out of place at 2, 8 and
+/// 32 MiB (0.63, 0.70, 0.91 in place; medians of 4 interleaved rounds, both of the VM's
+/// phases), and 0.38–1.23 per round (median 0.75) at 2 MiB in 6 more rounds; with 3 ranks
+/// 1.02, 1.13 and 1.31 out of place, and with 8 ranks through the windows 1.76 at 2 MiB:
+/// messages there.
+pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
     let b = bytes;
@@ -237,7 +240,7 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool) -> bool {
         (Coll::Allreduce, 2) => b <= 16 * K || (M..=4 * M).contains(&b),
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
-        (Coll::AllToAll, 4) => true,
+        (Coll::AllToAll, 4) => b <= M || single && b / 4 >= crate::direct::SINGLE_FROM,
         (Coll::AllToAll, _) => b <= M,
         (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
     }
@@ -269,6 +272,9 @@ pub(crate) struct Selector {
     /// The set-up found that this group cannot read directly (some rank does not share memory
     /// with another, or could not map every window): every rank learned it at the same call.
     direct_off: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The set-up found that this group's direct reads make no single copies (see
+    /// `direct.rs`): every rank learned it at the same call.
+    single_off: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// The group's windows, once set up (see `direct.rs`).
     pub(crate) direct: crate::direct::Shared,
 }
@@ -283,6 +289,7 @@ impl Selector {
             topo: Default::default(),
             link: Default::default(),
             direct_off: Default::default(),
+            single_off: Default::default(),
             direct: Default::default(),
         }
     }
@@ -298,6 +305,12 @@ impl Selector {
     /// messages.
     pub(crate) fn direct_failed(&self) {
         self.direct_off.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The set-up found this group's direct reads make no single copies: from now on the
+    /// choice takes that into account on every rank.
+    pub(crate) fn single_failed(&self) {
+        self.single_off.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether `coll`'s algorithm is forced (`Comm::with_algo` or `TUTTI_ALGO`).
@@ -346,7 +359,8 @@ impl Selector {
             // Where every rank of the group maps every other's memory, direct reads from the
             // sizes where they measured faster than messages through shared memory. Links the
             // measurement found slow lead to other hosts: none to try there.
-            if model.is_none() && self.direct_on() && direct_pays(coll, bytes, n, uniform) {
+            let single = !self.single_off.load(std::sync::atomic::Ordering::Acquire);
+            if model.is_none() && self.direct_on() && direct_pays(coll, bytes, n, uniform, single) {
                 return Algo::Direct;
             }
             // On links slower than loopback, the cost model, above MODEL_FROM; it covers the
@@ -439,6 +453,24 @@ mod link_tests {
         fn algo_for(&self, coll: Coll, bytes: usize, uniform: bool) -> Algo {
             self.sel.algo(coll, bytes, self.size(), uniform)
         }
+    }
+
+    #[test]
+    fn four_ranks_read_large_all_to_alls_directly_where_their_blocks_go_by_single_copy() {
+        let comms = Comm::mem_world(4);
+        let c = &comms[0];
+        let a2a = |b: usize| c.algo_for(Coll::AllToAll, b, true);
+        assert_eq!(a2a(1 << 20), Algo::Direct);
+        // Blocks under 512 KiB go through the windows: messages past 1 MiB.
+        assert_eq!(a2a(3 << 19), Algo::Pairwise);
+        assert_eq!(a2a(2 << 20), Algo::Direct);
+        assert_eq!(a2a(64 << 20), Algo::Direct);
+        // 3 ranks keep messages past 1 MiB.
+        assert!(!direct_pays(Coll::AllToAll, 8 << 20, 3, true, true));
+        // A group whose set-up found no single copies: messages past 1 MiB.
+        c.sel.single_failed();
+        assert_eq!(a2a(2 << 20), Algo::Pairwise);
+        assert_eq!(a2a(1 << 20), Algo::Direct);
     }
 
     #[test]

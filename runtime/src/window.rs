@@ -254,95 +254,36 @@ impl Window {
 
     /// Copy `len` bytes at `addr` of the owner's memory (an address in the owner's own space,
     /// which the owner published) straight into `dst`: one copy, made by the kernel
-    /// (cross-memory attach, `process_vm_readv`). The same system call reads the segment's
-    /// stamp back from the owner's mapping of this window, at the address the owner wrote in
-    /// it: a process that is not the owner (one that took its pid after it ended) does not
-    /// pass. With `len` 0 it only checks that the kernel allows such reads here.
+    /// (cross-memory attach, `process_vm_readv`). Each system call it makes (more than one
+    /// only after a short read) first reads the segment's stamp back from the owner's mapping
+    /// of this window, at the address the owner wrote in it: a process that is not the owner
+    /// (one that took its pid after it ended) does not pass. With `len` 0 it only checks that
+    /// the kernel allows such reads here.
     ///
     /// Where this rank writes comes from the caller only; `addr` only says where to read in
-    /// the owner's memory, which the kernel checks.
+    /// the owner's memory, which the kernel checks. A read that fails may have written part
+    /// of `dst`: what it holds then is not data.
     ///
     /// # Safety
     /// `dst` is valid for writes of `len` bytes.
     ///
     /// # Errors
     /// [`ReadError`]: the kernel refuses such reads here (a `ptrace` policy, a seccomp filter,
-    /// no support), the owner ended, or the range is not the owner's readable memory.
+    /// no support), the owner ended (however the read failed, once the kernel says its process
+    /// ended or its pid names another), or the range is not the owner's readable memory.
     pub unsafe fn read_owner(&self, addr: u64, dst: *mut u8, len: usize) -> Result<(), ReadError> {
         let Some(owner) = &self.owner else {
             return Err(ReadError::Refused("a rank's own window has no other owner".into()));
         };
-        let mut base = [0u8; 8];
-        // SAFETY: inside the header page of our mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.map.base().add(BASE_AT), base.as_mut_ptr(), 8)
-        };
-        let base = u64::from_le_bytes(base);
-        let mut stamp = [0u8; crate::memfd::STAMP];
-        let pid = owner.pid() as libc::pid_t;
-        let (mut at, mut first) = (0usize, true);
-        while first || at < len {
-            // The stamp with the first read only: a later one continues where a short read
-            // stopped, from the same process (the stamp matched).
-            let local = [
-                libc::iovec { iov_base: stamp.as_mut_ptr().cast(), iov_len: stamp.len() },
-                // SAFETY: inside `dst`, as the caller promised.
-                libc::iovec { iov_base: unsafe { dst.add(at) }.cast(), iov_len: len - at },
-            ];
-            let remote = [
-                libc::iovec { iov_base: base as usize as *mut libc::c_void, iov_len: stamp.len() },
-                libc::iovec {
-                    iov_base: (addr as usize).wrapping_add(at) as *mut libc::c_void,
-                    iov_len: len - at,
-                },
-            ];
-            let skip = usize::from(!first);
-            // SAFETY: the local vectors are ours (`stamp`) or the caller's (`dst`); the kernel
-            // checks the remote ones against the owner's memory.
-            let got = unsafe {
-                libc::process_vm_readv(
-                    pid,
-                    local[skip..].as_ptr(),
-                    (2 - skip) as libc::c_ulong,
-                    remote[skip..].as_ptr(),
-                    (2 - skip) as libc::c_ulong,
-                    0,
-                )
-            };
-            if got < 0 {
-                let e = std::io::Error::last_os_error();
-                let what = format!("reading process {pid}'s memory: {e}");
-                return Err(match e.raw_os_error() {
-                    Some(libc::ESRCH) => ReadError::Gone(what),
-                    Some(libc::EPERM | libc::EACCES | libc::ENOSYS) => ReadError::Refused(what),
-                    _ => ReadError::Fault(what),
-                });
+        let r = owner_read(&self.map, owner.pid(), addr, dst, len);
+        // A process that no longer exists (or whose pid names another) is gone, however the
+        // read failed: its window is not at the published address in a new process either.
+        match r {
+            Err(ReadError::Fault(e)) if matches!(owner.state(), ProcessState::Ended { .. }) => {
+                Err(ReadError::Gone(e))
             }
-            let mut got = got as usize;
-            if first {
-                if got < stamp.len() {
-                    return Err(ReadError::Fault(format!(
-                        "process {pid}'s window is not at the address it published"
-                    )));
-                }
-                // SAFETY: our mapping of the same segment holds the same stamp.
-                let ours = unsafe { std::slice::from_raw_parts(self.map.base(), stamp.len()) };
-                if stamp[..] != *ours {
-                    return Err(ReadError::Gone(format!(
-                        "process {pid} no longer maps the window it offered (it ended, or \
-                         its pid names another process)"
-                    )));
-                }
-                got -= stamp.len();
-                first = false;
-            } else if got == 0 {
-                return Err(ReadError::Fault(format!(
-                    "process {pid}'s memory is readable for {at} of {len} bytes only"
-                )));
-            }
-            at += got;
+            r => r,
         }
-        Ok(())
     }
 
     /// Close the owner's descriptor: no peer attaches any more (the mappings stay).
@@ -609,6 +550,75 @@ fn futex_wait(word: *mut u32, seen: u32, for_: Duration) {
             std::ptr::null::<u32>(),
             0u32,
         );
+    }
+}
+
+/// [`Window::read_owner`]'s reads from process `pid`, whose mapping of `map`'s segment the
+/// address at `BASE_AT` names: each system call reads the segment's stamp there first, then as
+/// much of the range as it can, until all of it is read.
+fn owner_read(
+    map: &Mapping,
+    pid: u32,
+    addr: u64,
+    dst: *mut u8,
+    len: usize,
+) -> Result<(), ReadError> {
+    let mut base = [0u8; 8];
+    // SAFETY: inside the header page of our mapping.
+    unsafe { std::ptr::copy_nonoverlapping(map.base().add(BASE_AT), base.as_mut_ptr(), 8) };
+    let base = u64::from_le_bytes(base);
+    // SAFETY: our mapping of the segment holds the stamp the owner's does.
+    let ours = unsafe { std::slice::from_raw_parts(map.base(), crate::memfd::STAMP) };
+    let mut stamp = [0u8; crate::memfd::STAMP];
+    let mut at = 0usize;
+    loop {
+        let local = [
+            libc::iovec { iov_base: stamp.as_mut_ptr().cast(), iov_len: stamp.len() },
+            // SAFETY: inside `dst` (the caller's promise), or its end.
+            libc::iovec { iov_base: unsafe { dst.add(at) }.cast(), iov_len: len - at },
+        ];
+        let remote = [
+            libc::iovec { iov_base: base as usize as *mut libc::c_void, iov_len: stamp.len() },
+            libc::iovec {
+                iov_base: (addr as usize).wrapping_add(at) as *mut libc::c_void,
+                iov_len: len - at,
+            },
+        ];
+        // SAFETY: the local vectors are ours (`stamp`) or the caller's (`dst`); the kernel
+        // checks the remote ones against the process's memory.
+        let got = unsafe {
+            libc::process_vm_readv(pid as libc::pid_t, local.as_ptr(), 2, remote.as_ptr(), 2, 0)
+        };
+        if got < 0 {
+            let e = std::io::Error::last_os_error();
+            let what = format!("reading process {pid}'s memory: {e}");
+            return Err(match e.raw_os_error() {
+                Some(libc::ESRCH) => ReadError::Gone(what),
+                Some(libc::EPERM | libc::EACCES | libc::ENOSYS) => ReadError::Refused(what),
+                _ => ReadError::Fault(what),
+            });
+        }
+        let got = got as usize;
+        if got < stamp.len() {
+            return Err(ReadError::Fault(format!(
+                "process {pid}'s window is not at the address it published"
+            )));
+        }
+        if stamp[..] != *ours {
+            return Err(ReadError::Gone(format!(
+                "process {pid} does not map the window it offered (it ended, or its pid names \
+                 another process)"
+            )));
+        }
+        at += got - stamp.len();
+        if at >= len {
+            return Ok(());
+        }
+        if got == stamp.len() {
+            return Err(ReadError::Fault(format!(
+                "process {pid}'s memory is readable for {at} of {len} bytes only"
+            )));
+        }
     }
 }
 
