@@ -1131,7 +1131,12 @@ impl Direct {
         // there with one copy through the kernel (the `single` reads), which the generation's
         // stamp slot says, and this rank returns only once every peer is done with them. In
         // place the input is also the output, so the pieces go through our buffer.
-        let single = coll == Coll::AllToAll && !in_place && self.single && block >= SINGLE_FROM;
+        // (Only memory the kernel can read through: not a device's mapping, say.)
+        let single = coll == Coll::AllToAll
+            && !in_place
+            && self.single
+            && block >= SINGLE_FROM
+            && tutti_runtime::window::lendable(src, n * block);
         let source = if single { src as u64 } else { 0 };
         self.singles += u64::from(single);
         let mut run = || -> Result<()> {

@@ -553,6 +553,26 @@ fn futex_wait(word: *mut u32, seen: u32, for_: Duration) {
     }
 }
 
+/// Whether the kernel's single-copy reads ([`Window::read_owner`]) can take `len` bytes at `p`
+/// of this process's memory: its first and last bytes read through the kernel. Memory that the
+/// kernel cannot pin for such a read (a device's mapping, say) answers no; a caller lends
+/// memory only where it answers yes.
+pub fn lendable(p: *const u8, len: usize) -> bool {
+    if len == 0 {
+        return true;
+    }
+    let mut two = [0u8; 2];
+    let local = [libc::iovec { iov_base: two.as_mut_ptr().cast(), iov_len: 2 }];
+    let remote = [
+        libc::iovec { iov_base: p as *mut libc::c_void, iov_len: 1 },
+        libc::iovec { iov_base: p.wrapping_add(len - 1) as *mut libc::c_void, iov_len: 1 },
+    ];
+    // SAFETY: the local vector is ours; the kernel checks the remote ones.
+    let got =
+        unsafe { libc::process_vm_readv(libc::getpid(), local.as_ptr(), 1, remote.as_ptr(), 2, 0) };
+    got == 2
+}
+
 /// [`Window::read_owner`]'s reads from process `pid`, whose mapping of `map`'s segment the
 /// address at `BASE_AT` names: each system call reads the segment's stamp there first, then as
 /// much of the range as it can, until all of it is read.
@@ -945,6 +965,23 @@ mod tests {
         // SAFETY: as above.
         let e = unsafe { peer.read_owner(src.as_ptr() as u64, dst.as_mut_ptr(), 16) };
         assert!(matches!(e, Err(ReadError::Gone(_))), "{e:?}");
+        // What this process lends must be readable through the kernel: its buffers are, an
+        // unreadable page is not.
+        assert!(lendable(src.as_ptr(), src.len()) && lendable(std::ptr::null(), 0));
+        // SAFETY: one fresh page made unreadable; unmapped below.
+        unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED);
+            assert!(!lendable(p.cast(), 4096));
+            libc::munmap(p, 4096);
+        }
         // A rank's own window has no owner to read from.
         // SAFETY: as above.
         let e = unsafe { mine.read_owner(src.as_ptr() as u64, dst.as_mut_ptr(), 16) };
