@@ -82,7 +82,8 @@ const ONE_PHASE: usize = 16 << 10;
 /// a reader copies from with one copy through the kernel ([`Window::read_owner`]).
 const SOURCE_AT: usize = HEADER_LEN;
 const _: () = assert!(SOURCE_AT + 8 <= tutti_runtime::window::STAMP_BYTES);
-const _: () = assert!((tutti_runtime::window::STAMP_BYTES + SOURCE_AT).is_multiple_of(8));
+// Stamp slots start 8-byte aligned (window.rs): the word is too.
+const _: () = assert!(SOURCE_AT.is_multiple_of(8));
 /// The *source* of an owner that left its call with an error: its input is its caller's again,
 /// and nothing copied from it counts (a reader checks the word again after each copy).
 const WITHDRAWN: u64 = u64::MAX;
@@ -158,6 +159,41 @@ pub(crate) struct Direct {
     /// generation order: its *done* stays below the first, so no peer writes its line slot of
     /// that generation again before the check ([`Direct::settle`]).
     unchecked: RefCell<VecDeque<Unchecked>>,
+}
+
+/// A call's lent input: dropped, it marks every stamp slot of ours that lends it [`WITHDRAWN`]
+/// (the call left with an error or a panic before every peer was done), unless the call
+/// returned normally ([`Lending::returned`]). A reader checks the word after each copy: one
+/// that saw the input change under it (the caller's writes come after this mark) sees it.
+struct Lending {
+    /// Our two stamp slots' *source* words, in our own window's mapping, which outlives the
+    /// call.
+    words: [*const AtomicU64; 2],
+    source: u64,
+}
+
+impl Lending {
+    fn new(d: &Direct, source: u64) -> Lending {
+        let words = [0, 1].map(|b| std::ptr::from_ref(d.source_word(d.me, b)));
+        Lending { words, source }
+    }
+
+    /// Every peer is done with the input: nothing to mark.
+    fn returned(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Lending {
+    fn drop(&mut self) {
+        for w in self.words {
+            // SAFETY: our own window's word, valid while the group's direct state lives, which
+            // holds the call that made this.
+            let w = unsafe { &*w };
+            let _ = w.compare_exchange(self.source, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
 }
 
 /// A small broadcast whose root did not wait for its peers' stamps: the generation, its line
@@ -1139,6 +1175,9 @@ impl Direct {
             && tutti_runtime::window::lendable(src, n * block);
         let source = if single { src as u64 } else { 0 };
         self.singles += u64::from(single);
+        // Leaving with an error (or a panic) before every peer is done: a copy of our input
+        // that a peer makes from now on, or is making, is found out and not used.
+        let lent = single.then(|| Lending::new(self, source));
         let mut run = || -> Result<()> {
             // One generation at least: a call of nothing still checks that the peers make it.
             for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
@@ -1269,10 +1308,8 @@ impl Direct {
             Ok(())
         };
         let r = run();
-        if single && r.is_err() {
-            // Leaving with an error, before every peer is done: a copy of our input that a peer
-            // makes from now on (or is making) is found out and not used.
-            self.withdraw(source);
+        if let (Ok(()), Some(l)) = (&r, lent) {
+            l.returned();
         }
         r
     }
@@ -1287,12 +1324,9 @@ impl Direct {
     /// Mark every stamp slot that lends `source` (our input) [`WITHDRAWN`], before the caller
     /// gets the input back. A reader checks the word after each copy: one that saw our data
     /// change under it (the caller's writes come after this store) sees the mark.
+    #[cfg(test)]
     fn withdraw(&self, source: u64) {
-        for b in 0..2 {
-            let w = self.source_word(self.me, b);
-            let _ = w.compare_exchange(source, WITHDRAWN, Ordering::SeqCst, Ordering::SeqCst);
-        }
-        std::sync::atomic::fence(Ordering::SeqCst);
+        Lending::new(self, source);
     }
 
     /// Take the piece at `at` of peer `r`'s generation `(g, b)` from its lent input into `to`
@@ -1329,8 +1363,12 @@ impl Direct {
                 std::sync::atomic::fence(Ordering::SeqCst);
                 let now = self.source_word(r, b).load(Ordering::Relaxed);
                 match read {
-                    Ok(()) if now == source => return Ok(true),
-                    Ok(()) => "it left the call with an error while this rank copied".to_string(),
+                    // Whatever the read found, an owner that withdrew its input meanwhile is
+                    // the reason (its caller may have changed or freed it).
+                    _ if now != source => {
+                        "it left the call with an error while this rank copied".to_string()
+                    }
+                    Ok(()) => return Ok(true),
                     Err(ReadError::Gone(e)) => {
                         // A counter it never reaches: the wait ends with the peer's loss, named.
                         self.wait(call, r, DONE, u64::MAX, done)?;
@@ -1632,6 +1670,36 @@ mod tests {
     }
 
     #[test]
+    fn a_group_without_single_copies_keeps_large_all_to_alls_of_4_on_messages() {
+        use crate::coll::Coll;
+        use tutti_runtime::testing::{groups, Kind};
+        // Off on one rank only: the set-up tells every rank, and every rank's choice follows.
+        for off in [None, Some(3)] {
+            let comms: Vec<Comm> = groups(Kind::Mem, 4)
+                .unwrap()
+                .into_iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    let single_copy = off != Some(r);
+                    Comm::with_config(g, crate::Config { single_copy, ..Default::default() })
+                })
+                .collect();
+            std::thread::scope(|s| {
+                for c in &comms {
+                    s.spawn(move || {
+                        c.with_algo(Algo::Direct).allreduce(&mut [1f32; 4], ReduceOp::Sum).unwrap()
+                    });
+                }
+            });
+            let want = if off.is_none() { Algo::Direct } else { Algo::Pairwise };
+            for c in &comms {
+                assert_eq!(c.sel.algo(Coll::AllToAll, 2 << 20, 4, true), want, "off on {off:?}");
+                assert_eq!(c.sel.algo(Coll::AllToAll, 1 << 20, 4, true), Algo::Direct);
+            }
+        }
+    }
+
+    #[test]
     fn a_copy_from_an_owner_that_left_with_an_error_is_not_used() {
         use tutti_runtime::testing::{groups, Kind};
         // 2 ranks, 512 KiB blocks: single copies, one generation.
@@ -1730,6 +1798,13 @@ mod tests {
         // read found there (none of it) or stayed as it was.
         let got = &outs[w].1[v * blk..(v + 1) * blk];
         assert!(got.iter().all(|x| *x == -1), "rank {w} kept bytes from the gone owner");
+        // Rank w lent its own input in that call and left with the error: withdrawn (the slot
+        // of the generation it failed in; the other one never lent it).
+        let words = with_direct(&comms[w], |d| {
+            [0, 1].map(|b| d.source_word(d.me, b).load(Ordering::SeqCst))
+        });
+        assert!(words.contains(&WITHDRAWN), "rank {w}'s lent input: {words:?}");
+        assert!(words.iter().all(|x| [0, WITHDRAWN].contains(x)), "rank {w}: {words:?}");
         assert!(took < Duration::from_secs(10), "named after {took:?}");
     }
 

@@ -73,6 +73,8 @@ const STAMPS_AT: usize = 2048;
 const _: () = assert!(TICKET_AT + 4 <= STAMPS_AT);
 const LINES_AT: usize = 4096;
 const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= LINES_AT);
+// Stamp slots start 8-byte aligned: a word at an 8-byte offset in one may be an atomic.
+const _: () = assert!(STAMPS_AT.is_multiple_of(8) && STAMP_BYTES.is_multiple_of(8));
 const _: () = assert!(HEADER.is_multiple_of(4096));
 /// Largest data area a window may have (checked when attaching: an offer is untrusted).
 pub const MAX_DATA: usize = 1 << 30;
@@ -304,8 +306,8 @@ impl Window {
         self.data_len
     }
 
-    /// Stamp slot `i` (of [`STAMPS`]), [`STAMP_BYTES`] long: the owner writes what its data
-    /// holds, before publishing; readers check it.
+    /// Stamp slot `i` (of [`STAMPS`]), [`STAMP_BYTES`] long, 8-byte aligned: the owner writes
+    /// what its data holds, before publishing; readers check it.
     ///
     /// # Panics
     /// If `i` is not below [`STAMPS`].
