@@ -1749,7 +1749,6 @@ mod tests {
     #[test]
     fn a_peer_gone_under_a_single_copy_is_named_and_nothing_it_lent_is_used() {
         use tutti_runtime::testing::{groups, Kind};
-        use tutti_runtime::window::Process;
         let n = 4;
         let comms: Vec<Comm> = groups(Kind::Shm, n).unwrap().into_iter().map(Comm::new).collect();
         std::thread::scope(|s| {
@@ -1763,16 +1762,7 @@ mod tests {
         assert!(comms.iter().all(|c| with_direct(c, |d| d.single)), "single copies refused");
         // Rank w sees rank v's window owned by a process that ended (a pid of another
         // process, then none): w's read of v's block finds no owner.
-        let (w, v) = (0..n)
-            .flat_map(|a| (0..n).map(move |b| (a, b)))
-            .find(|&(a, b)| a != b && !comms[a].group().transport().is_connected(b))
-            .expect("a pair the set-up did not connect");
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-        {
-            let mut st = comms[w].sel.direct.lock().unwrap();
-            let State::Ready(d) = &mut *st else { panic!("not set up") };
-            d.wins[v].watch_as_owner(Process::watch(child.id()).unwrap());
-        }
+        let (w, v, mut child) = a_pair_owned_by_a_child(&comms);
         child.kill().unwrap();
         child.wait().unwrap();
         let blk = 1 << 17; // 1 MiB of i64 per block
@@ -1808,6 +1798,23 @@ mod tests {
         assert!(took < Duration::from_secs(10), "named after {took:?}");
     }
 
+    /// On `comms`, set up for direct reads: ranks `w` and `v` that the set-up did not link,
+    /// with `w` seeing `v`'s window as owned by the child returned (a `sleep`, for the caller
+    /// to kill).
+    fn a_pair_owned_by_a_child(comms: &[Comm]) -> (usize, usize, std::process::Child) {
+        use tutti_runtime::window::Process;
+        let n = comms.len();
+        let (w, v) = (0..n)
+            .flat_map(|a| (0..n).map(move |b| (a, b)))
+            .find(|&(a, b)| a != b && !comms[a].group().transport().is_connected(b))
+            .expect("a pair the set-up did not connect");
+        let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let mut st = comms[w].sel.direct.lock().unwrap();
+        let State::Ready(d) = &mut *st else { panic!("not set up") };
+        d.wins[v].watch_as_owner(Process::watch(child.id()).unwrap());
+        (w, v, child)
+    }
+
     /// A wait on a peer this rank has no link to learns from the kernel that the peer's
     /// process ended (the windows' set-up connected only the links it used): 4 ranks as
     /// threads, a pair never connected, and the one's window watched as if a child process
@@ -1816,7 +1823,6 @@ mod tests {
     #[test]
     fn a_wait_without_a_link_learns_from_the_kernel_that_its_peer_ended() {
         use tutti_runtime::testing::{groups, Kind};
-        use tutti_runtime::window::Process;
         let gs = groups(Kind::Shm, 4).unwrap();
         let comms: Vec<Comm> = gs.into_iter().map(Comm::new).collect();
         // Set up direct reads; then find a pair that never connected.
@@ -1828,16 +1834,7 @@ mod tests {
                 });
             }
         });
-        let (w, v) = (0..4)
-            .flat_map(|a| (0..4).map(move |b| (a, b)))
-            .find(|&(a, b)| a != b && !comms[a].group().transport().is_connected(b))
-            .expect("a pair the set-up did not connect");
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-        {
-            let mut st = comms[w].sel.direct.lock().unwrap();
-            let State::Ready(d) = &mut *st else { panic!("not set up") };
-            d.wins[v].watch_as_owner(Process::watch(child.id()).unwrap());
-        }
+        let (w, v, mut child) = a_pair_owned_by_a_child(&comms);
         child.kill().unwrap();
         // Rank w waits for rank v, which never comes (its thread makes no call); the others
         // make the call too.

@@ -175,29 +175,41 @@ fn device_sim_is_staged_verified_and_reports_overlap() {
     );
 }
 
+/// Run collbench with `args` and the variable `key` = `value`: one row, verified in both modes;
+/// its stdout.
+fn one_verified_row(args: &[&str], key: &str, value: &str) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(args).env(key, value);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!killed, "collbench hung:\n{text}");
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let rs = rows(&text);
+    assert_eq!(rs.len(), 1, "{text}");
+    assert!(rs[0][rs[0].len() - 1] == "0" && rs[0][rs[0].len() - 5] == "0", "{text}");
+    text
+}
+
+/// Run collbench with `args` and the variable `key` = `value`: it fails, saying `why`.
+fn refused(args: &[&str], key: &str, value: &str, why: &str) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
+    cmd.args(args).env(key, value);
+    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!killed && !out.status.success(), "{err}");
+    assert!(err.contains(why), "{err}");
+}
+
 #[test]
 fn staged_piece_settings_are_taken_from_the_environment_and_a_bad_one_is_named() {
     // 0 (the choice by the group) and an explicit count both run and verify; a word is refused
     // with the variable's name.
+    let args = ["allreduce", "-b", "1M", "-e", "1M", "-n", "2", "--np", "2", "--device", "sim"];
     for pieces in ["0", "3"] {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
-        cmd.args(["allreduce", "-b", "1M", "-e", "1M", "-n", "2", "--np", "2", "--device", "sim"]);
-        cmd.env("TUTTI_STAGE_PIECES", pieces);
-        let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(!killed, "collbench hung:\n{text}");
-        assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
-        let rs = rows(&text);
-        assert_eq!(rs.len(), 1, "{text}");
-        assert!(rs[0][rs[0].len() - 1] == "0" && rs[0][rs[0].len() - 5] == "0", "{text}");
+        one_verified_row(&args, "TUTTI_STAGE_PIECES", pieces);
     }
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
-    cmd.args(["allreduce", "-b", "1M", "-e", "1M", "-n", "1", "--np", "2", "--device", "sim"]);
-    cmd.env("TUTTI_STAGE_PIECES", "many");
-    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!killed && !out.status.success(), "{err}");
-    assert!(err.contains("TUTTI_STAGE_PIECES=\"many\" is not a non-negative integer"), "{err}");
+    let why = "TUTTI_STAGE_PIECES=\"many\" is not a non-negative integer";
+    refused(&args, "TUTTI_STAGE_PIECES", "many", why);
 }
 
 #[test]
@@ -211,27 +223,14 @@ fn large_all_to_alls_of_processes_verify_with_single_copies_on_and_off() {
     let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
         .is_ok_and(|s| s.trim() != "0");
     let with = if yama { "pairwise" } else { "direct" };
+    let args = ["alltoall", "-b", "4M", "-e", "4M", "-n", "3", "-w", "1", "--np", "4"];
     for (single, algo) in [("1", with), ("0", "pairwise")] {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
-        cmd.args(["alltoall", "-b", "4M", "-e", "4M", "-n", "3", "-w", "1", "--np", "4"]);
-        cmd.env("TUTTI_SINGLE_COPY", single);
-        let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(!killed, "collbench hung:\n{text}");
-        assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
-        let rs = rows(&text);
-        assert_eq!(rs.len(), 1, "{text}");
-        assert!(rs[0][rs[0].len() - 1] == "0" && rs[0][rs[0].len() - 5] == "0", "{text}");
+        let text = one_verified_row(&args, "TUTTI_SINGLE_COPY", single);
         let extras = text.split("collbench extras").nth(1).unwrap_or_default();
         assert!(extras.contains(algo), "{text}");
     }
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tt-collbench"));
-    cmd.args(["alltoall", "-b", "4M", "-e", "4M", "-n", "1", "--np", "2"]);
-    cmd.env("TUTTI_SINGLE_COPY", "yes");
-    let (out, killed) = run_with_deadline(cmd, Duration::from_secs(120));
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!killed && !out.status.success(), "{err}");
-    assert!(err.contains("TUTTI_SINGLE_COPY=\"yes\": expected 1 or 0"), "{err}");
+    let why = "TUTTI_SINGLE_COPY=\"yes\": expected 1 or 0";
+    refused(&args, "TUTTI_SINGLE_COPY", "yes", why);
 }
 
 #[test]
