@@ -220,12 +220,13 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// whose waits give the CPU to the rank waited for, they win at every size (a small broadcast's
 /// root runs ahead of its readers on the line slots, as on messages), but all-to-all past
 /// 1 MiB. There, with 4 ranks whose out-of-place blocks go by single copy (blocks of 512 KiB
-/// or more, where the group can: `single`, assumed until the set-up says), direct reads
-/// against pairwise exchange took 0.53, 0.78 and 0.87 of its time out of place at 2, 8 and
-/// 32 MiB (0.63, 0.70, 0.91 in place; medians of 4 interleaved rounds, both of the VM's
-/// phases), and 0.38–1.23 per round (median 0.75) at 2 MiB in 6 more rounds; with 3 ranks
-/// 1.02, 1.13 and 1.31 out of place, and with 8 ranks through the windows 1.76 at 2 MiB:
-/// messages there.
+/// or more, where the group can: `single`, assumed until the set-up says), direct reads took
+/// 0.53 of pairwise exchange's time at 2 MiB out of place in one run of 4 interleaved rounds
+/// (both of the VM's phases), 0.75 (median per round) in a second of 6 and 0.81 in a third
+/// of 5: they take 2 and 4 MiB. At 8 MiB out of place the runs disagreed (0.78, then 1.25 and
+/// about 1.1 in the usual phase), though in place direct reads took a third of the time: past
+/// 4 MiB, messages. With 3 ranks direct reads took 1.02–1.31 of the time out of place from
+/// 2 MiB, and with 8 ranks (through the windows) 1.76 at 2 MiB: messages there.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
@@ -240,7 +241,9 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bo
         (Coll::Allreduce, 2) => b <= 16 * K || (M..=4 * M).contains(&b),
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
-        (Coll::AllToAll, 4) => b <= M || single && b / 4 >= crate::direct::SINGLE_FROM,
+        (Coll::AllToAll, 4) => {
+            b <= M || single && b / 4 >= crate::direct::SINGLE_FROM && b <= 4 * M
+        }
         (Coll::AllToAll, _) => b <= M,
         (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
     }
@@ -464,7 +467,8 @@ mod link_tests {
         // Blocks under 512 KiB go through the windows: messages past 1 MiB.
         assert_eq!(a2a(3 << 19), Algo::Pairwise);
         assert_eq!(a2a(2 << 20), Algo::Direct);
-        assert_eq!(a2a(64 << 20), Algo::Direct);
+        assert_eq!(a2a(4 << 20), Algo::Direct);
+        assert_eq!(a2a(8 << 20), Algo::Pairwise);
         // 3 ranks keep messages past 1 MiB.
         assert!(!direct_pays(Coll::AllToAll, 8 << 20, 3, true, true));
         // A group whose set-up found no single copies: messages past 1 MiB.
