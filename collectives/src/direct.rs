@@ -345,15 +345,13 @@ impl Direct {
         // window's owner.
         let single = single_copy
             && why.is_none()
-            && wins.iter().enumerate().all(|(r, w)| {
+            && wins.iter().enumerate().filter(|(r, _)| *r != me).all(|(r, w)| {
                 // SAFETY: nothing is written with a length of 0.
                 let probe = unsafe { w.read_owner(0, std::ptr::null_mut(), 0) };
                 if let Err(e) = &probe {
-                    if r != me {
-                        tracing::debug!(rank = me, peer = r, "no single-copy reads: {e}");
-                    }
+                    tracing::debug!(rank = me, peer = r, "no single-copy reads: {e}");
                 }
-                r == me || probe.is_ok()
+                probe.is_ok()
             });
         // Every rank learns whether any could not attach (2: all go direct or none does), and
         // whether any cannot copy from every peer (1: all use single copies or none does).
@@ -1175,143 +1173,141 @@ impl Direct {
             && tutti_runtime::window::lendable(src, n * block);
         let source = if single { src as u64 } else { 0 };
         self.singles += u64::from(single);
-        // Leaving with an error (or a panic) before every peer is done: a copy of our input
-        // that a peer makes from now on, or is making, is found out and not used.
+        // Leaving with an error (an early return) or a panic before every peer is done drops
+        // it armed: a copy of our input that a peer makes from now on, or is making, is found
+        // out and not used.
         let lent = single.then(|| Lending::new(self, source));
-        let mut run = || -> Result<()> {
-            // One generation at least: a call of nothing still checks that the peers make it.
-            for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
-                let l = piece.min(block - off);
-                let (g, b) = self.next();
-                self.begin(call, g, b, off, source)?;
-                if coll == Coll::Allgather {
-                    // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
-                    let mut at = 0;
-                    while at < l {
-                        let k = self.piece.min(l - at);
-                        let mine = self.buf(me, b);
-                        // SAFETY: our input's piece into our own free buffer; then posted pieces
-                        // of every buffer into our output's blocks at this offset (ours too when
-                        // out of place).
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                src.add(ours(me) + off + at),
-                                mine.add(at),
-                                k,
-                            );
-                            self.progress(g, at + k);
-                            if !in_place {
-                                std::ptr::copy_nonoverlapping(
-                                    mine.add(at),
-                                    dst.add(me * block + off + at),
-                                    k,
-                                );
-                            }
-                        }
-                        for r in self.peers() {
-                            self.posted(call, r, g, b, at + k, off + at)?;
-                            // SAFETY: as above.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    self.buf(r, b).add(at),
-                                    dst.add(r * block + off + at),
-                                    k,
-                                )
-                            };
-                        }
-                        at += k;
-                    }
-                    if l == 0 {
-                        // A call of nothing: still check that the peers make the same call.
-                        for r in self.peers() {
-                            self.posted(call, r, g, b, 0, off)?;
-                        }
-                    }
-                    self.finish(g);
-                    continue;
-                }
-                // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
-                // Our own block goes to no peer: an all-to-all's is not posted (see below), nor an
-                // out-of-place reduce-scatter's, which we reduce straight from the input (in place
-                // the output is that block, so it is posted and read from our buffer).
-                let a2a = coll == Coll::AllToAll;
-                let own_posted = !a2a && in_place;
-                // SAFETY: pieces of the caller's input into our own free buffer.
-                unsafe {
-                    let w = self.buf(me, b);
-                    for k in (0..n).filter(|k| !single && (own_posted || *k != me)) {
-                        std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
-                    }
-                }
-                self.progress(g, n * piece);
-                if a2a && !in_place {
-                    // Our own block straight from input to output, while the peers post theirs (in
-                    // place it is where it belongs already).
-                    // SAFETY: the caller's buffers at this generation's offset of our block.
+        // One generation at least: a call of nothing still checks that the peers make it.
+        for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
+            let l = piece.min(block - off);
+            let (g, b) = self.next();
+            self.begin(call, g, b, off, source)?;
+            if coll == Coll::Allgather {
+                // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
+                let mut at = 0;
+                while at < l {
+                    let k = self.piece.min(l - at);
+                    let mine = self.buf(me, b);
+                    // SAFETY: our input's piece into our own free buffer; then posted pieces
+                    // of every buffer into our output's blocks at this offset (ours too when
+                    // out of place).
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            src.add(me * block + off),
-                            dst.add(me * block + off),
-                            l,
-                        )
-                    };
+                            src.add(ours(me) + off + at),
+                            mine.add(at),
+                            k,
+                        );
+                        self.progress(g, at + k);
+                        if !in_place {
+                            std::ptr::copy_nonoverlapping(
+                                mine.add(at),
+                                dst.add(me * block + off + at),
+                                k,
+                            );
+                        }
+                    }
+                    for r in self.peers() {
+                        self.posted(call, r, g, b, at + k, off + at)?;
+                        // SAFETY: as above.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                self.buf(r, b).add(at),
+                                dst.add(r * block + off + at),
+                                k,
+                            )
+                        };
+                    }
+                    at += k;
                 }
-                for r in self.peers() {
-                    self.posted(call, r, g, b, me * piece + l, off)?;
-                }
-                // SAFETY: every read is of a posted piece, of our own input, or (through the kernel,
-                // which checks it) of a peer's lent input; every write inside the caller's output at
-                // this generation's offset (the input's pieces there were posted already).
-                unsafe {
-                    match coll {
-                        Coll::AllToAll => {
-                            for r in self.peers() {
-                                let to = dst.add(r * block + off);
-                                if !self.take_lent(call, r, (g, b), me * block + off, to, l, off)? {
-                                    let from = self.buf(r, b).add(me * piece);
-                                    std::ptr::copy_nonoverlapping(from, to, l);
-                                }
-                            }
-                        }
-                        _ if in_place => {
-                            let out = std::slice::from_raw_parts_mut(dst.add(me * block + off), l);
-                            self.reduce_from(b, me * piece, out, dtype, op);
-                        }
-                        _ => {
-                            // Out of place: our own piece from the input (the output, one block,
-                            // does not overlap it), the others' from their buffers, in rank order.
-                            let out = std::slice::from_raw_parts_mut(dst.add(off), l);
-                            let base = |r: usize| {
-                                if r == me {
-                                    src.add(me * block + off)
-                                } else {
-                                    self.buf(r, b).add(me * piece).cast_const()
-                                }
-                            };
-                            self.reduce_ranks(base, out, dtype, op);
-                        }
+                if l == 0 {
+                    // A call of nothing: still check that the peers make the same call.
+                    for r in self.peers() {
+                        self.posted(call, r, g, b, 0, off)?;
                     }
                 }
                 self.finish(g);
+                continue;
             }
-            if single {
-                // Our input stays the caller's to change once we return: every peer must be done
-                // copying from it.
-                let g = self.gen;
-                for r in self.peers() {
-                    if self.known_done[r].get() < g {
-                        let v = self.wait(call, r, DONE, g, block)?;
-                        self.agree(r, v);
+            // All-to-all and reduce-scatter: a piece of each of the n blocks, posted at once.
+            // Our own block goes to no peer: an all-to-all's is not posted (see below), nor an
+            // out-of-place reduce-scatter's, which we reduce straight from the input (in place
+            // the output is that block, so it is posted and read from our buffer).
+            let a2a = coll == Coll::AllToAll;
+            let own_posted = !a2a && in_place;
+            // SAFETY: pieces of the caller's input into our own free buffer.
+            unsafe {
+                let w = self.buf(me, b);
+                for k in (0..n).filter(|k| !single && (own_posted || *k != me)) {
+                    std::ptr::copy_nonoverlapping(src.add(ours(k) + off), w.add(k * piece), l);
+                }
+            }
+            self.progress(g, n * piece);
+            if a2a && !in_place {
+                // Our own block straight from input to output, while the peers post theirs (in
+                // place it is where it belongs already).
+                // SAFETY: the caller's buffers at this generation's offset of our block.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.add(me * block + off),
+                        dst.add(me * block + off),
+                        l,
+                    )
+                };
+            }
+            for r in self.peers() {
+                self.posted(call, r, g, b, me * piece + l, off)?;
+            }
+            // SAFETY: every read is of a posted piece, of our own input, or (through the kernel,
+            // which checks it) of a peer's lent input; every write inside the caller's output at
+            // this generation's offset (the input's pieces there were posted already).
+            unsafe {
+                match coll {
+                    Coll::AllToAll => {
+                        for r in self.peers() {
+                            let to = dst.add(r * block + off);
+                            if !self.take_lent(call, r, (g, b), me * block + off, to, l, off)? {
+                                let from = self.buf(r, b).add(me * piece);
+                                std::ptr::copy_nonoverlapping(from, to, l);
+                            }
+                        }
+                    }
+                    _ if in_place => {
+                        let out = std::slice::from_raw_parts_mut(dst.add(me * block + off), l);
+                        self.reduce_from(b, me * piece, out, dtype, op);
+                    }
+                    _ => {
+                        // Out of place: our own piece from the input (the output, one block,
+                        // does not overlap it), the others' from their buffers, in rank order.
+                        let out = std::slice::from_raw_parts_mut(dst.add(off), l);
+                        let base = |r: usize| {
+                            if r == me {
+                                src.add(me * block + off)
+                            } else {
+                                self.buf(r, b).add(me * piece).cast_const()
+                            }
+                        };
+                        self.reduce_ranks(base, out, dtype, op);
                     }
                 }
             }
-            Ok(())
-        };
-        let r = run();
-        if let (Ok(()), Some(l)) = (&r, lent) {
+            self.finish(g);
+        }
+        if single {
+            // Our input stays the caller's to change once we return: every peer must be done
+            // copying from it.
+            let g = self.gen;
+            for r in self.peers() {
+                if self.known_done[r].get() < g {
+                    let v = self.wait(call, r, DONE, g, block)?;
+                    self.agree(r, v);
+                }
+            }
+        }
+        // Every peer is done with our input: nothing to withdraw.
+        if let Some(l) = lent {
             l.returned();
         }
-        r
+        Ok(())
     }
 
     /// Peer `r`'s *source* word in its stamp slot `b` (ours at `r` = `me`).
@@ -1319,14 +1315,6 @@ impl Direct {
         // SAFETY: inside the window's stamp slot `b`, 8-byte aligned (checked above), valid
         // for the mapping's life; only ever accessed atomically.
         unsafe { AtomicU64::from_ptr(self.wins[r].stamp(b).add(SOURCE_AT).cast()) }
-    }
-
-    /// Mark every stamp slot that lends `source` (our input) [`WITHDRAWN`], before the caller
-    /// gets the input back. A reader checks the word after each copy: one that saw our data
-    /// change under it (the caller's writes come after this store) sees the mark.
-    #[cfg(test)]
-    fn withdraw(&self, source: u64) {
-        Lending::new(self, source);
     }
 
     /// Take the piece at `at` of peer `r`'s generation `(g, b)` from its lent input into `to`
@@ -1741,7 +1729,7 @@ mod tests {
         assert_eq!(to[..8], 2i64.to_ne_bytes());
         // Rank 1 leaves as if with an error: its input is withdrawn, and a copy is refused,
         // naming it.
-        with_direct(&comms[1], |d| d.withdraw(inputs[1].as_ptr() as u64));
+        with_direct(&comms[1], |d| drop(Lending::new(d, inputs[1].as_ptr() as u64)));
         let e = with_direct(&comms[0], take).0.unwrap_err().to_string();
         assert!(e.contains("rank 1") && e.contains("left the call with an error"), "{e}");
     }
