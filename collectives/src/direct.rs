@@ -25,10 +25,13 @@
 //! Per generation an allreduce moves `S` into the window, reads `S` to reduce `S/n` and copies
 //! `S` out: no byte crosses a socket or a ring, and no rank forwards another's data.
 //!
-//! An out-of-place all-to-all of large blocks posts nothing: each peer copies its pieces
+//! An out-of-place all-to-all of large blocks posts nothing: each peer copies its whole block
 //! straight out of the owner's input, one copy through the kernel ([`Window::read_owner`],
 //! where the set-up found that the kernel allows it on every pair), at the address the owner
-//! wrote next to its stamp; the owner returns once every peer is *done*.
+//! wrote next to its first generation's stamp; the owner returns once every peer is *done*.
+//! A peer takes it at the call's last generation (in place, once all of its own pieces are
+//! posted) and waits for a lending owner at no other: a call whose ranks all lend meets once,
+//! however many buffers' worth it moves.
 //!
 //! Small calls ([`on_lines`]) run in one generation on the windows' line slots instead of the
 //! buffers, by turns ([`line_turns`] of the [`LINES`]), each carrying its stamp and data in the cache lines a reader waits
@@ -1177,11 +1180,22 @@ impl Direct {
         // it armed: a copy of our input that a peer makes from now on, or is making, is found
         // out and not used.
         let lent = single.then(|| Lending::new(self, source));
+        // Peers that lent their input, as their first generation's stamp slot says: no later
+        // generation waits for them, and their whole block for us is taken at the last one,
+        // once all of ours is posted (in place it overwrites our input). A call of lenders
+        // only meets its peers once, not once per buffer's worth. Only an all-to-all of blocks
+        // that may be lent has any.
+        let lends = coll == Coll::AllToAll && self.single && block >= SINGLE_FROM;
+        let mut lent_by = vec![false; if lends { n } else { 0 }];
+        let mut first = (0, 0);
         // One generation at least: a call of nothing still checks that the peers make it.
         for off in (0..block.div_ceil(piece).max(1)).map(|k| k * piece) {
             let l = piece.min(block - off);
             let (g, b) = self.next();
             self.begin(call, g, b, off, source)?;
+            if off == 0 {
+                first = (g, b);
+            }
             if coll == Coll::Allgather {
                 // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
                 let mut at = 0;
@@ -1255,19 +1269,30 @@ impl Direct {
                 };
             }
             for r in self.peers() {
+                if lent_by.get(r).copied().unwrap_or(false) {
+                    continue;
+                }
                 self.posted(call, r, g, b, me * piece + l, off)?;
+                if lends && off == 0 {
+                    // Read after the wait for the generation (an acquire): the owner wrote it
+                    // before.
+                    lent_by[r] = self.source_word(r, b).load(Ordering::Relaxed) != 0;
+                }
             }
             // SAFETY: every read is of a posted piece, of our own input, or (through the kernel,
-            // which checks it) of a peer's lent input; every write inside the caller's output at
-            // this generation's offset (the input's pieces there were posted already).
+            // which checks it) of a peer's lent input; every write inside the caller's output:
+            // at this generation's offset, or a lender's whole block at the first generation
+            // (the input's pieces there were posted already, or lent).
             unsafe {
                 match coll {
                     Coll::AllToAll => {
                         for r in self.peers() {
-                            let to = dst.add(r * block + off);
-                            if !self.take_lent(call, r, (g, b), me * block + off, to, l, off)? {
+                            if !lent_by.get(r).copied().unwrap_or(false) {
                                 let from = self.buf(r, b).add(me * piece);
-                                std::ptr::copy_nonoverlapping(from, to, l);
+                                std::ptr::copy_nonoverlapping(from, dst.add(r * block + off), l);
+                            } else if off + l == block {
+                                let to = dst.add(r * block);
+                                self.take_lent(call, r, first, me * block, to, block, off)?;
                             }
                         }
                     }
@@ -1317,9 +1342,8 @@ impl Direct {
         unsafe { AtomicU64::from_ptr(self.wins[r].stamp(b).add(SOURCE_AT).cast()) }
     }
 
-    /// Take the piece at `at` of peer `r`'s generation `(g, b)` from its lent input into `to`
-    /// (`len` bytes; `done`: the bytes of the call done before), with one copy through the
-    /// kernel: `Ok(false)` when the peer put its pieces in its buffer instead. A copy counts
+    /// Take the `len` bytes at `at` of peer `r`'s input, lent at generation `(g, b)`, into `to`
+    /// (`done`: the bytes of the call done before), with one copy through the kernel. A copy counts
     /// only if the peer's *source* is still the same after it (it did not leave the call with
     /// an error meanwhile). A peer found gone is named as a wait on it names it (from its link,
     /// or from what the kernel says of its process).
@@ -1336,11 +1360,12 @@ impl Direct {
         to: *mut u8,
         len: usize,
         done: usize,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         // Read after the wait for the generation (an acquire): the owner wrote it before.
         let source = self.source_word(r, b).load(Ordering::Relaxed);
         let why = match source {
-            0 => return Ok(false),
+            // (A peer that lends says so in every generation of the call.)
+            0 => "it lent nothing".to_string(),
             WITHDRAWN => "it left the call with an error".to_string(),
             _ => {
                 // SAFETY: forwarded contract.
@@ -1356,7 +1381,7 @@ impl Direct {
                     _ if now != source => {
                         "it left the call with an error while this rank copied".to_string()
                     }
-                    Ok(()) => return Ok(true),
+                    Ok(()) => return Ok(()),
                     Err(ReadError::Gone(e)) => {
                         // A counter it never reaches: the wait ends with the peer's loss, named.
                         self.wait(call, r, DONE, u64::MAX, done)?;
@@ -1607,10 +1632,12 @@ mod tests {
         // Rank q's block for rank r, element i: exact, different everywhere.
         let val = |q: usize, r: usize, i: usize| (q * 1_000_003 + r * 7_919 + i * 13) as i64;
         // On for all; off for all; off on rank 2 only, which turns it off for the group.
-        for offs in [&[][..], &[0, 1, 2], &[2]] {
-            let n = 3;
-            // 640 KB blocks: over SINGLE_FROM, and over a buffer's n-th part (2 generations).
-            let blk = 80_000;
+        let n = 3;
+        // Blocks of 640 KB and 1.2 MB: over SINGLE_FROM, and over a buffer's n-th part (2 and
+        // 4 generations: a lender's first stamp slot is used again before its block is taken).
+        for (offs, blk) in
+            [&[][..], &[0, 1, 2], &[2]].into_iter().flat_map(|o| [80_000, 150_000].map(|b| (o, b)))
+        {
             let comms: Vec<Comm> = groups(Kind::Mem, n)
                 .unwrap()
                 .into_iter()
@@ -1725,7 +1752,7 @@ mod tests {
         };
         // Rank 1's piece of the last generation, taken again while it is lent: its bytes.
         let (r, to) = with_direct(&comms[0], take);
-        assert!(r.unwrap(), "lent");
+        r.expect("lent");
         assert_eq!(to[..8], 2i64.to_ne_bytes());
         // Rank 1 leaves as if with an error: its input is withdrawn, and a copy is refused,
         // naming it.

@@ -219,14 +219,17 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// take several steps (a large broadcast, an allreduce of 1–4 MiB); with 4 ranks on 2 cores,
 /// whose waits give the CPU to the rank waited for, they win at every size (a small broadcast's
 /// root runs ahead of its readers on the line slots, as on messages), but all-to-all past
-/// 1 MiB. There, with 4 ranks whose out-of-place blocks go by single copy (blocks of 512 KiB
-/// or more, where the group can: `single`, assumed until the set-up says), direct reads took
-/// 0.53 of pairwise exchange's time at 2 MiB out of place in one run of 4 interleaved rounds
-/// (both of the VM's phases), 0.75 (median per round) in a second of 6 and 0.81 in a third
-/// of 5: they take 2 and 4 MiB. At 8 MiB out of place the runs disagreed (0.78, then 1.25 and
-/// about 1.1 in the usual phase), though in place direct reads took a third of the time: past
-/// 4 MiB, messages. With 3 ranks direct reads took 1.02–1.31 of the time out of place from
-/// 2 MiB, and with 8 ranks (through the windows) 1.76 at 2 MiB: messages there.
+/// 1 MiB, where blocks under 512 KiB go through the windows (with 8 ranks at 2 MiB, 1.76 of
+/// pairwise exchange's time). Blocks of 512 KiB or more go by single copy where the group can
+/// (`single`, assumed until the set-up says), and a call whose peers all lend their input
+/// meets them once: pairwise exchange's time over direct reads' (medians per round of 4–6
+/// interleaved rounds, out of place / in place) was 1.07 / 2.69 at 8 MiB, 0.91 / 2.28 at
+/// 16 MiB, 1.18 / 2.04 at 32 MiB and 1.60 / 1.15 at 64 MiB with 4 ranks, 1.18–1.30 /
+/// 1.56–1.61 from 4 to 16 MiB with 8: direct reads there. With 3 ranks 1.11 and 1.06 out of
+/// place at 2 and 4 MiB, but 0.92 and 0.78 at 8 and 16 MiB: messages past 4 MiB. (In place
+/// direct reads took a third to a half of the time at every size; the choice cannot see it,
+/// since it must be the same on every rank and one rank may call in place while another
+/// does not.) With 2 ranks, each on a core, out of place 0.74–0.78 from 16 MiB: messages.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
@@ -241,10 +244,9 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bo
         (Coll::Allreduce, 2) => b <= 16 * K || (M..=4 * M).contains(&b),
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
-        (Coll::AllToAll, 4) => {
-            b <= M || single && b / 4 >= crate::direct::SINGLE_FROM && b <= 4 * M
+        (Coll::AllToAll, n) => {
+            b <= M || single && b / n >= crate::direct::SINGLE_FROM && (n != 3 || b <= 4 * M)
         }
-        (Coll::AllToAll, _) => b <= M,
         (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
     }
 }
@@ -459,18 +461,21 @@ mod link_tests {
     }
 
     #[test]
-    fn four_ranks_read_large_all_to_alls_directly_where_their_blocks_go_by_single_copy() {
+    fn large_all_to_alls_read_directly_where_their_blocks_go_by_single_copy() {
         let comms = Comm::mem_world(4);
         let c = &comms[0];
         let a2a = |b: usize| c.algo_for(Coll::AllToAll, b, true);
         assert_eq!(a2a(1 << 20), Algo::Direct);
         // Blocks under 512 KiB go through the windows: messages past 1 MiB.
         assert_eq!(a2a(3 << 19), Algo::Pairwise);
-        assert_eq!(a2a(2 << 20), Algo::Direct);
-        assert_eq!(a2a(4 << 20), Algo::Direct);
-        assert_eq!(a2a(8 << 20), Algo::Pairwise);
-        // 3 ranks keep messages past 1 MiB.
-        assert!(!direct_pays(Coll::AllToAll, 8 << 20, 3, true, true));
+        for b in [2 << 20, 4 << 20, 8 << 20, 64 << 20] {
+            assert_eq!(a2a(b), Algo::Direct, "{b}");
+        }
+        // 8 ranks from blocks of 512 KiB; 3 up to 4 MiB; 2 keep messages.
+        let pays = |b: usize, n: usize| direct_pays(Coll::AllToAll, b, n, true, true);
+        assert!(!pays(2 << 20, 8) && pays(4 << 20, 8) && pays(64 << 20, 8));
+        assert!(pays(4 << 20, 3) && !pays(8 << 20, 3));
+        assert!(!pays(4 << 20, 2));
         // A group whose set-up found no single copies: messages past 1 MiB.
         c.sel.single_failed();
         assert_eq!(a2a(2 << 20), Algo::Pairwise);
@@ -486,7 +491,7 @@ mod link_tests {
         assert_eq!(c.link_scale().unwrap(), 1.0);
         assert_eq!(c.topology().unwrap().hosts(), 1);
         assert_eq!(c.algo_for(Coll::Allreduce, 64 << 10, true), Algo::Direct);
-        assert_eq!(c.algo_for(Coll::AllToAll, 4 << 20, true), Algo::Pairwise);
+        assert_eq!(c.algo_for(Coll::AllToAll, 2 << 20, true), Algo::Pairwise);
         // 1 Gbit/s links (8 ns per byte), 50 µs per message, reductions at 2 GB/s.
         let m = Model { alpha: 50e-6, beta: 8e-9, beta_local: 0.4e-9, gamma: 0.5e-9 };
         let one = c.with_hosts(&[0, 1, 2, 3, 4, 5, 6, 7]).unwrap().with_model(m);
