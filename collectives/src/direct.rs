@@ -30,8 +30,9 @@
 //! where the set-up found that the kernel allows it on every pair), at the address the owner
 //! wrote next to its first generation's stamp; the owner returns once every peer is *done*.
 //! A peer takes it at the call's last generation (in place, once all of its own pieces are
-//! posted) and waits for a lending owner at no other: a call whose ranks all lend meets once,
-//! however many buffers' worth it moves.
+//! posted) and waits for a lending owner's *posted* at no other: a call whose ranks all lend
+//! meets once, however many buffers' worth it moves (each buffer is still freed by the peers'
+//! *done* of two generations before).
 //!
 //! Small calls ([`on_lines`]) run in one generation on the windows' line slots instead of the
 //! buffers, by turns ([`line_turns`] of the [`LINES`]), each carrying its stamp and data in the cache lines a reader waits
@@ -1275,13 +1276,17 @@ impl Direct {
                 self.posted(call, r, g, b, me * piece + l, off)?;
                 if lends && off == 0 {
                     // Read after the wait for the generation (an acquire): the owner wrote it
-                    // before.
+                    // before. A lender's stamp is not checked again: the generations after
+                    // the first are the same call's (every rank counts the same ones), and a
+                    // lender that leaves with an error poisons the group, so it makes no other
+                    // call in this window; its word then says WITHDRAWN.
                     lent_by[r] = self.source_word(r, b).load(Ordering::Relaxed) != 0;
                 }
             }
             // SAFETY: every read is of a posted piece, of our own input, or (through the kernel,
             // which checks it) of a peer's lent input; every write inside the caller's output:
-            // at this generation's offset, or a lender's whole block at the first generation
+            // at this generation's offset, or, at the last generation, a lender's whole block
+            // as lent at the first
             // (the input's pieces there were posted already, or lent).
             unsafe {
                 match coll {
@@ -1361,7 +1366,8 @@ impl Direct {
         len: usize,
         done: usize,
     ) -> Result<()> {
-        // Read after the wait for the generation (an acquire): the owner wrote it before.
+        // Read after a wait for the peer's *posted* of generation `g` (an acquire), here or at
+        // an earlier generation of the call: the owner wrote it before.
         let source = self.source_word(r, b).load(Ordering::Relaxed);
         let why = match source {
             // (A peer that lends says so in every generation of the call.)
@@ -1397,8 +1403,9 @@ impl Direct {
             rank: call.global(self.me),
             peer: call.global(r),
             detail: format!(
-                "{} (sequence {}, generation {g}): {len} bytes of its input not taken: {why}",
-                call.op_name, call.desc.tag.seq
+                "{} (sequence {}, lent at generation {g}, taken at {}): {len} bytes of its input \
+                 not taken: {why}",
+                call.op_name, call.desc.tag.seq, self.gen
             ),
         }))
     }
@@ -1629,15 +1636,17 @@ mod tests {
     #[test]
     fn an_all_to_all_out_of_place_lends_large_blocks_by_single_copy() {
         use tutti_runtime::testing::{groups, Kind};
-        // Rank q's block for rank r, element i: exact, different everywhere.
-        let val = |q: usize, r: usize, i: usize| (q * 1_000_003 + r * 7_919 + i * 13) as i64;
+        // Rank q's block for rank r, element i, at call k: exact, different everywhere.
+        let val = |k: usize, q: usize, r: usize, i: usize| {
+            (k * 1_000_000_007 + q * 1_000_003 + r * 7_919 + i * 13) as i64
+        };
+        let n = 4;
+        // Blocks of 640 KB, 880 KB and 1.2 MB: over SINGLE_FROM, and 3, 4 and 5 generations of
+        // a buffer's n-th part (a lender's first stamp slot is used again before its block is
+        // taken, at an odd and an even last generation).
+        let blks = [80_000, 110_000, 150_000];
         // On for all; off for all; off on rank 2 only, which turns it off for the group.
-        let n = 3;
-        // Blocks of 640 KB and 1.2 MB: over SINGLE_FROM, and over a buffer's n-th part (2 and
-        // 4 generations: a lender's first stamp slot is used again before its block is taken).
-        for (offs, blk) in
-            [&[][..], &[0, 1, 2], &[2]].into_iter().flat_map(|o| [80_000, 150_000].map(|b| (o, b)))
-        {
+        for offs in [&[][..], &[0, 1, 2, 3], &[2]] {
             let comms: Vec<Comm> = groups(Kind::Mem, n)
                 .unwrap()
                 .into_iter()
@@ -1652,25 +1661,33 @@ mod tests {
                 for c in &comms {
                     s.spawn(move || {
                         let (c, r) = (c.with_algo(Algo::Direct), c.rank());
-                        let input: Vec<i64> =
-                            (0..n).flat_map(|j| (0..blk).map(move |i| val(r, j, i))).collect();
-                        let want: Vec<i64> =
-                            (0..n).flat_map(|q| (0..blk).map(move |i| val(q, r, i))).collect();
-                        // Twice, rank 0 in place (through its buffer) and the others out of
-                        // place: a call mixes both kinds of pieces.
-                        for _ in 0..2 {
-                            if r == 0 {
-                                let mut buf = input.clone();
+                        for (k, blk) in blks.into_iter().enumerate() {
+                            let input = |k: usize| -> Vec<i64> {
+                                (0..n)
+                                    .flat_map(|j| (0..blk).map(move |i| val(k, r, j, i)))
+                                    .collect()
+                            };
+                            let want: Vec<i64> = (0..n)
+                                .flat_map(|q| (0..blk).map(move |i| val(k, q, r, i)))
+                                .collect();
+                            // Ranks 0 and 2 in place (through their buffers, taking the lenders'
+                            // blocks once their own pieces are posted), 1 and 3 out of place: a
+                            // call mixes both kinds of pieces. Each rank then overwrites the
+                            // buffer it passed, as a caller may once the call returned: a peer
+                            // still copying from it would take the new bytes.
+                            if r % 2 == 0 {
+                                let mut buf = input(k);
                                 c.all_to_all_inplace(&mut buf).unwrap();
-                                assert!(buf == want, "rank {r}: in place");
+                                assert!(buf == want, "rank {r}: in place, {blk}");
                             } else {
-                                let mut out = vec![0i64; n * blk];
-                                c.all_to_all(&input, &mut out).unwrap();
-                                assert!(out == want, "rank {r}: out of place");
+                                let (mut inp, mut out) = (input(k), vec![0i64; n * blk]);
+                                c.all_to_all(&inp, &mut out).unwrap();
+                                inp.fill(-1);
+                                assert!(out == want, "rank {r}: out of place, {blk}");
                             }
                         }
                         // A small block stays in the buffers.
-                        let small: Vec<i64> = (0..n * 1000).map(|i| val(r, 0, i)).collect();
+                        let small: Vec<i64> = (0..n * 1000).map(|i| val(0, r, 0, i)).collect();
                         let mut out = vec![0i64; small.len()];
                         c.all_to_all(&small, &mut out).unwrap();
                     });
@@ -1678,7 +1695,7 @@ mod tests {
             });
             for c in &comms {
                 let singles = with_direct(c, |d| d.singles);
-                let want = if offs.is_empty() && c.rank() != 0 { 2 } else { 0 };
+                let want = if offs.is_empty() && c.rank() % 2 == 1 { blks.len() as u64 } else { 0 };
                 assert_eq!(singles, want, "rank {} (single copies off on {offs:?})", c.rank());
             }
         }
@@ -1717,8 +1734,8 @@ mod tests {
     #[test]
     fn a_copy_from_an_owner_that_left_with_an_error_is_not_used() {
         use tutti_runtime::testing::{groups, Kind};
-        // 2 ranks, 512 KiB blocks: single copies, one generation.
-        let (n, blk) = (2, 1 << 16);
+        // 2 ranks, 1 MiB blocks: single copies, two generations.
+        let (n, blk) = (2, 1 << 17);
         let comms: Vec<Comm> = groups(Kind::Mem, n).unwrap().into_iter().map(Comm::new).collect();
         let inputs: Vec<Vec<i64>> = (0..n).map(|r| vec![r as i64 + 1; n * blk]).collect();
         std::thread::scope(|s| {
@@ -1733,8 +1750,9 @@ mod tests {
         });
         assert!(comms.iter().all(|c| with_direct(c, |d| d.singles) == 1));
         let take = |d: &Direct| {
-            let (g, b) = (d.gen, (d.gen % 2) as usize);
-            // SAFETY: our own stamp slot of the last generation.
+            // The call's first generation, where its lenders are learned.
+            let (g, b) = (d.gen - 1, ((d.gen - 1) % 2) as usize);
+            // SAFETY: our own stamp slot of that generation.
             let raw = unsafe { Direct::read_stamp(d.wins[0].stamp(b)) };
             let now = Moment::now();
             let call = Call {
@@ -1750,7 +1768,7 @@ mod tests {
             let r = unsafe { d.take_lent(&call, 1, (g, b), 0, to.as_mut_ptr(), 64, 0) };
             (r, to)
         };
-        // Rank 1's piece of the last generation, taken again while it is lent: its bytes.
+        // A piece of rank 1's input, taken again while it is lent: its bytes.
         let (r, to) = with_direct(&comms[0], take);
         r.expect("lent");
         assert_eq!(to[..8], 2i64.to_ne_bytes());
@@ -1804,7 +1822,7 @@ mod tests {
         let got = &outs[w].1[v * blk..(v + 1) * blk];
         assert!(got.iter().all(|x| *x == -1), "rank {w} kept bytes from the gone owner");
         // Rank w lent its own input in that call and left with the error: withdrawn (the slot
-        // of the generation it failed in; the other one never lent it).
+        // of the generation it failed in, and the other one if it lent it there too).
         let words = with_direct(&comms[w], |d| {
             [0, 1].map(|b| d.source_word(d.me, b).load(Ordering::SeqCst))
         });
