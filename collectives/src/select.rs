@@ -224,14 +224,15 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// (`single`, assumed until the set-up says), and a call whose peers all lend their input
 /// meets them once: pairwise exchange's time over direct reads' (medians per round of 4–6
 /// interleaved rounds, out of place / in place) was 1.07 / 2.69 at 8 MiB and 0.91 / 2.28 at
-/// 16 MiB with 4 ranks, 1.18–1.30 / 1.56–1.61 from 4 to 16 MiB with 8: direct reads there. At
-/// 32 and 64 MiB with 4 ranks it depends on the VM's phase (0.86 and 0.96 per round in a run
-/// mostly of its usual phase, 1.6 in its slow one): messages past 16 MiB. With 3 ranks 1.11
-/// and 1.06 out of place at 2 and 4 MiB, but 0.92 and 0.78 at 8 and 16 MiB: messages past
-/// 4 MiB. (In place direct reads took a third to a half of the time at every size; the
-/// choice cannot see it, since it must be the same on every rank and one rank may call in
-/// place while another does not.) With 2 ranks, each on a core, out of place 0.74–0.78 from
-/// 16 MiB: messages.
+/// 16 MiB with 4 ranks, and at 32 and 64 MiB 0.86 and 0.96 per round in a run mostly of the
+/// VM's usual phase (1.6 in its slow one); 1.04–1.08 from 4 to 16 MiB with 6 (slow phase);
+/// 1.18–1.30 / 1.56–1.61 from 4 to 16 MiB with 8; 1.16–1.33 from 8 to 32 MiB with 16 (slow
+/// phase). With 3 ranks 1.11 and 1.06 out of place at 2 and 4 MiB, but 0.92 and 0.78 at 8 and
+/// 16 MiB. The out-of-place call decides (in place direct reads took a third to a half of
+/// the time with 2–4 ranks; the choice cannot see it, since it must be the same on every
+/// rank and one rank may call in place while another does not): direct reads up to 4 MiB
+/// with 3 ranks, 8 MiB with 4–7, 16 MiB from 8 (no usual-phase run past it). With 2 ranks,
+/// each on a core, out of place 0.74–0.78 from 16 MiB and 0.77 at 1 MiB: messages.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
@@ -247,7 +248,11 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bo
         (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
         (Coll::AllToAll, n) => {
-            let most = if n == 3 { 4 * M } else { 16 * M };
+            let most = match n {
+                3 => 4 * M,
+                4..=7 => 8 * M,
+                _ => 16 * M,
+            };
             b <= M || single && b / n >= crate::direct::SINGLE_FROM && b <= most
         }
         (Coll::Reduce | Coll::Gather | Coll::Scatter | Coll::Barrier, _) => false,
@@ -471,13 +476,14 @@ mod link_tests {
         assert_eq!(a2a(1 << 20), Algo::Direct);
         // Blocks under 512 KiB go through the windows: messages past 1 MiB.
         assert_eq!(a2a(3 << 19), Algo::Pairwise);
-        for b in [2 << 20, 4 << 20, 8 << 20, 16 << 20] {
+        for b in [2 << 20, 4 << 20, 8 << 20] {
             assert_eq!(a2a(b), Algo::Direct, "{b}");
         }
-        assert_eq!(a2a(32 << 20), Algo::Pairwise);
-        // 8 ranks from blocks of 512 KiB; 3 up to 4 MiB; 2 keep messages.
+        assert_eq!(a2a(16 << 20), Algo::Pairwise);
+        // 8 ranks from blocks of 512 KiB up to 16 MiB; 3 up to 4 MiB; 2 keep messages.
         let pays = |b: usize, n: usize| direct_pays(Coll::AllToAll, b, n, true, true);
         assert!(!pays(2 << 20, 8) && pays(4 << 20, 8) && pays(16 << 20, 8));
+        assert!(!pays(32 << 20, 8) && !pays(4 << 20, 16) && pays(16 << 20, 16));
         assert!(pays(4 << 20, 3) && !pays(8 << 20, 3));
         assert!(!pays(4 << 20, 2));
         // A group whose set-up found no single copies: messages past 1 MiB.
