@@ -30,9 +30,9 @@
 //! where the set-up found that the kernel allows it on every pair), at the address the owner
 //! wrote next to its first generation's stamp; the owner returns once every peer is *done*.
 //! A peer takes it at the call's last generation (in place, once all of its own pieces are
-//! posted) and waits for a lending owner's *posted* at no other: a call whose ranks all lend
-//! meets once, however many buffers' worth it moves (each buffer is still freed by the peers'
-//! *done* of two generations before).
+//! posted) and waits for a lending owner's *posted* at no other generation: a call whose ranks
+//! all lend waits for its peers to begin it once, not once per buffer's worth (from the third
+//! generation each buffer is still freed by the peers' *done* of two generations before).
 //!
 //! Small calls ([`on_lines`]) run in one generation on the windows' line slots instead of the
 //! buffers, by turns ([`line_turns`] of the [`LINES`]), each carrying its stamp and data in the cache lines a reader waits
@@ -1184,8 +1184,8 @@ impl Direct {
         // Peers that lent their input, as their first generation's stamp slot says: no later
         // generation waits for them, and their whole block for us is taken at the last one,
         // once all of ours is posted (in place it overwrites our input). A call of lenders
-        // only meets its peers once, not once per buffer's worth. Only an all-to-all of blocks
-        // that may be lent has any.
+        // waits for its peers to begin it once, not once per buffer's worth. Only an
+        // all-to-all of blocks that may be lent has any.
         let lends = coll == Coll::AllToAll && self.single && block >= SINGLE_FROM;
         let mut lent_by = vec![false; if lends { n } else { 0 }];
         let mut first = (0, 0);

@@ -221,8 +221,8 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// root runs ahead of its readers on the line slots, as on messages), but all-to-all past
 /// 1 MiB, where blocks under 512 KiB go through the windows (with 8 ranks at 2 MiB, 1.76 of
 /// pairwise exchange's time). Blocks of 512 KiB or more go by single copy where the group can
-/// (`single`, assumed until the set-up says), and a call whose peers all lend their input
-/// meets them once: pairwise exchange's time over direct reads' (medians per round of 4–6
+/// (`single`, assumed until the set-up says), and a call waits for its lending peers to begin
+/// it once, not once per buffer's worth: pairwise exchange's time over direct reads' (medians per round of 4–6
 /// interleaved rounds, out of place / in place) was 1.07 / 2.69 at 8 MiB and 0.91 / 2.28 at
 /// 16 MiB with 4 ranks, and at 32 and 64 MiB 0.86 and 0.96 per round in a run mostly of the
 /// VM's usual phase (1.6 in its slow one); 1.04–1.08 from 4 to 16 MiB with 6 (slow phase);
