@@ -1285,9 +1285,8 @@ impl Direct {
             }
             // SAFETY: every read is of a posted piece, of our own input, or (through the kernel,
             // which checks it) of a peer's lent input; every write inside the caller's output:
-            // at this generation's offset, or, at the last generation, a lender's whole block
-            // as lent at the first
-            // (the input's pieces there were posted already, or lent).
+            // at this generation's offset, or, at the last generation, a lender's whole block as
+            // lent at the first (our input's pieces there were all posted already).
             unsafe {
                 match coll {
                     Coll::AllToAll => {
