@@ -387,9 +387,9 @@ impl Direct {
         let us = Duration::from_micros;
         // A broadcast's readers copy out with streaming stores (no read for ownership,
         // nothing evicted) where each has a core. Where ranks share cores, a copy out that
-        // stays in the caches took 0.5–0.8 of the streamed one's time at 1–4 MiB with 3 and 4
+        // stays in the caches took 0.4–0.8 of the streamed one's time at 1–4 MiB with 3 and 4
         // ranks on 2 cores in the VM's usual phase, and as long in its slow one; with 8 ranks
-        // it won at 1 MiB but lost from 4 MiB (1.3–1.4 times as long): streamed there only
+        // it won at 1 MiB but lost at 4 and 8 MiB (1.3–1.45 times as long): streamed there only
         // where the group's copies together (n × S) pass what the caches can hold.
         let (spin, piece, stream_above) = if cpus >= n {
             (Spin { hot: us(5), yielding: us(45) }, PIECE, 0)
