@@ -1183,16 +1183,14 @@ impl Direct {
             (Coll::Allgather, false) => 0,
             _ => k * block,
         };
-        // Out of place, an all-to-all's pieces may stay in our input: the peers copy them from
-        // there with one copy through the kernel (the `single` reads), which the generation's
-        // stamp slot says, and this rank returns only once every peer is done with them. In
-        // place the input is also the output, so the pieces go through our buffer.
-        // (Only memory the kernel can read through: not a device's mapping, say.)
-        let single = coll == Coll::AllToAll
-            && !in_place
-            && self.single
-            && block >= SINGLE_FROM
-            && tutti_runtime::window::lendable(src, n * block);
+        // An all-to-all of blocks that may be lent: out of place, our pieces may stay in our
+        // input, and the peers copy them from there with one copy through the kernel (the
+        // `single` reads), which the generation's stamp slot says; this rank returns only once
+        // every peer is done with them. In place the input is also the output, so the pieces go
+        // through our buffer. (Only memory the kernel can read through: not a device's mapping,
+        // say.)
+        let lends = coll == Coll::AllToAll && self.single && block >= SINGLE_FROM;
+        let single = lends && !in_place && tutti_runtime::window::lendable(src, n * block);
         let source = if single { src as u64 } else { 0 };
         self.singles += u64::from(single);
         // Leaving with an error (an early return) or a panic before every peer is done drops
@@ -1204,7 +1202,6 @@ impl Direct {
         // once all of ours is posted (in place it overwrites our input). A call of lenders
         // waits for its peers to begin it once, not once per buffer's worth. Only an
         // all-to-all of blocks that may be lent has any.
-        let lends = coll == Coll::AllToAll && self.single && block >= SINGLE_FROM;
         let mut lent_by = vec![false; if lends { n } else { 0 }];
         let mut first = (0, 0);
         // One generation at least: a call of nothing still checks that the peers make it.
@@ -1288,7 +1285,7 @@ impl Direct {
                 };
             }
             for r in self.peers() {
-                if lent_by.get(r).copied().unwrap_or(false) {
+                if lent_by.get(r) == Some(&true) {
                     continue;
                 }
                 self.posted(call, r, g, b, me * piece + l, off)?;
@@ -1309,7 +1306,7 @@ impl Direct {
                 match coll {
                     Coll::AllToAll => {
                         for r in self.peers() {
-                            if !lent_by.get(r).copied().unwrap_or(false) {
+                            if lent_by.get(r) != Some(&true) {
                                 let from = self.buf(r, b).add(me * piece);
                                 std::ptr::copy_nonoverlapping(from, dst.add(r * block + off), l);
                             } else if off + l == block {
