@@ -445,6 +445,49 @@ mod refused {
         assert!(start.elapsed() < Duration::from_secs(15));
     }
 
+    #[test]
+    fn a_rank_that_published_and_died_before_counting_in_is_named() {
+        // World of 3: rank 2 published its address and died before counting in (its listener
+        // is closed). Every address is in the store, so the silent ranks are none: ranks 0
+        // and 1 must still name rank 2, found by the connection its address refuses.
+        use crate::store::{StoreServer, TcpStore};
+        let key = JobKey::from_token("k");
+        let server =
+            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
+                .unwrap();
+        let store = TcpStore::connect(server.addr(), 2, 3, Some(&key), T).unwrap();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let published = crate::store::set_signed(
+            &store,
+            &key,
+            4,
+            &crate::transport::tcp::addr_key(2),
+            closed.to_string().as_bytes(),
+        );
+        published.unwrap();
+        let cfg =
+            LinkConfig { connect_timeout: Duration::from_millis(1500), ..LinkConfig::default() };
+        let start = Instant::now();
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (key, cfg, addr) = (key.clone(), cfg.clone(), server.addr());
+                    s.spawn(move || {
+                        let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
+                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 4, key };
+                        TcpTransport::connect(&id, Arc::new(store), &cfg).unwrap_err().to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for e in &errs {
+            assert!(e.contains("ranks [2] published an address but refuse connections"), "{e}");
+            assert!(!e.contains("did not publish"), "no rank is silent: {e}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    }
+
     /// A watched connect (a rebuild) fails as soon as the watch reports a member gone, naming
     /// it, long before its connect deadline; and a member whose published address refuses
     /// connections is taken for ended. Unwatched, both wait for the deadline.

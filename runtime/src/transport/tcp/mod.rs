@@ -407,7 +407,8 @@ const NOTE_WAIT: Duration = Duration::from_secs(5);
 
 /// Count this rank in and wait until every rank of the job has published its address: one
 /// `add` per rank, one `set` by the last, one (parked) `get` per rank — O(1) store requests
-/// per rank, whatever the world. On timeout, names the ranks that never published.
+/// per rank, whatever the world. On timeout, names the ranks that never published, and those
+/// that published but are gone (see [`gone_after_publishing`]).
 fn arrive(
     store: &dyn Store,
     id: &JobIdentity,
@@ -424,20 +425,87 @@ fn arrive(
     }
     watch
         .get_all(store, rank, &[ALL_UP_KEY], deadline, |_| {
-            let silent: Vec<usize> = (0..world)
-                .filter(|j| !store.check(&[addr_key(*j).as_str()]).unwrap_or(false))
-                .collect();
-            Error::Rendezvous {
-                rank,
-                detail: format!(
+            let (silent, published): (Vec<usize>, Vec<usize>) =
+                (0..world).partition(|j| !store.check(&[addr_key(*j).as_str()]).unwrap_or(false));
+            let mut detail = String::new();
+            if !silent.is_empty() {
+                detail = format!(
                     "ranks {} did not publish an address within {limit:?}: they never \
                      started, died before rendezvous, or use another store",
                     crate::util::list_ranks(&silent)
-                ),
+                );
             }
+            // A rank that published and then died before counting in is not among the silent
+            // ones: the count says how many such ranks there are, a dial says which.
+            let counted = store.add(UP_KEY, 0).map_or(world, |c| c.max(0) as usize);
+            let uncounted = world.saturating_sub(counted).saturating_sub(silent.len());
+            if uncounted > 0 {
+                let others: Vec<usize> = published.into_iter().filter(|j| *j != rank).collect();
+                let gone = gone_after_publishing(store, id, &others, uncounted);
+                if !detail.is_empty() {
+                    detail.push_str("; ");
+                }
+                detail.push_str(&if gone.is_empty() {
+                    format!(
+                        "{uncounted} rank(s) published an address but did not count in within \
+                         {limit:?}: they stopped or died during rendezvous (none refused a \
+                         connection, so which is not known)"
+                    )
+                } else {
+                    format!(
+                        "ranks {} published an address but refuse connections at it: they \
+                         died during rendezvous",
+                        crate::util::list_ranks(&gone)
+                    )
+                });
+            }
+            if detail.is_empty() {
+                detail = format!(
+                    "every rank counted in, but the store did not say so within {limit:?} \
+                     ({})",
+                    store.describe()
+                );
+            }
+            Error::Rendezvous { rank, detail }
         })
         .map(|_| ())
 }
+
+/// Of the ranks in `published` (their addresses are in the store), those that refuse a
+/// connection at their address — their listener is closed, so they ended — looking until
+/// `want` are found or [`PROBE_BUDGET`] is spent. Only a failed rendezvous probes: it costs a
+/// connection per rank at most, and a live rank's acceptor sees one that sends nothing.
+fn gone_after_publishing(
+    store: &dyn Store,
+    id: &JobIdentity,
+    published: &[usize],
+    want: usize,
+) -> Vec<usize> {
+    let end = Instant::now() + PROBE_BUDGET;
+    let mut gone = Vec::new();
+    for &j in published {
+        let left = end.saturating_duration_since(Instant::now());
+        if gone.len() >= want || left.is_zero() {
+            break;
+        }
+        let Ok(raw) = store.get_all(&[addr_key(j).as_str()], left) else { continue };
+        let Some(raw) = raw.into_iter().next() else { continue };
+        let Some(text) = crate::store::open_signed(&id.key, id.job, &addr_key(j), raw) else {
+            continue; // forged: the dial that needs it says so
+        };
+        let Ok(addr) = String::from_utf8_lossy(&text).parse::<SocketAddr>() else { continue };
+        match TcpStream::connect_timeout(&addr, left.min(PROBE_EACH)) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => gone.push(j),
+            _ => {} // alive, or not answering: not known to be gone
+        }
+    }
+    gone
+}
+
+/// The longest a failed rendezvous spends probing published addresses.
+const PROBE_BUDGET: Duration = Duration::from_secs(2);
+/// The longest one probe waits for its connection.
+const PROBE_EACH: Duration = Duration::from_millis(250);
 
 /// Where one pair's connection stands, as this rank sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
