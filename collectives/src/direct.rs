@@ -55,7 +55,7 @@ use std::collections::VecDeque;
 
 use tutti_runtime::clock::{Deadline, Moment};
 use tutti_runtime::window::{
-    Offer, ProcessState, ReadError, Spin, Window, LINES, LINE_BYTES, OFFER_LEN,
+    Offer, ProcessState, ReadError, Spin, Window, CELL_DATA, LINES, LINE_BYTES, OFFER_LEN,
 };
 use tutti_runtime::wire::{Fingerprint, Header, MsgDesc, Tag, HEADER_LEN};
 use tutti_runtime::{Error as RtError, OpContext};
@@ -159,6 +159,8 @@ pub(crate) struct Direct {
     agreed: Vec<Cell<u64>>,
     /// Calls run on the line slots (for the tests).
     lines: u64,
+    /// Of those, calls on the cells (for the tests).
+    cells: u64,
     /// Calls whose pieces the peers took by single copy (for the tests).
     singles: u64,
     /// Line slots used by turns ([`line_turns`]).
@@ -409,6 +411,7 @@ impl Direct {
             known_done,
             agreed,
             lines: 0,
+            cells: 0,
             singles: 0,
             turns: line_turns(n),
             unchecked: RefCell::default(),
@@ -776,18 +779,105 @@ impl Direct {
         fill: impl FnOnce(*mut u8),
     ) -> Result<()> {
         debug_assert!(len <= LINE_DATA);
-        self.free(call, g, self.turns, ahead, 0)?;
-        let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
-        let slot = self.wins[self.me].line(s);
-        // SAFETY: our own free line slot: the stamp, then `len` ≤ LINE_DATA bytes of data.
-        unsafe {
-            std::ptr::copy_nonoverlapping(stamp.as_ptr(), slot.add(LINE_STAMP), HEADER_LEN);
-            if len > 0 {
-                fill(slot.add(LINE_DATA_AT));
-            }
+        self.line_stamp(call, (g, s), ahead)?;
+        if len > 0 {
+            // SAFETY: our own free line slot: `len` ≤ LINE_DATA bytes of data after the stamp.
+            fill(unsafe { self.wins[self.me].line(s).add(LINE_DATA_AT) });
         }
         self.wins[self.me].publish_line(s, g);
         Ok(())
+    }
+
+    /// Step 1 of generation `g` on our line slot `s` ([`Direct::free`]), and its stamp written
+    /// there (not published); returns the stamp.
+    fn line_stamp(
+        &self,
+        call: &Call<'_>,
+        (g, s): (u64, usize),
+        ahead: bool,
+    ) -> Result<[u8; HEADER_LEN]> {
+        self.free(call, g, self.turns, ahead, 0)?;
+        let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
+        // SAFETY: our own free line slot, which holds the stamp after its generation word.
+        unsafe {
+            let slot = self.wins[self.me].line(s);
+            std::ptr::copy_nonoverlapping(stamp.as_ptr(), slot.add(LINE_STAMP), HEADER_LEN);
+        }
+        Ok(stamp)
+    }
+
+    /// Begin generation `g` on our cell `s` (and line slot `s`, which gets the stamp): once
+    /// they are free, write the stamp and `data` (at most [`CELL_DATA`] bytes), and post the
+    /// cell with its check word ([`cell_word`]). `ahead` as for [`Direct::line_post`].
+    fn cell_post(
+        &self,
+        call: &Call<'_>,
+        (g, s): (u64, usize),
+        ahead: bool,
+        data: *const u8,
+        len: usize,
+    ) -> Result<()> {
+        debug_assert!(len <= CELL_DATA);
+        let stamp = self.line_stamp(call, (g, s), ahead)?;
+        // SAFETY: the caller's `len` ≤ CELL_DATA bytes into our own free cell.
+        unsafe { std::ptr::copy_nonoverlapping(data, self.wins[self.me].cell(s), len) };
+        self.wins[self.me].post_cell(s, g, cell_word(g, &stamp));
+        Ok(())
+    }
+
+    /// Wait until peer `r` posted generation `g` on its cell `s` and check its word against
+    /// the stamp this rank expects of it; return where its data starts (valid until we publish
+    /// *done* = `g`). A word of generation `g` with another check is the peer's other call:
+    /// the stamp it wrote in its line slot says which.
+    fn cell_wait(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
+        let high = g as u32;
+        let mut v = self.wins[r].cell_word(s);
+        if (v >> 32) as u32 != high {
+            let alive = self.alive(call, r, || (self.wins[r].cell_word(s) >> 32) as u32 == high);
+            let check = || {
+                alive()?;
+                self.buffer_call_at(call, r, g)?;
+                self.line_stamp_at(call, r, g, s)
+            };
+            let w = self.wins[r].wait_cell(s, high, call.deadline, self.spin, check);
+            v = self.waited(call, w, r, 0)?;
+        }
+        let want = Header::data(call.desc, call.global(r), g as usize).encode();
+        if v != cell_word(g, &want) {
+            // SAFETY: the peer's line slot, stamped before it posted its cell; it does not
+            // write it again before we publish *done* = `g`.
+            let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
+            self.check_stamp(call, r, g, &raw).map_err(Error::Runtime)?;
+            return Err(Error::Runtime(RtError::Protocol {
+                rank: call.global(self.me),
+                peer: call.global(r),
+                detail: format!(
+                    "its cell's check word {v:#018x} at generation {g} of {} does not match \
+                     its stamp",
+                    call.op_name
+                ),
+            }));
+        }
+        Ok(self.wins[r].cell(s))
+    }
+
+    /// While we wait on peer `r`'s cell `s` for generation `g`: a peer whose line slot holds
+    /// `g` with another stamp made another call there (a peer posting its cell stamps the slot
+    /// first, with the same stamp).
+    fn line_stamp_at(
+        &self,
+        call: &Call<'_>,
+        r: usize,
+        g: u64,
+        s: usize,
+    ) -> std::result::Result<(), RtError> {
+        if self.wins[r].line_gen(s) != g {
+            return Ok(());
+        }
+        // SAFETY: the peer's line slot, which holds generation `g` until the peer begins
+        // `g + turns` (it needs us done with `g` for that).
+        let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
+        self.check_stamp(call, r, g, &raw)
     }
 
     /// Wait until peer `r` posted generation `g` on its line slot `s`, check its stamp, and
@@ -1081,6 +1171,29 @@ impl Direct {
             // (`settle`: a peer that made another call, or believes another rank the root, is
             // named there). A non-root finds such a mismatch in the root's stamp.
             let (g, s) = self.next_line();
+            if len <= CELL_DATA {
+                // The smallest: on the cells, several calls to a cache line, so a reader that
+                // trails its root finds the next calls in the line it already has. The root's
+                // stamp goes to its line slot, the others' as below.
+                self.cells += 1;
+                if self.me == root {
+                    self.cell_post(call, (g, s), true, src, len)?;
+                    if !std::ptr::eq(src, dst) {
+                        // SAFETY: the caller's distinct input and output, `len` bytes each.
+                        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+                    }
+                    let op_name = call.op_name;
+                    let u = Unchecked { g, s, desc: call.desc, op_name };
+                    self.unchecked.borrow_mut().push_back(u);
+                } else {
+                    self.line_post(call, (g, s), false, 0, |_| ())?;
+                    let p = self.cell_wait(call, root, g, s)?;
+                    // SAFETY: the root's posted bytes into our output.
+                    unsafe { std::ptr::copy_nonoverlapping(p, dst, len) };
+                }
+                self.finish(g);
+                return Ok(());
+            }
             if self.me == root {
                 // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot,
                 // and to its output when out of place.
@@ -1505,6 +1618,20 @@ fn same_stamp(a: &[u8; HEADER_LEN], b: &[u8; HEADER_LEN]) -> bool {
     (0..HEADER_LEN / 8).fold(0, |d, i| d | (word(a, i) ^ word(b, i))) == 0
 }
 
+/// A cell's check word for generation `g` and `stamp` (its writer's): the generation's low 32
+/// bits above a 32-bit hash of the stamp. A reader waits for the generation and compares the
+/// whole word with the one the stamp it expects gives; another stamp gives another word but
+/// for one in 2^32, and the full stamp in the writer's line slot then names the call.
+fn cell_word(g: u64, stamp: &[u8; HEADER_LEN]) -> u64 {
+    let mut h = 0u64;
+    for w in stamp.chunks_exact(8) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        h = (h.rotate_left(29) ^ u64::from_le_bytes(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    (g << 32) | (h >> 32)
+}
+
 /// The descriptor of a direct call: its tag (step 0) and fingerprint.
 pub(crate) fn desc(group: u32, seq: u64, fp: Fingerprint) -> MsgDesc {
     MsgDesc { tag: Tag { group, seq, step: 0 }, fp }
@@ -1580,7 +1707,22 @@ mod tests {
                     // One past a line slot: the buffers.
                     let mut big = vec![1u8; LINE_DATA + 1];
                     c.with_algo(Algo::Direct).broadcast(&mut big, 0).unwrap();
-                    with_direct(&c, |d| assert_eq!(d.lines, 5, "rank {r} of {n}"));
+                    with_direct(&c, |d| assert_eq!((d.lines, d.cells), (5, 0), "rank {r} of {n}"));
+                    // A cell's worth, from every root in turn, more calls than there are cells,
+                    // the roots running ahead: on the cells.
+                    for k in 0..3 * LINES as i64 {
+                        let root = (k % n as i64) as usize;
+                        let mut x = [if r == root { k * 0x0101_0101_0101 + 3 } else { 0 }];
+                        c.with_algo(Algo::Direct).broadcast(&mut x, root).unwrap();
+                        assert_eq!(x, [k * 0x0101_0101_0101 + 3], "call {k}");
+                    }
+                    let mut tiny = [r as u8; 3];
+                    c.with_algo(Algo::Direct).broadcast(&mut tiny, 2).unwrap();
+                    assert_eq!(tiny, [2; 3]);
+                    with_direct(&c, |d| {
+                        let cells = 3 * LINES as u64 + 1;
+                        assert_eq!((d.lines, d.cells), (5 + cells, cells), "rank {r} of {n}");
+                    });
                 });
             }
         });
@@ -1645,6 +1787,59 @@ mod tests {
                 assert!(h.join().unwrap(), "rank 1's call must end with the abort");
             });
         }
+    }
+
+    #[test]
+    fn a_cell_of_another_call_is_named_and_its_data_never_used() {
+        // Rank 1, root of an 8-byte broadcast, posts its cell and returns (it waits for
+        // nobody), then waits in its next call. Rank 0 reads the cell as its waits do: with the
+        // root's own call it gets the bytes; with another count (a call of another cell's
+        // worth), the word's check fails and the root's stamp names the call; and a reader of
+        // another kind of small call finds the stamp in the line slot.
+        let mut comms = Comm::mem_world(2).into_iter();
+        let (c0, c1) = (comms.next().unwrap(), comms.next().unwrap());
+        std::thread::scope(|s| {
+            let h = s.spawn(move || {
+                c1.allreduce(&mut [0f32; 1], ReduceOp::Sum).unwrap();
+                c1.with_algo(Algo::Direct).broadcast(&mut [0x55u8; 8], 1).unwrap();
+                c1.barrier().is_err()
+            });
+            c0.allreduce(&mut [0f32; 1], ReduceOp::Sum).unwrap();
+            with_direct(&c0, |d| {
+                let g = d.gen + 1;
+                let s = (g % d.turns) as usize;
+                let until = Instant::now() + Duration::from_secs(20);
+                while (d.wins[1].cell_word(s) >> 32) as u32 != g as u32 {
+                    assert!(Instant::now() < until, "rank 1 never posted generation {g}");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                // SAFETY: the root's stamp, in its line slot before its cell was posted.
+                let raw = unsafe { Direct::read_stamp(d.wins[1].line(s).add(LINE_STAMP)) };
+                let stamp = Header::decode(&raw).unwrap();
+                let now = Moment::now();
+                let call = |count: u64| Call {
+                    group: &c0.group,
+                    op_name: "broadcast",
+                    desc: MsgDesc { fp: Fingerprint { count, ..stamp.desc.fp }, ..stamp.desc },
+                    start: now,
+                    deadline: Deadline::after(now, Duration::from_secs(10)),
+                    bytes: count as usize,
+                };
+                let p = d.cell_wait(&call(8), 1, g, s).expect("the root's own call");
+                // SAFETY: the root's cell, posted; it waits for us now.
+                assert_eq!(unsafe { std::slice::from_raw_parts(p, 8) }, &[0x55; 8]);
+                for other in [4, 16] {
+                    let e = d.cell_wait(&call(other), 1, g, s).map(|_| ()).unwrap_err();
+                    let e = e.to_string();
+                    assert!(e.contains("count 8") && e.contains(&format!("count {other}")), "{e}");
+                    let e = d.line_stamp_at(&call(other), 1, g, s).unwrap_err();
+                    assert!(matches!(e, RtError::Mismatch { .. }), "{e:?}");
+                }
+                assert!(d.line_stamp_at(&call(8), 1, g, s).is_ok(), "the same call: no mismatch");
+            });
+            c0.group.abort("the test is done");
+            assert!(h.join().unwrap(), "rank 1's barrier must end with the abort");
+        });
     }
 
     #[test]

@@ -123,6 +123,33 @@ both!(root_mismatch, |kind| {
     assert_all(&errs, t, &["root 0", "root 1"]);
 });
 
+both!(small_broadcasts_that_differ_are_named, |kind| {
+    // The smallest broadcasts (8 bytes and less) go on their own cells where ranks read each
+    // other's memory; 16 bytes do not. Rank 2 differs in count (on the cells or not) or in
+    // root. The root returns before its readers read, so it learns at its next call.
+    let cases: [(&[&str], Call); 3] = [
+        (&["count 8", "count 16"], |c| {
+            let mut x = vec![1u8; if c.rank() == 2 { 16 } else { 8 }];
+            c.broadcast(&mut x, 0)?;
+            c.barrier().map(|_| ())
+        }),
+        (&["count 8", "count 4"], |c| {
+            let mut x = vec![1u8; if c.rank() == 2 { 4 } else { 8 }];
+            c.broadcast(&mut x, 0)?;
+            c.barrier().map(|_| ())
+        }),
+        (&["mismatch", "root 1"], |c| {
+            let mut x = [1u8; 8];
+            c.broadcast(&mut x, if c.rank() == 2 { 1 } else { 0 })?;
+            c.barrier().map(|_| ())
+        }),
+    ];
+    for (needles, f) in cases {
+        let (errs, t) = run(kind, f);
+        assert_all(&errs, t, needles);
+    }
+});
+
 both!(skipped_call, |kind| {
     // Rank 3 skips the first allreduce and goes straight to an allgather.
     let (errs, t) = run(kind, |c| {

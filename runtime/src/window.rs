@@ -9,6 +9,9 @@
 //!   1536    waiters: how many peers sleep on the window; 1600: the ticket (futex word),
 //!           bumped at a publish that finds sleepers
 //!   2048    STAMPS slots of STAMP_BYTES, written by the owner (what the data holds now)
+//!   2560    LINES cells of CELL_BYTES, four to a cache line: a check word (u64), then
+//!           CELL_DATA bytes (the smallest calls, whose readers find the next calls' cells
+//!           in the cache line they already waited on)
 //!   4096    LINES line slots of LINE_BYTES: a generation word (u64), then what the owner
 //!           wrote for that generation (small calls carry their stamp and data here, so a
 //!           reader finds both in the cache lines it waited on)
@@ -18,7 +21,8 @@
 //! The owner writes its data, then [`publishes`](Window::publish) a counter (a release store);
 //! a reader that [`waits`](Window::wait) until the counter reaches a value sees the data written
 //! before it; a line slot's generation word works the same way
-//! ([`Window::publish_line`], [`Window::wait_line`]). A waiter spins for a moment, then sleeps
+//! ([`Window::publish_line`], [`Window::wait_line`]), and so does a cell's check word
+//! ([`Window::post_cell`], [`Window::wait_cell`]). A waiter spins for a moment, then sleeps
 //! on the window (a futex on the shared page, so it works across processes) in slices, asking
 //! its caller between slices whether to give up (a lost peer, an abort); the owner wakes
 //! sleepers only when some are registered.
@@ -58,6 +62,10 @@ pub const STAMP_BYTES: usize = 64;
 pub const LINES: usize = 32;
 /// Bytes of one line slot, its generation word included.
 pub const LINE_BYTES: usize = 2048;
+/// Bytes of one cell, its check word included.
+pub const CELL_BYTES: usize = 16;
+/// Bytes of data a cell carries.
+pub const CELL_DATA: usize = CELL_BYTES - 8;
 /// Bytes of an encoded [`Offer`].
 pub const OFFER_LEN: usize = 40;
 
@@ -71,8 +79,10 @@ const WAITERS_AT: usize = COUNTERS_AT + 128 * COUNTERS;
 const TICKET_AT: usize = WAITERS_AT + 64;
 const STAMPS_AT: usize = 2048;
 const _: () = assert!(TICKET_AT + 4 <= STAMPS_AT);
+const CELLS_AT: usize = 2560;
+const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= CELLS_AT && CELLS_AT.is_multiple_of(64));
 const LINES_AT: usize = 4096;
-const _: () = assert!(STAMPS_AT + STAMPS * STAMP_BYTES <= LINES_AT);
+const _: () = assert!(CELLS_AT + LINES * CELL_BYTES <= LINES_AT);
 // Stamp slots start 8-byte aligned: a word at an 8-byte offset in one may be an atomic.
 const _: () = assert!(STAMPS_AT.is_multiple_of(8) && STAMP_BYTES.is_multiple_of(8));
 const _: () = assert!(HEADER.is_multiple_of(4096));
@@ -382,7 +392,73 @@ impl Window {
         spin: Spin,
         check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
-        self.wait_word(self.line_ref(i), at_least, until.into(), spin, check)
+        self.wait_word(self.line_ref(i), |v| v >= at_least, until.into(), spin, check)
+    }
+
+    /// Cell `i` (of [`LINES`]): a check word, then [`CELL_DATA`] bytes the owner writes before
+    /// posting the cell ([`Window::post_cell`]); readers read them after [`Window::wait_cell`].
+    /// Returns where the data starts.
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    #[inline]
+    pub fn cell(&self, i: usize) -> *mut u8 {
+        assert!(i < LINES, "cell {i} of {LINES}");
+        // SAFETY: inside the header page; the cell's data follows its 8-byte word.
+        unsafe { self.map.base().add(CELLS_AT + i * CELL_BYTES + 8) }
+    }
+
+    #[inline]
+    fn cell_ref(&self, i: usize) -> &AtomicU64 {
+        assert!(i < LINES, "cell {i} of {LINES}");
+        // SAFETY: the cell's first word, 8-byte aligned, valid for the mapping's life; only
+        // ever accessed atomically.
+        unsafe { &*self.map.base().add(CELLS_AT + i * CELL_BYTES).cast::<AtomicU64>() }
+    }
+
+    /// Cell `i`'s check word now (an acquire load).
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    #[inline]
+    pub fn cell_word(&self, i: usize) -> u64 {
+        self.cell_ref(i).load(Ordering::Acquire)
+    }
+
+    /// Post cell `i` of this rank's own window: set line slot `i`'s generation word to `line`
+    /// (the owner wrote the slot's stamp first), then the cell's check word to `word` (the
+    /// owner wrote the cell's data first), and wake the peers sleeping on the window once. A
+    /// reader that sees `word` sees both; one that waits on the line slot instead sees its
+    /// generation and stamp.
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    #[inline]
+    pub fn post_cell(&self, i: usize, line: u64, word: u64) {
+        self.line_ref(i).store(line, Ordering::Release);
+        self.cell_ref(i).store(word, Ordering::Release);
+        self.wake();
+    }
+
+    /// Wait until the high 32 bits of cell `i`'s check word are `high` (the word is returned
+    /// then), as [`Window::wait`] waits for a counter. The owner writes a cell again only
+    /// once its readers are through with it, so the word waited for stays until then.
+    ///
+    /// # Errors
+    /// `check`'s.
+    ///
+    /// # Panics
+    /// If `i` is not below [`LINES`].
+    pub fn wait_cell<E>(
+        &self,
+        i: usize,
+        high: u32,
+        until: impl Into<Deadline>,
+        spin: Spin,
+        check: impl FnMut() -> Result<(), E>,
+    ) -> Result<Option<u64>, E> {
+        let met = |v: u64| (v >> 32) as u32 == high;
+        self.wait_word(self.cell_ref(i), met, until.into(), spin, check)
     }
 
     #[inline]
@@ -455,19 +531,19 @@ impl Window {
         spin: Spin,
         check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
-        self.wait_word(self.counter_ref(i), at_least, until.into(), spin, check)
+        self.wait_word(self.counter_ref(i), |v| v >= at_least, until.into(), spin, check)
     }
 
     fn wait_word<E>(
         &self,
         c: &AtomicU64,
-        at_least: u64,
+        met: impl Fn(u64) -> bool,
         until: Deadline,
         spin: Spin,
         mut check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
         let v = c.load(Ordering::Acquire);
-        if v >= at_least {
+        if met(v) {
             return Ok(Some(v));
         }
         // Spin hot: the word is read after every pause (a pause is tens of nanoseconds, and
@@ -477,7 +553,7 @@ impl Window {
         let looks = || {
             (0..SPIN_CHECKS).find_map(|_| {
                 std::hint::spin_loop();
-                Some(c.load(Ordering::Acquire)).filter(|v| *v >= at_least)
+                Some(c.load(Ordering::Acquire)).filter(|v| met(*v))
             })
         };
         if !spin.hot.is_zero() {
@@ -495,7 +571,7 @@ impl Window {
         while start.elapsed() < spin.hot + spin.yielding {
             std::thread::yield_now();
             let v = c.load(Ordering::Acquire);
-            if v >= at_least {
+            if met(v) {
                 return Ok(Some(v));
             }
             yields += 1;
@@ -510,16 +586,16 @@ impl Window {
             let now = Instant::now();
             if now >= until {
                 let v = c.load(Ordering::Acquire);
-                return Ok((v >= at_least).then_some(v));
+                return Ok(met(v).then_some(v));
             }
             self.waiters().fetch_add(1, Ordering::SeqCst);
             let t = self.ticket().load(Ordering::SeqCst);
             let v = c.load(Ordering::SeqCst);
-            if v < at_least {
+            if !met(v) {
                 // A publish at the moment we registered may have missed us (its store is not
                 // fenced from its look at *waiters*): nap, look again, then sleep on.
                 futex_wait(self.ticket().as_ptr(), t, NAP.min(until - now));
-                if c.load(Ordering::Acquire) < at_least {
+                if !met(c.load(Ordering::Acquire)) {
                     let now = Instant::now();
                     if now < until {
                         futex_wait(self.ticket().as_ptr(), t, (SLICE - NAP).min(until - now));
@@ -528,7 +604,7 @@ impl Window {
             }
             self.waiters().fetch_sub(1, Ordering::SeqCst);
             let v = c.load(Ordering::Acquire);
-            if v >= at_least {
+            if met(v) {
                 return Ok(Some(v));
             }
         }
@@ -884,6 +960,56 @@ mod tests {
         }
         let median = t.join().unwrap();
         assert!(median < Duration::from_micros(250), "the median wait took {median:?}");
+    }
+
+    #[test]
+    fn a_cell_carries_what_was_written_before_its_word_and_wakes_a_sleeper() {
+        let (mine, offer) = Window::create(4096).unwrap();
+        let peer = Window::attach(&offer).unwrap();
+        // Cells of consecutive generations share cache lines; the peer sleeps on every wait
+        // not already over (as in the line slot test), and checks the whole word, the line
+        // slot's generation and the data.
+        let word = |g: u64| (g << 32) | ((g * 0x9e37_79b9) & 0xffff_ffff);
+        let t = std::thread::spawn(move || {
+            let far = Instant::now() + Duration::from_secs(10);
+            for g in 1..=1000u64 {
+                let s = (g % LINES as u64) as usize;
+                let v = peer.wait_cell(s, g as u32, far, Spin::default(), || Ok::<(), ()>(()));
+                assert_eq!(v, Ok(Some(word(g))), "generation {g}");
+                assert_eq!(peer.line_gen(s), g, "the line slot's generation comes first");
+                // SAFETY: written before the word; not written again before we publish `g`.
+                let b = unsafe { std::slice::from_raw_parts(peer.cell(s), CELL_DATA) };
+                assert_eq!(b, &(g * 3).to_le_bytes(), "generation {g}");
+                peer.publish(0, g);
+            }
+        });
+        let far = Instant::now() + Duration::from_secs(10);
+        for g in 1..=1000u64 {
+            let s = (g % LINES as u64) as usize;
+            if g > LINES as u64 {
+                let free = g - LINES as u64;
+                let hot = Spin { hot: Duration::from_micros(50), yielding: Duration::ZERO };
+                assert_eq!(
+                    mine.wait(0, free, far, hot, || Ok::<(), ()>(())).map(|v| v.is_some()),
+                    Ok(true)
+                );
+            }
+            // SAFETY: our own cell; the peer is done with its previous generation.
+            unsafe {
+                std::ptr::copy_nonoverlapping((g * 3).to_le_bytes().as_ptr(), mine.cell(s), 8)
+            };
+            mine.post_cell(s, g, word(g));
+        }
+        t.join().unwrap();
+        // A word whose high half is not the one waited for does not end the wait.
+        let r = mine.wait_cell(
+            1,
+            7,
+            Instant::now() + Duration::from_millis(20),
+            Spin::default(),
+            || Ok::<(), ()>(()),
+        );
+        assert_eq!(r, Ok(None));
     }
 
     #[test]
