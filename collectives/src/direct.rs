@@ -38,7 +38,10 @@
 //! buffers, by turns ([`line_turns`] of the [`LINES`]), each carrying its stamp and data in the cache lines a reader waits
 //! on. A small broadcast's root waits for nobody: it checks its readers' stamps at its later
 //! generations, and keeps its *done* below the first it has not checked
-//! ([`Direct::settle`]). Waits spin
+//! ([`Direct::settle`]). A broadcast of at most [`CELL_DATA`] bytes puts its data on the
+//! root's cell of the same turn instead, four cells to a cache line, under a check word of
+//! a hash of its stamp ([`cell_word`]; the full stamp stays in the line slot): a reader
+//! that trails its root finds the next calls in the line it already read. Waits spin
 //! briefly and then sleep on the peer's window; between sleeps they ask the transport whether
 //! the group failed and apply the dead-peer rule to the peer waited for — from its link
 //! (`Transport::check_peer`), or, with no link to it connected, from what the kernel says of
@@ -821,42 +824,25 @@ impl Direct {
         let stamp = self.line_stamp(call, (g, s), ahead)?;
         // SAFETY: the caller's `len` ≤ CELL_DATA bytes into our own free cell.
         unsafe { std::ptr::copy_nonoverlapping(data, self.wins[self.me].cell(s), len) };
-        self.wins[self.me].post_cell(s, g, cell_word(g, &stamp));
+        self.wins[self.me].post_cell(s, g, cell_word(&stamp));
         Ok(())
     }
 
-    /// Wait until peer `r` posted generation `g` on its cell `s` and check its word against
-    /// the stamp this rank expects of it; return where its data starts (valid until we publish
-    /// *done* = `g`). A word of generation `g` with another check is the peer's other call:
-    /// the stamp it wrote in its line slot says which.
+    /// Wait until peer `r` posted generation `g` on its cell `s` with the check word the stamp
+    /// this rank expects of it gives; return where its data starts (valid until we publish
+    /// *done* = `g`). A peer that made another call never posts that word: the waits' check
+    /// names it from the stamp in its line slot, or from its buffer's.
     fn cell_wait(&self, call: &Call<'_>, r: usize, g: u64, s: usize) -> Result<*const u8> {
-        let high = g as u32;
-        let mut v = self.wins[r].cell_word(s);
-        if (v >> 32) as u32 != high {
-            let alive = self.alive(call, r, || (self.wins[r].cell_word(s) >> 32) as u32 == high);
+        let want = cell_word(&Header::data(call.desc, call.global(r), g as usize).encode());
+        if self.wins[r].cell_word(s) != want {
+            let alive = self.alive(call, r, || self.wins[r].cell_word(s) == want);
             let check = || {
                 alive()?;
                 self.buffer_call_at(call, r, g)?;
                 self.line_stamp_at(call, r, g, s)
             };
-            let w = self.wins[r].wait_cell(s, high, call.deadline, self.spin, check);
-            v = self.waited(call, w, r, 0)?;
-        }
-        let want = Header::data(call.desc, call.global(r), g as usize).encode();
-        if v != cell_word(g, &want) {
-            // SAFETY: the peer's line slot, stamped before it posted its cell; it does not
-            // write it again before we publish *done* = `g`.
-            let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
-            self.check_stamp(call, r, g, &raw).map_err(Error::Runtime)?;
-            return Err(Error::Runtime(RtError::Protocol {
-                rank: call.global(self.me),
-                peer: call.global(r),
-                detail: format!(
-                    "its cell's check word {v:#018x} at generation {g} of {} does not match \
-                     its stamp",
-                    call.op_name
-                ),
-            }));
+            let w = self.wins[r].wait_cell(s, want, call.deadline, self.spin, check);
+            self.waited(call, w, r, 0)?;
         }
         Ok(self.wins[r].cell(s))
     }
@@ -1618,18 +1604,18 @@ fn same_stamp(a: &[u8; HEADER_LEN], b: &[u8; HEADER_LEN]) -> bool {
     (0..HEADER_LEN / 8).fold(0, |d, i| d | (word(a, i) ^ word(b, i))) == 0
 }
 
-/// A cell's check word for generation `g` and `stamp` (its writer's): the generation's low 32
-/// bits above a 32-bit hash of the stamp. A reader waits for the generation and compares the
-/// whole word with the one the stamp it expects gives; another stamp gives another word but
-/// for one in 2^32, and the full stamp in the writer's line slot then names the call.
-fn cell_word(g: u64, stamp: &[u8; HEADER_LEN]) -> u64 {
+/// A cell's check word for `stamp` (its writer's, which holds the call, the writer's rank and
+/// the generation): a 64-bit hash of it, never 0 (a cell never posted). A reader waits for the
+/// word the stamp it expects gives: another call, or an earlier generation's post still in the
+/// cell, gives another word but for one stamp in 2^63.
+fn cell_word(stamp: &[u8; HEADER_LEN]) -> u64 {
     let mut h = 0u64;
     for w in stamp.chunks_exact(8) {
         let mut b = [0u8; 8];
         b.copy_from_slice(w);
         h = (h.rotate_left(29) ^ u64::from_le_bytes(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
-    (g << 32) | (h >> 32)
+    (h ^ (h >> 31)) | 1
 }
 
 /// The descriptor of a direct call: its tag (step 0) and fingerprint.
@@ -1809,7 +1795,7 @@ mod tests {
                 let g = d.gen + 1;
                 let s = (g % d.turns) as usize;
                 let until = Instant::now() + Duration::from_secs(20);
-                while (d.wins[1].cell_word(s) >> 32) as u32 != g as u32 {
+                while d.wins[1].line_gen(s) != g || d.wins[1].cell_word(s) == 0 {
                     assert!(Instant::now() < until, "rank 1 never posted generation {g}");
                     std::thread::sleep(Duration::from_millis(1));
                 }

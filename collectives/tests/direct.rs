@@ -442,40 +442,45 @@ both!(a_small_call_against_a_large_one_is_named, |kind| {
 });
 
 both!(a_small_broadcast_root_mismatch_is_named_on_the_roots, |kind| {
-    let (errs, t) = run(kind, 2, Duration::from_secs(30), |c| {
-        let mut x = vec![c.rank() as u8; 64];
-        let c = c.with_algo(Algo::Direct);
-        // A small broadcast's root waits for nobody: it checks the others' stamps at its next
-        // direct call, which fails naming the broadcast.
-        c.broadcast(&mut x, c.rank())?;
-        c.allreduce(&mut x, ReduceOp::Max).map(|_| ())
-    });
-    // Each root reads the other's stamp (whichever names it first, the other may learn it from
-    // its abort, which quotes it).
-    let errs = errors(errs);
-    assert!(errs.iter().all(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
-    assert!(t < Duration::from_secs(10), "{t:?}");
+    for len in [8, 64] {
+        let (errs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+            let mut x = vec![c.rank() as u8; len];
+            let c = c.with_algo(Algo::Direct);
+            // A small broadcast's root waits for nobody: it checks the others' stamps at its
+            // next direct call, which fails naming the broadcast.
+            c.broadcast(&mut x, c.rank())?;
+            c.allreduce(&mut x, ReduceOp::Max).map(|_| ())
+        });
+        // Each root reads the other's stamp (whichever names it first, the other may learn it
+        // from its abort, which quotes it).
+        let errs = errors(errs);
+        let named = errs.iter().all(|e| e.contains("root 0") && e.contains("root 1"));
+        assert!(named, "{len}: {errs:?}");
+        assert!(t < Duration::from_secs(10), "{len}: {t:?}");
+    }
 });
 
 both!(roots_that_only_broadcast_are_named_by_a_line_slot_reuse, |kind| {
     // Two ranks each believe themselves the root of every small broadcast and make no other
     // call: each runs ahead, and checks the other's stamps when it needs that line slot again
-    // (32 calls on with 2 ranks), not later.
-    let (rs, t) = run(kind, 2, Duration::from_secs(30), |c| {
-        let c = c.with_algo(Algo::Direct);
-        for made in 0..200 {
-            let mut x = vec![c.rank() as u8; 64];
-            if let Err(e) = c.broadcast(&mut x, c.rank()) {
-                return (made, e.to_string());
+    // (32 calls on with 2 ranks), not later. On the cells (8 bytes) and the line slots.
+    for len in [8, 64] {
+        let (rs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+            let c = c.with_algo(Algo::Direct);
+            for made in 0..200 {
+                let mut x = vec![c.rank() as u8; len];
+                if let Err(e) = c.broadcast(&mut x, c.rank()) {
+                    return (made, e.to_string());
+                }
             }
+            (200, String::new())
+        });
+        for (made, e) in &rs {
+            assert!(e.contains("root 0") && e.contains("root 1"), "{len}: {e}");
+            assert!(*made <= 32, "{len}: {made} calls returned before the mismatch was named");
         }
-        (200, String::new())
-    });
-    for (made, e) in &rs {
-        assert!(e.contains("root 0") && e.contains("root 1"), "{e}");
-        assert!(*made <= 32, "{made} calls returned before the mismatch was named");
+        assert!(t < Duration::from_secs(10), "{len}: {t:?}");
     }
-    assert!(t < Duration::from_secs(10), "{t:?}");
 });
 
 both!(two_roots_with_a_reader_that_agrees_with_one_are_named_everywhere, |kind| {
@@ -483,26 +488,33 @@ both!(two_roots_with_a_reader_that_agrees_with_one_are_named_everywhere, |kind| 
     // call (rank 1's stamp agrees with its own), so its *done* passes rank 0's broadcasts.
     // Checked: every rank fails, naming both roots, in time (which root finds it first is
     // not: the other may learn it from the abort, which quotes it).
-    let (rs, t) = run(kind, 3, Duration::from_secs(30), |c| {
-        let root = if c.rank() == 0 { 0 } else { 1 };
-        for _ in 0..200 {
-            let mut x = vec![c.rank() as u8; 16];
-            c.with_algo(Algo::Direct).broadcast(&mut x, root)?;
-        }
-        Ok(())
-    });
-    let errs = errors(rs);
-    assert!(errs.iter().all(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
-    assert!(t < Duration::from_secs(10), "{t:?}");
+    for len in [8, 16] {
+        let (rs, t) = run(kind, 3, Duration::from_secs(30), |c| {
+            let root = if c.rank() == 0 { 0 } else { 1 };
+            for _ in 0..200 {
+                let mut x = vec![c.rank() as u8; len];
+                c.with_algo(Algo::Direct).broadcast(&mut x, root)?;
+            }
+            Ok(())
+        });
+        let errs = errors(rs);
+        let named = errs.iter().all(|e| e.contains("root 0") && e.contains("root 1"));
+        assert!(named, "{len}: {errs:?}");
+        assert!(t < Duration::from_secs(10), "{len}: {t:?}");
+    }
 });
 
 both!(a_small_broadcast_root_runs_ahead_of_slow_readers_exactly, |kind| {
     // The root of small broadcasts waits for nobody: it runs up to a line slot's reuse ahead
     // of its slowest reader, which here falls behind now and then. Every reader gets every
-    // call's own data, in order; a change of root and the calls after catch up.
+    // call's own data, in order; a change of root and the calls after catch up. One element
+    // (8 bytes: the cells) and three (the line slots).
     let (oks, _) = run(kind, 4, Duration::from_secs(60), |c| {
         let r = c.rank();
-        for (k, root) in (0..300).map(|k| (k, if k < 200 { 0 } else { 1 + k % 3 })) {
+        let calls = (0..300).map(|k| (k, if k < 200 { 0 } else { 1 + k % 3 }));
+        for (blk, (k, root)) in
+            [1usize, 3].into_iter().flat_map(|b| calls.clone().map(move |x| (b, x)))
+        {
             if r == 3 && k % 50 == 0 {
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -513,10 +525,10 @@ both!(a_small_broadcast_root_runs_ahead_of_slow_readers_exactly, |kind| {
                 std::thread::sleep(Duration::from_millis(50));
             }
             let w = |i: usize| val(root, k, i);
-            let mut b: Vec<i64> = (0..3).map(|i| if r == root { w(i) } else { 0 }).collect();
+            let mut b: Vec<i64> = (0..blk).map(|i| if r == root { w(i) } else { 0 }).collect();
             let st = c.broadcast(&mut b, root).unwrap();
             assert_eq!(st.algo, Algo::Direct);
-            assert!(b.iter().enumerate().all(|(i, v)| *v == w(i)), "rank {r}: call {k}");
+            assert!(b.iter().enumerate().all(|(i, v)| *v == w(i)), "rank {r}: {blk}, call {k}");
         }
         let mut x = [r as i64];
         c.allreduce(&mut x, ReduceOp::Sum).unwrap();
@@ -531,20 +543,24 @@ both!(a_root_that_ran_ahead_and_stopped_leaves_no_reader_waiting, |kind| {
     // up to a line slot's reuse (32 calls) back. Rank 2 is 32 calls behind when the root makes
     // its last call, and posts its stamp of that call only while the root waits for it to be
     // done with it (after the root looked for the stamp without waiting).
-    let (oks, t) = run(kind, 3, Duration::from_secs(10), |c| {
-        let r = c.rank();
-        for k in 0..80 {
-            if r == 2 && k == 80 - 33 {
-                std::thread::sleep(Duration::from_millis(20));
+    for blk in [1, 2] {
+        let (oks, t) = run(kind, 3, Duration::from_secs(10), |c| {
+            let r = c.rank();
+            for k in 0..80 {
+                if r == 2 && k == 80 - 33 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let mut b: Vec<i64> =
+                    (0..blk).map(|i| if r == 0 { val(0, k, i) } else { 0 }).collect();
+                c.broadcast(&mut b, 0).unwrap();
+                let exact = b.iter().enumerate().all(|(i, v)| *v == val(0, k, i));
+                assert!(exact, "rank {r}: {blk}, call {k}");
             }
-            let mut b: Vec<i64> = (0..2).map(|i| if r == 0 { val(0, k, i) } else { 0 }).collect();
-            c.broadcast(&mut b, 0).unwrap();
-            assert!(b.iter().enumerate().all(|(i, v)| *v == val(0, k, i)), "rank {r}: call {k}");
-        }
-        true
-    });
-    assert!(oks.iter().all(|o| *o));
-    assert!(t < Duration::from_secs(5), "{t:?}");
+            true
+        });
+        assert!(oks.iter().all(|o| *o));
+        assert!(t < Duration::from_secs(5), "{blk}: {t:?}");
+    }
 });
 
 both!(a_small_broadcast_root_mismatch_is_named_before_a_message_call, |kind| {
@@ -564,12 +580,15 @@ both!(a_reader_that_believes_another_root_is_named_on_every_rank, |kind| {
     // Rank 2 takes rank 1 for the root: it finds rank 1's stamp (a reader's, naming root 0)
     // and names the mismatch; the others learn it at their next call, the root from the stamp
     // it checks there or from the abort.
-    let (errs, t) = run(kind, 3, Duration::from_secs(30), |c| {
-        let mut x = vec![7u8; 16];
-        c.broadcast(&mut x, if c.rank() == 2 { 1 } else { 0 })?;
-        c.allreduce(&mut x, ReduceOp::Max).map(|_| ())
-    });
-    let errs = errors(errs);
-    assert!(errs.iter().all(|e| e.contains("root 0") && e.contains("root 1")), "{errs:?}");
-    assert!(t < Duration::from_secs(10), "{t:?}");
+    for len in [8, 16] {
+        let (errs, t) = run(kind, 3, Duration::from_secs(30), |c| {
+            let mut x = vec![7u8; len];
+            c.broadcast(&mut x, if c.rank() == 2 { 1 } else { 0 })?;
+            c.allreduce(&mut x, ReduceOp::Max).map(|_| ())
+        });
+        let errs = errors(errs);
+        let named = errs.iter().all(|e| e.contains("root 0") && e.contains("root 1"));
+        assert!(named, "{len}: {errs:?}");
+        assert!(t < Duration::from_secs(10), "{len}: {t:?}");
+    }
 });

@@ -125,11 +125,22 @@ both!(root_mismatch, |kind| {
 
 both!(small_broadcasts_that_differ_are_named, |kind| {
     // The smallest broadcasts (8 bytes and less) go on their own cells where ranks read each
-    // other's memory; 16 bytes do not. Rank 2 differs in count (on the cells or not) or in
-    // root. The root returns before its readers read, so it learns at its next call.
-    let cases: [(&[&str], Call); 3] = [
+    // other's memory; 16 bytes go on the line slots and 400 KB in the buffers. Rank 2, or the
+    // root, differs in count (on the cells or not) or in root. The root returns before its
+    // readers read, so it learns at its next call.
+    let cases: [(&[&str], Call); 5] = [
         (&["count 8", "count 16"], |c| {
             let mut x = vec![1u8; if c.rank() == 2 { 16 } else { 8 }];
+            c.broadcast(&mut x, 0)?;
+            c.barrier().map(|_| ())
+        }),
+        (&["count 8", "count 16"], |c| {
+            let mut x = vec![1u8; if c.rank() == 0 { 16 } else { 8 }];
+            c.broadcast(&mut x, 0)?;
+            c.barrier().map(|_| ())
+        }),
+        (&["count 8", "count 400000"], |c| {
+            let mut x = vec![1u8; if c.rank() == 0 { 400_000 } else { 8 }];
             c.broadcast(&mut x, 0)?;
             c.barrier().map(|_| ())
         }),

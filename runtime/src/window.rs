@@ -22,7 +22,8 @@
 //! a reader that [`waits`](Window::wait) until the counter reaches a value sees the data written
 //! before it; a line slot's generation word works the same way
 //! ([`Window::publish_line`], [`Window::wait_line`]), and so does a cell's check word
-//! ([`Window::post_cell`], [`Window::wait_cell`]). A waiter spins for a moment, then sleeps
+//! ([`Window::post_cell`], [`Window::wait_cell`]), except that a reader waits for one value
+//! of it, not a value reached. A waiter spins for a moment, then sleeps
 //! on the window (a futex on the shared page, so it works across processes) in slices, asking
 //! its caller between slices whether to give up (a lost peer, an abort); the owner wakes
 //! sleepers only when some are registered.
@@ -440,9 +441,10 @@ impl Window {
         self.wake();
     }
 
-    /// Wait until the high 32 bits of cell `i`'s check word are `high` (the word is returned
-    /// then), as [`Window::wait`] waits for a counter. The owner writes a cell again only
-    /// once its readers are through with it, so the word waited for stays until then.
+    /// Wait until cell `i`'s check word is `want`, as [`Window::wait`] waits for a counter
+    /// to reach a value. A word is one value for one post (its caller makes it so), and the
+    /// owner posts a cell again only once its readers are through with it, so the word waited
+    /// for stays until then.
     ///
     /// # Errors
     /// `check`'s.
@@ -452,13 +454,12 @@ impl Window {
     pub fn wait_cell<E>(
         &self,
         i: usize,
-        high: u32,
+        want: u64,
         until: impl Into<Deadline>,
         spin: Spin,
         check: impl FnMut() -> Result<(), E>,
     ) -> Result<Option<u64>, E> {
-        let met = |v: u64| (v >> 32) as u32 == high;
-        self.wait_word(self.cell_ref(i), met, until.into(), spin, check)
+        self.wait_word(self.cell_ref(i), |v| v == want, until.into(), spin, check)
     }
 
     #[inline]
@@ -967,14 +968,14 @@ mod tests {
         let (mine, offer) = Window::create(4096).unwrap();
         let peer = Window::attach(&offer).unwrap();
         // Cells of consecutive generations share cache lines; the peer sleeps on every wait
-        // not already over (as in the line slot test), and checks the whole word, the line
-        // slot's generation and the data.
-        let word = |g: u64| (g << 32) | ((g * 0x9e37_79b9) & 0xffff_ffff);
+        // not already over (as in the line slot test), and checks the line slot's generation
+        // and the data behind the word.
+        let word = |g: u64| g.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let t = std::thread::spawn(move || {
             let far = Instant::now() + Duration::from_secs(10);
             for g in 1..=1000u64 {
                 let s = (g % LINES as u64) as usize;
-                let v = peer.wait_cell(s, g as u32, far, Spin::default(), || Ok::<(), ()>(()));
+                let v = peer.wait_cell(s, word(g), far, Spin::default(), || Ok::<(), ()>(()));
                 assert_eq!(v, Ok(Some(word(g))), "generation {g}");
                 assert_eq!(peer.line_gen(s), g, "the line slot's generation comes first");
                 // SAFETY: written before the word; not written again before we publish `g`.
@@ -1001,10 +1002,10 @@ mod tests {
             mine.post_cell(s, g, word(g));
         }
         t.join().unwrap();
-        // A word whose high half is not the one waited for does not end the wait.
+        // Another word (here an earlier post's) does not end the wait.
         let r = mine.wait_cell(
             1,
-            7,
+            word(2),
             Instant::now() + Duration::from_millis(20),
             Spin::default(),
             || Ok::<(), ()>(()),
