@@ -100,6 +100,18 @@ const WITHDRAWN: u64 = u64::MAX;
 /// larger blocks, not at 256 KiB.
 pub(crate) const SINGLE_FROM: usize = 512 << 10;
 
+/// Whether a call's rank runs ahead of its peers: a small broadcast's root, on the line slots
+/// or the cells ([`Direct::free`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ahead {
+    No,
+    Line,
+    Cell,
+}
+
+/// Cells in a cache line.
+const CELLS_PER_LINE: u64 = (64 / tutti_runtime::window::CELL_BYTES) as u64;
+
 /// Where a line slot's stamp starts (after its generation word), and its data.
 const LINE_STAMP: usize = 8;
 const LINE_DATA_AT: usize = LINE_STAMP + HEADER_LEN;
@@ -589,19 +601,37 @@ impl Direct {
     /// check the peers' stamps of our earlier small broadcasts as root ([`Direct::settle`]: all
     /// of them, unless `g` is such a broadcast too, which leaves the latest `turns − 1`), then
     /// wait until every peer is done with generation `g − turns` (the last that could have
-    /// used the same one), unless that is known already.
+    /// used the same one), unless that is known already. A small broadcast's root (`ahead`)
+    /// that has to wait waits for more, as below.
     ///
     /// A peer that begins a generation other than a small broadcast's as root is then done
     /// with every earlier one: that is what [`Direct::saw`] relies on.
-    fn free(&self, call: &Call<'_>, g: u64, turns: u64, ahead: bool, done: usize) -> Result<()> {
+    fn free(&self, call: &Call<'_>, g: u64, turns: u64, ahead: Ahead, done: usize) -> Result<()> {
         // As generation `g` begins, every earlier one is over here.
-        self.settle(call, if ahead { g.saturating_sub(turns) } else { g }, g - 1)?;
-        if g > turns {
-            for r in self.peers() {
-                if self.known_done[r].get() < g - turns {
-                    let v = self.wait(call, r, DONE, g - turns, done)?;
-                    self.agree(r, v);
-                }
+        let must = if ahead == Ahead::No { g } else { g.saturating_sub(turns) };
+        self.settle(call, must, g - 1)?;
+        if g <= turns {
+            return Ok(());
+        }
+        // A root running ahead that must wait for a reader waits for a quarter of the turns
+        // more than it needs, then runs that many calls without looking at the reader's
+        // lines: at the edge it would read the reader's *done* at every call, and the reader
+        // would take that line back at every call. On the cells it also stays a cache line of
+        // cells short of the reader's, so it never writes the line the reader reads. Safe: a
+        // reader reaches `more` ≤ g − 1 without us, needing no *done* of ours past
+        // g − 1 − turns, which our last call published (its `settle` checked up to there).
+        let (need, more) = match ahead {
+            Ahead::No => (g - turns, g - turns),
+            Ahead::Line | Ahead::Cell => {
+                let gap = if ahead == Ahead::Cell && turns >= 16 { CELLS_PER_LINE } else { 0 };
+                let need = g - turns + gap;
+                (need, (need + turns / 4).min(g - 1))
+            }
+        };
+        for r in self.peers() {
+            if self.known_done[r].get() < need {
+                let v = self.wait(call, r, DONE, more, done)?;
+                self.agree(r, v);
             }
         }
         Ok(())
@@ -716,7 +746,7 @@ impl Direct {
         // A generation moves up to a buffer: an abort (or a failure seen by the transport)
         // ends a long call between two, even where no wait ever needs to sleep.
         call.group.check()?;
-        self.free(call, g, 2, false, done)?;
+        self.free(call, g, 2, Ahead::No, done)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
         let slot = self.wins[self.me].stamp(b);
         // SAFETY: our own window's stamp slot, HEADER_LEN ≤ STAMP_BYTES; peers read it only
@@ -777,7 +807,7 @@ impl Direct {
         &self,
         call: &Call<'_>,
         (g, s): (u64, usize),
-        ahead: bool,
+        ahead: Ahead,
         len: usize,
         fill: impl FnOnce(*mut u8),
     ) -> Result<()> {
@@ -797,7 +827,7 @@ impl Direct {
         &self,
         call: &Call<'_>,
         (g, s): (u64, usize),
-        ahead: bool,
+        ahead: Ahead,
     ) -> Result<[u8; HEADER_LEN]> {
         self.free(call, g, self.turns, ahead, 0)?;
         let stamp = Header::data(call.desc, call.global(self.me), g as usize).encode();
@@ -816,7 +846,7 @@ impl Direct {
         &self,
         call: &Call<'_>,
         (g, s): (u64, usize),
-        ahead: bool,
+        ahead: Ahead,
         data: *const u8,
         len: usize,
     ) -> Result<()> {
@@ -1053,7 +1083,7 @@ impl Direct {
             // carry the data.
             let (g, s) = self.next_line();
             // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot.
-            self.line_post(call, (g, s), false, len, |p| unsafe {
+            self.line_post(call, (g, s), Ahead::No, len, |p| unsafe {
                 std::ptr::copy_nonoverlapping(src, p, len)
             })?;
             for r in self.peers() {
@@ -1163,7 +1193,7 @@ impl Direct {
                 // stamp goes to its line slot, the others' as below.
                 self.cells += 1;
                 if self.me == root {
-                    self.cell_post(call, (g, s), true, src, len)?;
+                    self.cell_post(call, (g, s), Ahead::Cell, src, len)?;
                     if !std::ptr::eq(src, dst) {
                         // SAFETY: the caller's distinct input and output, `len` bytes each.
                         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
@@ -1172,7 +1202,7 @@ impl Direct {
                     let u = Unchecked { g, s, desc: call.desc, op_name };
                     self.unchecked.borrow_mut().push_back(u);
                 } else {
-                    self.line_post(call, (g, s), false, 0, |_| ())?;
+                    self.line_post(call, (g, s), Ahead::No, 0, |_| ())?;
                     let p = self.cell_wait(call, root, g, s)?;
                     // SAFETY: the root's posted bytes into our output.
                     unsafe { std::ptr::copy_nonoverlapping(p, dst, len) };
@@ -1183,7 +1213,7 @@ impl Direct {
             if self.me == root {
                 // SAFETY: `len` ≤ LINE_DATA bytes of the caller's source into our free slot,
                 // and to its output when out of place.
-                self.line_post(call, (g, s), true, len, |p| unsafe {
+                self.line_post(call, (g, s), Ahead::Line, len, |p| unsafe {
                     std::ptr::copy_nonoverlapping(src, p, len)
                 })?;
                 if !std::ptr::eq(src, dst) {
@@ -1193,7 +1223,7 @@ impl Direct {
                 let op_name = call.op_name;
                 self.unchecked.borrow_mut().push_back(Unchecked { g, s, desc: call.desc, op_name });
             } else {
-                self.line_post(call, (g, s), false, 0, |_| ())?;
+                self.line_post(call, (g, s), Ahead::No, 0, |_| ())?;
                 // The root may have unchecked broadcasts before this one: that it began `g`
                 // says nothing of its *done* (no `saw`).
                 let p = self.line_wait(call, root, g, s)?;
@@ -1548,7 +1578,7 @@ impl Direct {
             _ => (0, n * block),
         };
         // SAFETY: our input (one block, or n) into our free slot.
-        self.line_post(call, (g, s), false, len, |p| unsafe {
+        self.line_post(call, (g, s), Ahead::No, len, |p| unsafe {
             std::ptr::copy_nonoverlapping(src.add(from), p, len)
         })?;
         // SAFETY: every slot read below was posted (and checked) by `line_read`, and is not
