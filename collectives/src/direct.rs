@@ -1182,10 +1182,11 @@ impl Direct {
         if on_lines(Coll::Broadcast, len, self.wins.len()) {
             // Small: the root posts on its line slot and the others copy it out; the others
             // post their stamp alone. The root waits for nobody: it may run up to turns − 1
-            // calls ahead of its slowest reader, as a root of messages runs ahead on its
-            // links' credits, and checks the others' stamps at its next generations
-            // (`settle`: a peer that made another call, or believes another rank the root, is
-            // named there). A non-root finds such a mismatch in the root's stamp.
+            // calls ahead of its slowest reader (fewer on the cells: `free`), as a root of
+            // messages runs ahead on its links' credits, and checks the others' stamps at its
+            // next generations (`settle`: a peer that made another call, or believes another
+            // rank the root, is named there). A non-root finds such a mismatch in the root's
+            // stamp.
             let (g, s) = self.next_line();
             if len <= CELL_DATA {
                 // The smallest: on the cells, several calls to a cache line, so a reader that
