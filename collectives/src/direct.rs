@@ -111,6 +111,10 @@ enum Ahead {
 
 /// Cells in a cache line.
 const CELLS_PER_LINE: u64 = (64 / tutti_runtime::window::CELL_BYTES) as u64;
+/// How long a small broadcast's root at the edge waits for a reader to get a quarter of the
+/// turns further than it needs ([`Direct::free`]) before it checks its broadcasts instead:
+/// tens of back-to-back small calls.
+const BATCH_WAIT: Duration = Duration::from_micros(20);
 
 /// Where a line slot's stamp starts (after its generation word), and its data.
 const LINE_STAMP: usize = 8;
@@ -617,22 +621,40 @@ impl Direct {
         // more than it needs, then runs that many calls without looking at the reader's
         // lines: at the edge it would read the reader's *done* at every call, and the reader
         // would take that line back at every call. On the cells it also stays a cache line of
-        // cells short of the reader's, so it never writes the line the reader reads. Safe: a
-        // reader reaches `more` ≤ g − 1 without us, needing no *done* of ours past
-        // g − 1 − turns, which our last call published (its `settle` checked up to there).
+        // cells short of what the turns allow, so at the edge it does not write into the line
+        // the reader is reading. (gap + turns / 4 < turns: `more` ≤ g − 1, posted already.)
         let (need, more) = match ahead {
             Ahead::No => (g - turns, g - turns),
             Ahead::Line | Ahead::Cell => {
                 let gap = if ahead == Ahead::Cell && turns >= 16 { CELLS_PER_LINE } else { 0 };
                 let need = g - turns + gap;
-                (need, (need + turns / 4).min(g - 1))
+                (need, need + turns / 4)
             }
         };
         for r in self.peers() {
-            if self.known_done[r].get() < need {
-                let v = self.wait(call, r, DONE, more, done)?;
-                self.agree(r, v);
+            if self.known_done[r].get() >= need {
+                continue;
             }
+            if more > need {
+                // Matched calls get there: our *done* covers every generation where we were
+                // not the root, and in ours a reader needs only our posts and our *done* at
+                // h − turns, which our last call published. A peer whose *done* does not come
+                // within BATCH_WAIT is slow, or holds it (it believes itself the root, say):
+                // check our broadcasts up to `more` first, which names such a peer from its
+                // stamps, then wait for what we need only.
+                let until = Deadline::after(Moment::now(), BATCH_WAIT);
+                let quick = || Ok::<(), RtError>(());
+                if let Ok(Some(v)) = self.wins[r].wait(DONE, more, until, self.spin, quick) {
+                    self.agree(r, v);
+                    continue;
+                }
+                self.settle(call, more, g - 1)?;
+                if self.known_done[r].get() >= need {
+                    continue;
+                }
+            }
+            let v = self.wait(call, r, DONE, need, done)?;
+            self.agree(r, v);
         }
         Ok(())
     }

@@ -483,6 +483,43 @@ both!(roots_that_only_broadcast_are_named_by_a_line_slot_reuse, |kind| {
     }
 });
 
+both!(roots_that_disagree_after_agreeing_are_named, |kind| {
+    // As above, after calls both ranks agreed on (6 broadcasts from rank 0, or a small
+    // allreduce): a root at the edge that waits for its reader to get further first checks its
+    // broadcasts when the reader's *done* does not come, so neither root waits out its timeout
+    // for the other's *done*, which each holds below its own unchecked broadcasts.
+    type Agreed = fn(&Comm) -> tutti_collectives::Result<()>;
+    let agreed: [Agreed; 2] = [
+        |c| {
+            for _ in 0..6 {
+                c.broadcast(&mut [c.rank() as u8; 8], 0)?;
+            }
+            Ok(())
+        },
+        |c| c.allreduce(&mut [1f32], ReduceOp::Sum).map(|_| ()),
+    ];
+    for (len, first) in [(8, 0), (8, 1), (64, 0), (64, 1)] {
+        let (rs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+            let c = c.with_algo(Algo::Direct);
+            if let Err(e) = agreed[first](&c) {
+                return (0, e.to_string());
+            }
+            for made in 0..200 {
+                let mut x = vec![c.rank() as u8; len];
+                if let Err(e) = c.broadcast(&mut x, c.rank()) {
+                    return (made, e.to_string());
+                }
+            }
+            (200, String::new())
+        });
+        for (made, e) in &rs {
+            assert!(e.contains("root 0") && e.contains("root 1"), "{len}, {first}: {e}");
+            assert!(*made <= 32, "{len}, {first}: {made} calls returned before the mismatch");
+        }
+        assert!(t < Duration::from_secs(10), "{len}, {first}: {t:?}");
+    }
+});
+
 both!(two_roots_with_a_reader_that_agrees_with_one_are_named_everywhere, |kind| {
     // Rank 0 believes itself the root; ranks 1 and 2 believe rank 1 is. Rank 2 finishes each
     // call (rank 1's stamp agrees with its own), so its *done* passes rank 0's broadcasts.
