@@ -460,26 +460,37 @@ both!(a_small_broadcast_root_mismatch_is_named_on_the_roots, |kind| {
     }
 });
 
+type Agreed = fn(&Comm) -> tutti_collectives::Result<()>;
+
+/// Two ranks make the calls `agreed` makes, then each believes itself the root of every small
+/// broadcast of `len` bytes: each fails within 32 calls naming both roots, in time.
+fn self_roots_are_named(kind: Kind, len: usize, agreed: Agreed) {
+    let (rs, t) = run(kind, 2, Duration::from_secs(30), |c| {
+        let c = c.with_algo(Algo::Direct);
+        if let Err(e) = agreed(&c) {
+            return (0, e.to_string());
+        }
+        for made in 0..200 {
+            let mut x = vec![c.rank() as u8; len];
+            if let Err(e) = c.broadcast(&mut x, c.rank()) {
+                return (made, e.to_string());
+            }
+        }
+        (200, String::new())
+    });
+    for (made, e) in &rs {
+        assert!(e.contains("root 0") && e.contains("root 1"), "{len}: {e}");
+        assert!(*made <= 32, "{len}: {made} calls returned before the mismatch was named");
+    }
+    assert!(t < Duration::from_secs(10), "{len}: {t:?}");
+}
+
 both!(roots_that_only_broadcast_are_named_by_a_line_slot_reuse, |kind| {
     // Two ranks each believe themselves the root of every small broadcast and make no other
     // call: each runs ahead, and checks the other's stamps when it needs that line slot again
     // (32 calls on with 2 ranks), not later. On the cells (8 bytes) and the line slots.
     for len in [8, 64] {
-        let (rs, t) = run(kind, 2, Duration::from_secs(30), |c| {
-            let c = c.with_algo(Algo::Direct);
-            for made in 0..200 {
-                let mut x = vec![c.rank() as u8; len];
-                if let Err(e) = c.broadcast(&mut x, c.rank()) {
-                    return (made, e.to_string());
-                }
-            }
-            (200, String::new())
-        });
-        for (made, e) in &rs {
-            assert!(e.contains("root 0") && e.contains("root 1"), "{len}: {e}");
-            assert!(*made <= 32, "{len}: {made} calls returned before the mismatch was named");
-        }
-        assert!(t < Duration::from_secs(10), "{len}: {t:?}");
+        self_roots_are_named(kind, len, |_| Ok(()));
     }
 });
 
@@ -488,7 +499,6 @@ both!(roots_that_disagree_after_agreeing_are_named, |kind| {
     // allreduce): a root at the edge that waits for its reader to get further first checks its
     // broadcasts when the reader's *done* does not come, so neither root waits out its timeout
     // for the other's *done*, which each holds below its own unchecked broadcasts.
-    type Agreed = fn(&Comm) -> tutti_collectives::Result<()>;
     let agreed: [Agreed; 2] = [
         |c| {
             for _ in 0..6 {
@@ -498,25 +508,10 @@ both!(roots_that_disagree_after_agreeing_are_named, |kind| {
         },
         |c| c.allreduce(&mut [1f32], ReduceOp::Sum).map(|_| ()),
     ];
-    for (len, first) in [(8, 0), (8, 1), (64, 0), (64, 1)] {
-        let (rs, t) = run(kind, 2, Duration::from_secs(30), |c| {
-            let c = c.with_algo(Algo::Direct);
-            if let Err(e) = agreed[first](&c) {
-                return (0, e.to_string());
-            }
-            for made in 0..200 {
-                let mut x = vec![c.rank() as u8; len];
-                if let Err(e) = c.broadcast(&mut x, c.rank()) {
-                    return (made, e.to_string());
-                }
-            }
-            (200, String::new())
-        });
-        for (made, e) in &rs {
-            assert!(e.contains("root 0") && e.contains("root 1"), "{len}, {first}: {e}");
-            assert!(*made <= 32, "{len}, {first}: {made} calls returned before the mismatch");
+    for len in [8, 64] {
+        for first in agreed {
+            self_roots_are_named(kind, len, first);
         }
-        assert!(t < Duration::from_secs(10), "{len}, {first}: {t:?}");
     }
 });
 

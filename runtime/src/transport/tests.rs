@@ -414,32 +414,42 @@ mod refused {
         }
     }
 
-    #[test]
-    fn missing_rank_is_named() {
-        // World of 3, rank 2 never starts: ranks 0 and 1 fail within the connect timeout,
-        // naming rank 2.
-        use crate::store::{StoreServer, TcpStore};
-        let key = JobKey::from_token("k");
-        let server =
-            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
-                .unwrap();
+    /// Ranks 0 and 1 of a world of 3 (job `job`) connect through `server`'s store with a
+    /// 1.5 s connect timeout, where rank 2 does not come; their errors.
+    fn two_of_three_fail(
+        server: &crate::store::StoreServer,
+        key: &JobKey,
+        job: u64,
+    ) -> Vec<String> {
+        use crate::store::TcpStore;
         let cfg =
             LinkConfig { connect_timeout: Duration::from_millis(1500), ..LinkConfig::default() };
-        let start = Instant::now();
-        let errs: Vec<String> = std::thread::scope(|s| {
+        std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
                 .map(|rank| {
                     let (key, cfg, addr) = (key.clone(), cfg.clone(), server.addr());
                     s.spawn(move || {
                         let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
-                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 1, key };
+                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job, key };
                         TcpTransport::connect(&id, Arc::new(store), &cfg).unwrap_err().to_string()
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for e in &errs {
+        })
+    }
+
+    #[test]
+    fn missing_rank_is_named() {
+        // World of 3, rank 2 never starts: ranks 0 and 1 fail within the connect timeout,
+        // naming rank 2.
+        use crate::store::StoreServer;
+        let key = JobKey::from_token("k");
+        let server =
+            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
+                .unwrap();
+        let start = Instant::now();
+        for e in &two_of_three_fail(&server, &key, 1) {
             assert!(e.contains("[2]") || e.contains("rank 2"), "{e}");
         }
         assert!(start.elapsed() < Duration::from_secs(15));
@@ -465,23 +475,8 @@ mod refused {
             closed.to_string().as_bytes(),
         );
         published.unwrap();
-        let cfg =
-            LinkConfig { connect_timeout: Duration::from_millis(1500), ..LinkConfig::default() };
         let start = Instant::now();
-        let errs: Vec<String> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (key, cfg, addr) = (key.clone(), cfg.clone(), server.addr());
-                    s.spawn(move || {
-                        let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
-                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 4, key };
-                        TcpTransport::connect(&id, Arc::new(store), &cfg).unwrap_err().to_string()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for e in &errs {
+        for e in &two_of_three_fail(&server, &key, 4) {
             assert!(e.contains("ranks [2] published an address but refuse connections"), "{e}");
             assert!(!e.contains("did not publish"), "no rank is silent: {e}");
         }
