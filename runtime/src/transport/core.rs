@@ -136,6 +136,12 @@ struct Link {
     heard_from: bool,
     /// When the driver last handed bytes of ours to its wire.
     last_tx: Instant,
+    /// When the current run of waits on this peer began: waits that follow each other within
+    /// [`WAIT_RUN_GAP`] count the peer's silence from the first one's start, not each from its
+    /// own (a peer that lets each wait end just short of the limit is still named).
+    waits_since: Instant,
+    /// When a wait on this peer last looked ([`Core::poll_wait`]).
+    waited_at: Option<Instant>,
     /// Messages longer than this that arrive before their receive are parked
     /// ([`CoreConfig::park_above`], unless [`Core::set_park_above`] changed it for this link:
     /// a driver that carries links of two kinds).
@@ -163,6 +169,8 @@ impl Link {
             last_rx: now,
             last_tx: now,
             heard_from: false,
+            waits_since: now,
+            waited_at: None,
             park_above: u64::MAX,
         }
     }
@@ -863,9 +871,10 @@ impl Core {
 
     /// One step of a wait for `w.op`: its result, or what to do before looking again. Decides
     /// the deadline, the dead-peer rule (the peer silent for `dead_after` since the later of
-    /// its last traffic and the start of this wait; only once anything at all came from it, so
-    /// a peer still connecting the rest of its world is waited for until the deadline),
-    /// unparking, and the probe.
+    /// its last traffic and the start of this run of waits on it — waits less than
+    /// [`WAIT_RUN_GAP`] apart, or this wait alone while its link is parked; only once anything
+    /// at all came from it, so a peer still connecting the rest of its world is waited for
+    /// until the deadline), unparking, and the probe.
     pub(crate) fn poll_wait(&mut self, w: &mut Waiter, now: Instant) -> Step {
         if let Some(r) = self.ops.take_finished(w.op) {
             return Step::Done(r);
@@ -880,8 +889,19 @@ impl Core {
             )));
         }
         let mut until = w.deadline;
-        if let Some(l) = self.links.get(peer).filter(|l| l.up) {
-            let since = l.last_rx.max(w.start);
+        if let Some(l) = self.links.get_mut(peer).filter(|l| l.up) {
+            // Waits on the peer that follow each other closely are one run: silence counts
+            // from the run's first wait. (Each wait counting from its own start let a stopped
+            // peer whose kernel still took our small messages, a little at a time, end every
+            // wait before the limit: its survivors went on at a crawl, never naming it.)
+            if l.waited_at.is_none_or(|t| now.saturating_duration_since(t) > WAIT_RUN_GAP) {
+                l.waits_since = w.start;
+            }
+            l.waited_at = Some(now);
+            // A parked link is not read (its keep-alives wait behind the parked frame): there
+            // each wait counts from its own start, as a peer is not to blame for that.
+            let from = if l.parked() { w.start } else { l.waits_since.min(w.start) };
+            let since = l.last_rx.max(from);
             let quiet = now.saturating_duration_since(since);
             if l.heard_from && quiet >= self.cfg.dead_after {
                 self.link_failed(peer, LinkFail::Silent(silent_detail(peer, quiet)));
@@ -1055,6 +1075,11 @@ impl Core {
         self.poison(err, Some(&reason));
     }
 }
+
+/// Waits on one peer less than this apart are one run for the dead-peer rule
+/// ([`Core::poll_wait`]): more than a wait's longest sleep between two looks (its poll slice),
+/// far less than the limit.
+const WAIT_RUN_GAP: Duration = Duration::from_millis(500);
 
 /// Why a silent peer is declared dead.
 fn silent_detail(peer: usize, quiet: Duration) -> String {

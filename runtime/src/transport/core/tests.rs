@@ -465,3 +465,41 @@ fn the_rest_of_a_failed_receives_frame_is_dropped_not_written() {
     assert_eq!(c.rx_bytes(1, &bytes[half..], t0), bytes.len() - half);
     assert!(buf.iter().all(|b| *b == 0x5a), "bytes written into a failed receive's buffer");
 }
+
+/// Waits on a peer that follow each other closely are one run: the peer's silence counts from
+/// the run's first wait, so a peer that lets each wait end short of the limit (a stopped peer
+/// whose kernel still takes small messages, a little at a time) is named at the limit, not
+/// never. A wait after a pause starts a run of its own (`traffic_and_a_late_wait_…`).
+#[test]
+fn back_to_back_waits_count_a_silent_peer_from_the_first() {
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    let mut c = core(t0);
+    let mut buf = [0u8; 4];
+    assert_eq!(c.rx_bytes(1, &control(FrameKind::KeepAlive, 1), t0), HEADER_LEN);
+    let id = post_recv(&mut c, desc(1, 4), &mut buf);
+    // Waits of 1.2 s each, 200 ms apart, from 1 s on, each looking every 400 ms.
+    let mut at = t0 + SEC;
+    let mut dead_at = None;
+    'waits: for k in 0..8u32 {
+        let start = t0 + SEC + ms(1400) * k;
+        let mut w = Waiter::new(id, start, t0 + 60 * SEC);
+        w.probed = true;
+        at = start;
+        while at <= start + ms(1200) {
+            match c.poll_wait(&mut w, at) {
+                Step::Sleep(_) => assert!(c.is_up(1), "at {:?}", at - t0),
+                Step::Again => {
+                    dead_at = Some(at - t0);
+                    break 'waits;
+                }
+                Step::Done(r) => panic!("at {:?}: {r:?}", at - t0),
+            }
+            at += ms(400);
+        }
+    }
+    // Silent since 1 s (the run's first wait; its last traffic was at 0 s): dead at 6 s, in
+    // the fourth wait, where each wait counting from its own start never reached the limit.
+    assert_eq!(dead_at, Some(Duration::from_secs(6)), "last look at {:?}", at - t0);
+    assert!(!c.is_up(1));
+}
