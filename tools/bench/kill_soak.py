@@ -30,7 +30,7 @@ import sys
 import time
 
 COLLS = ["allreduce", "allgather", "alltoall", "broadcast", "reduce_scatter"]
-SIZES = ["4K", "1M", "16M"]
+SIZES = ["8", "4K", "1M", "16M"]
 
 
 def free_port():
