@@ -1,6 +1,6 @@
 //! The communicator: the collectives users call.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tracing::debug;
@@ -8,6 +8,7 @@ use tutti_runtime::clock::{Deadline, Moment};
 use tutti_runtime::{Fingerprint, Group};
 
 use crate::algo::PlanCtx;
+use crate::call_lock::CallGuard;
 use crate::coll::Coll;
 use crate::config::Config;
 use crate::dtype::{as_bytes_mut, DType, Element, ReduceOp};
@@ -452,7 +453,7 @@ impl Comm {
         let mut algo = algo;
         if algo == Algo::Direct {
             // Set up already, the common case: straight to the call.
-            let st = self.sel.direct.lock().unwrap_or_else(|p| p.into_inner());
+            let st = self.sel.direct.lock();
             if let crate::direct::State::Ready(_) = &*st {
                 return self.direct_call(st, req, Moment::now());
             }
@@ -529,11 +530,7 @@ impl Comm {
     pub(crate) fn settle_direct(&self) -> Result<()> {
         // Held already on this thread only by the windows' set-up, whose exchange runs here
         // (nothing to check then).
-        let st = match self.sel.direct.try_lock() {
-            Ok(st) => st,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Ok(()),
-        };
+        let Some(st) = self.sel.direct.try_lock() else { return Ok(()) };
         match &*st {
             crate::direct::State::Ready(d) => d.settle_all(&self.group),
             _ => Ok(()),
@@ -545,8 +542,8 @@ impl Comm {
     /// else why not.
     fn direct_ready<'a>(
         &'a self,
-        mut st: MutexGuard<'a, crate::direct::State>,
-    ) -> Result<(MutexGuard<'a, crate::direct::State>, Option<String>)> {
+        mut st: CallGuard<'a, crate::direct::State>,
+    ) -> Result<(CallGuard<'a, crate::direct::State>, Option<String>)> {
         if let crate::direct::State::Unknown = *st {
             *st = crate::direct::Direct::setup(
                 &self.group,
@@ -581,7 +578,7 @@ impl Comm {
     #[inline(always)]
     fn direct_call(
         &self,
-        st: MutexGuard<'_, crate::direct::State>,
+        st: CallGuard<'_, crate::direct::State>,
         req: Req<'_>,
         start: Moment,
     ) -> Result<Stats> {
@@ -597,7 +594,7 @@ impl Comm {
     /// from which [`Comm::direct_call`] builds the stats.
     fn execute_direct(
         &self,
-        mut st: MutexGuard<'_, crate::direct::State>,
+        mut st: CallGuard<'_, crate::direct::State>,
         req: Req<'_>,
         start: Moment,
     ) -> Result<(u64, u64)> {

@@ -1676,8 +1676,9 @@ pub(crate) fn desc(group: u32, seq: u64, fp: Fingerprint) -> MsgDesc {
     MsgDesc { tag: Tag { group, seq, step: 0 }, fp }
 }
 
-/// Keeps the windows of a communicator and its clones.
-pub(crate) type Shared = Arc<std::sync::Mutex<State>>;
+/// Keeps the windows of a communicator and its clones, each call holding them
+/// ([`crate::call_lock`]).
+pub(crate) type Shared = Arc<crate::call_lock::CallLock<State>>;
 
 #[cfg(test)]
 mod tests {
@@ -1687,7 +1688,7 @@ mod tests {
 
     /// Run `f` on the `Direct` of `c` (set up).
     fn with_direct<R>(c: &Comm, f: impl FnOnce(&Direct) -> R) -> R {
-        let st = c.sel.direct.lock().unwrap();
+        let st = c.sel.direct.lock();
         let State::Ready(d) = &*st else { panic!("direct reads are not set up") };
         f(d)
     }
@@ -2090,7 +2091,7 @@ mod tests {
             .find(|&(a, b)| a != b && !comms[a].group().transport().is_connected(b))
             .expect("a pair the set-up did not connect");
         let child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-        let mut st = comms[w].sel.direct.lock().unwrap();
+        let mut st = comms[w].sel.direct.lock();
         let State::Ready(d) = &mut *st else { panic!("not set up") };
         d.wins[v].watch_as_owner(Process::watch(child.id()).unwrap());
         (w, v, child)

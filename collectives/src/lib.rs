@@ -22,6 +22,7 @@
 //! ```
 
 pub mod algo;
+mod call_lock;
 pub(crate) mod coll;
 mod comm;
 mod config;
