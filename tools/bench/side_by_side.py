@@ -23,6 +23,8 @@ modes in one run; the table shows tutti in Open MPI's mode (`tutti_us`) and in g
 TCP (`--mca btl tcp,self`, column `mpi`), and with its own defaults (column `mpi_shm`: on one
 host its shared-memory transport, `vader`), the peers of tutti's TCP and shared-memory links.
 `--tutti-env` adds variables to collbench's environment (`TUTTI_SHM=0`: tutti over TCP alone).
+collbench times calls shorter than 20 µs in groups (`-m`), one clock reading per group, as
+mpibench and gloo_bench time their whole loop with one.
 gloo (torch.distributed, CPU tensors, `gloo_bench.py`)
 runs where a Python with torch is found (`--gloo`, else $TUTTI_TORCH_PYTHON, else
 ~/.cache/tutti/venv-torch, as CI makes it) and for the collectives gloo has on CPU (allreduce,
@@ -46,6 +48,10 @@ FACTOR = {
     "broadcast": lambda n: 1.0,
     "sendrecv": lambda n: 1.0,
 }
+
+
+# Calls shorter than this are timed in aggregated iterations (`run_tutti`).
+AGG_SPAN = 20e-6
 
 
 def size_of(s):
@@ -134,11 +140,17 @@ def run_gloo(py, coll, n, size, secs):
 
 
 def run_tutti(cb, coll, n, size, secs, probe, env):
-    # As many timed iterations as fit in `secs`, from the time of one probe run.
-    iters = max(5, min(100000, int(secs / max(probe.get((coll, n, size), 1e-3), 1e-6))))
+    # As many calls as fit in `secs`, from the time of one probe run. Calls shorter than
+    # AGG_SPAN are timed in groups of `-m` back to back (collbench reads the clock once per
+    # timed iteration, about 10-25 ns; mpibench and gloo_bench time their whole loop), so that
+    # small calls are compared like for like.
+    t = max(probe.get((coll, n, size), 1e-3), 1e-7)
+    calls = max(5, min(2000000, int(secs / t)))
+    agg = max(1, min(calls // 5, int(AGG_SPAN / t)))
+    iters = max(5, calls // agg)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         b = str(mpi_bytes(n, size))
-        out = subprocess.run([cb, coll, "-b", b, "-e", b, "-n", str(iters),
+        out = subprocess.run([cb, coll, "-b", b, "-e", b, "-n", str(iters), "-m", str(agg),
                               "-w", "3", "-c", "0", "--np", str(n), "-J", f.name],
                              capture_output=True, text=True, timeout=600, env=env)
         if out.returncode != 0:
