@@ -6,15 +6,18 @@
 //! and the store just before the release of a small call is that call's post into its window:
 //! a cache line its reader on another core holds, whose transfer (100–500 ns between the two
 //! cores of the reference VM) the swap then waited for, at every call. A release by a plain
-//! store (on x86 an ordinary `mov`) lets the post drain while the rank goes on; the next call's
-//! exchange comes a call's length later.
+//! store (on x86 an ordinary `mov`) lets the post drain while the rank returns and enters its
+//! next call, whose exchange then waits only for what is left of it.
 //!
 //! Waiters do not sleep on the flag: they spin briefly, then yield, then nap. Two threads meet
 //! on one communicator's windows only when a program calls collectives on clones of it from
-//! two threads at once (the calls are ordered, one waits for the other) or during the windows'
-//! one-time set-up; a holder keeps it for one call, whose own deadline bounds it.
+//! two threads at once (the calls are ordered, one waits for the other). A holder keeps it for
+//! one call, whose own deadline bounds it, or, at the windows' one-time set-up, for the set-up's
+//! own exchanges too; those run on the holder's thread and look with [`CallLock::try_lock`],
+//! which leaves them alone while the set-up holds it.
 
 use std::cell::UnsafeCell;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -35,6 +38,10 @@ unsafe impl<T: Send> Sync for CallLock<T> {}
 /// The value, held: released when dropped (also while unwinding from a panic).
 pub(crate) struct CallGuard<'a, T> {
     lock: &'a CallLock<T>,
+    /// A guard gives `&T` and `&mut T` as a `&mut T` would: shared between threads only where
+    /// `T` itself is `Sync` (the reference to the lock alone would make it `Sync` wherever `T`
+    /// is `Send`, and let two threads read a `Cell` inside at once).
+    _value: PhantomData<&'a mut T>,
 }
 
 /// Spins on a held lock before yielding.
@@ -82,7 +89,7 @@ impl<T> CallLock<T> {
         // A guard only once the flag is ours: one made and dropped on failure would release
         // the holder's lock.
         match self.held.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed) {
-            Ok(_) => Some(CallGuard { lock: self }),
+            Ok(_) => Some(CallGuard { lock: self, _value: PhantomData }),
             Err(_) => None,
         }
     }
@@ -137,10 +144,17 @@ mod tests {
                 })
             })
             .collect();
+        // A lock that is never released fails here, within a deadline, instead of hanging.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
         for t in threads {
+            while !t.is_finished() {
+                assert!(std::time::Instant::now() < deadline, "a holder never released the lock");
+                std::thread::sleep(Duration::from_millis(5));
+            }
             t.join().unwrap();
         }
-        assert_eq!(*l.lock(), (8000, 8000));
+        let g = l.try_lock().expect("the lock is free once every holder is done");
+        assert_eq!(*g, (8000, 8000));
     }
 
     /// A held lock is not taken by `try_lock` (and a failed look leaves it held); a released

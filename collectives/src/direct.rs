@@ -640,11 +640,15 @@ impl Direct {
                 // not the root, and in ours a reader needs only our posts and our *done* at
                 // h − turns, which our last call published. A peer whose *done* does not come
                 // within BATCH_WAIT is slow, or holds it (it believes itself the root, say):
-                // check our broadcasts up to `more` first, which names such a peer from its
-                // stamps, then wait for what we need only.
+                // check our broadcasts up to `more` first, which waits (to the call's
+                // deadline) for the peer to begin each of them and names such a peer from its
+                // stamps, then wait for its *done* at what we need only. The look takes
+                // BATCH_WAIT in all, spinning as the group's waits do, then yielding.
                 let until = Deadline::after(Moment::now(), BATCH_WAIT);
+                let hot = self.spin.hot.min(BATCH_WAIT);
+                let spin = Spin { hot, yielding: BATCH_WAIT - hot };
                 let quick = || Ok::<(), RtError>(());
-                if let Ok(Some(v)) = self.wins[r].wait(DONE, more, until, self.spin, quick) {
+                if let Ok(Some(v)) = self.wins[r].wait(DONE, more, until, spin, quick) {
                     self.agree(r, v);
                     continue;
                 }

@@ -569,6 +569,48 @@ both!(a_small_broadcast_root_runs_ahead_of_slow_readers_exactly, |kind| {
     assert!(oks.iter().all(|o| *o));
 });
 
+both!(a_small_broadcast_root_runs_ahead_as_far_as_the_turns_allow, |kind| {
+    // Rank 1 stops calling for a while: the root of small broadcasts makes at most as many
+    // calls past rank 1's last as the turns allow before it waits: T − 4 on the cells (8 bytes;
+    // a line of cells short of the turns, T = 32), T − 5 calls ahead of the one rank 1 makes
+    // next, and T on the line slots (16 bytes), T − 1 ahead. One call more would write a slot
+    // rank 1 has not read. The root may stop a call or two short: its record of rank 1's
+    // *done* can be older than rank 1's window, and at the edge it waits for a quarter of the
+    // turns more instead of reading the window again. Then every call's data arrives.
+    for (len, most) in [(1usize, 28usize), (2, 32)] {
+        let woke = std::sync::atomic::AtomicBool::new(false);
+        let (counts, _) = run(kind, 2, Duration::from_secs(30), |plain| {
+            let c = plain.with_algo(Algo::Direct);
+            // Past the first lap of the turns, whose slots are all free; then a call on
+            // messages, before which the root checks every broadcast: both start even.
+            for _ in 0..70 {
+                let mut b = vec![0i64; len];
+                c.broadcast(&mut b, 0).unwrap();
+            }
+            plain.barrier().unwrap();
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(500));
+                woke.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            let mut before = 0;
+            for k in 0..40 {
+                let w = |i: usize| val(0, k, i);
+                let mut b: Vec<i64> =
+                    (0..len).map(|i| if c.rank() == 0 { w(i) } else { 0 }).collect();
+                c.broadcast(&mut b, 0).unwrap();
+                assert!(b.iter().enumerate().all(|(i, v)| *v == w(i)), "{len}: call {k}");
+                if !woke.load(std::sync::atomic::Ordering::SeqCst) {
+                    before += 1;
+                }
+            }
+            before
+        });
+        let made = counts[0];
+        let ok = made <= most && made + 2 >= most;
+        assert!(ok, "{len} elements: {made} calls while rank 1 slept, {most} at most");
+    }
+});
+
 both!(a_root_that_ran_ahead_and_stopped_leaves_no_reader_waiting, |kind| {
     // The root's calls are all broadcasts of its own, and after the last it makes no call: a
     // reader that fell behind still finishes, since each call of the root checked the stamps

@@ -72,7 +72,8 @@ pub(crate) struct CoreConfig {
 impl CoreConfig {
     /// The settings a driver's core takes from the link settings: the driver says which
     /// messages it parks (`park_above`) and whether the core sends keep-alives (`keepalive`:
-    /// `false` when the driver's protocol keeps the link alive itself).
+    /// `false` when the driver's protocol keeps the link alive itself). Keep-alives go at the
+    /// link settings' interval or a quarter of the dead-peer limit, whichever is shorter.
     pub(crate) fn from_link(
         cfg: &crate::transport::LinkConfig,
         park_above: u64,
@@ -84,7 +85,10 @@ impl CoreConfig {
             park_above,
             probe_after: cfg.probe_after,
             dead_after: cfg.dead_after,
-            keepalive: keepalive.then_some(cfg.keepalive_interval),
+            // At most a quarter of the dead-peer limit: a peer that only receives from us is
+            // heard from through its keep-alives alone, and one that came a little late
+            // (its driver's wake-up) must not make a live peer look dead.
+            keepalive: keepalive.then_some(cfg.keepalive_interval.min(cfg.dead_after / 4)),
             lazy: false,
         }
     }

@@ -483,6 +483,48 @@ mod refused {
         assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
     }
 
+    #[test]
+    fn a_rank_that_gave_up_first_is_not_named_as_dead() {
+        // World of 3: rank 2 published its address and stopped before counting in (its
+        // listener still takes connections, as a stopped process's kernel does). Rank 0 gives
+        // up first (1 s) and closes its listener, having left its reason in the store; rank 1
+        // gives up later (3 s) and finds rank 0's address refusing. Rank 0 counted in and
+        // failed on its own: rank 1 must not name it as the rank that died.
+        use crate::store::{StoreServer, TcpStore};
+        let key = JobKey::from_token("k");
+        let server =
+            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
+                .unwrap();
+        let store = TcpStore::connect(server.addr(), 2, 3, Some(&key), T).unwrap();
+        let stopped = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = stopped.local_addr().unwrap().to_string();
+        let addr = crate::transport::tcp::addr_key(2);
+        crate::store::set_signed(&store, &key, 5, &addr, at.as_bytes()).unwrap();
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = [(0, 1000), (1, 3000)]
+                .into_iter()
+                .map(|(rank, ms)| {
+                    let (key, addr) = (key.clone(), server.addr());
+                    let cfg = LinkConfig {
+                        connect_timeout: Duration::from_millis(ms),
+                        ..LinkConfig::default()
+                    };
+                    s.spawn(move || {
+                        let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
+                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 5, key };
+                        TcpTransport::connect(&id, Arc::new(store), &cfg).unwrap_err().to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for e in &errs {
+            assert!(!e.contains("refuse connections"), "nobody died: {e}");
+            assert!(e.contains("1 rank(s) published an address but did not count in"), "{e}");
+        }
+        drop(stopped);
+    }
+
     /// A watched connect (a rebuild) fails as soon as the watch reports a member gone, naming
     /// it, long before its connect deadline; and a member whose published address refuses
     /// connections is taken for ended. Unwatched, both wait for the deadline.

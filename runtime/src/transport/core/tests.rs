@@ -202,6 +202,29 @@ fn keep_alives_go_out_on_idle_links_only() {
 }
 
 #[test]
+fn keep_alives_come_at_least_four_times_per_dead_peer_limit() {
+    // A peer that only receives from us is heard from through its keep-alives alone: with
+    // the interval set at the dead-peer limit (`TUTTI_KEEPALIVE=1`, `TUTTI_DEAD_AFTER=1`),
+    // one a little late would make it look dead. The core sends them at a quarter of the
+    // limit then; a shorter interval is kept as set.
+    let t0 = Instant::now();
+    let link = |keepalive_interval, dead_after| crate::transport::LinkConfig {
+        keepalive_interval,
+        dead_after,
+        ..crate::transport::LinkConfig::default()
+    };
+    for (every, dead, want) in [(SEC, SEC, SEC / 4), (SEC, 5 * SEC, SEC), (SEC / 10, SEC, SEC / 10)]
+    {
+        let cfg = CoreConfig::from_link(&link(every, dead), 64 << 10, true);
+        let mut c = Core::new(0, 2, cfg, t0);
+        c.link_up(1, t0);
+        assert_eq!(c.poll_timeout(), Some(t0 + want), "{every:?} with {dead:?}");
+        c.handle_timeout(t0 + want);
+        assert_eq!(queued(&c), [FrameKind::KeepAlive], "{every:?} with {dead:?}");
+    }
+}
+
+#[test]
 fn a_long_wait_probes_once_and_a_conflicting_probe_is_a_mismatch() {
     let t0 = Instant::now();
     let mut c = core(t0);

@@ -472,7 +472,8 @@ fn arrive(
 }
 
 /// Of the ranks in `published` (their addresses are in the store), those that refuse a
-/// connection at their address — their listener is closed, so they ended — looking until
+/// connection at their address and left no abort reason in the store — their listener is
+/// closed and they did not fail on their own, so they died — looking until
 /// `want` are found or [`PROBE_BUDGET`] is spent. Only a failed rendezvous probes: it costs a
 /// connection per rank at most, and a live rank's acceptor sees one that sends nothing.
 fn gone_after_publishing(
@@ -495,7 +496,15 @@ fn gone_after_publishing(
         };
         let Ok(addr) = String::from_utf8_lossy(&text).parse::<SocketAddr>() else { continue };
         match TcpStream::connect_timeout(&addr, left.min(PROBE_EACH)) {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => gone.push(j),
+            // A rank that gave up itself (its own rendezvous timed out first) left its reason
+            // in the store before closing its listener: it counted in, and its own error
+            // says what it saw. Only a rank that left no reason died.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionRefused
+                    && !store.check(&[abort_key(j).as_str()]).unwrap_or(false) =>
+            {
+                gone.push(j);
+            }
             _ => {} // alive, or not answering: not known to be gone
         }
     }
