@@ -128,37 +128,21 @@ both!(small_broadcasts_that_differ_are_named, |kind| {
     // other's memory; 16 bytes go on the line slots and 400 KB in the buffers. Rank 2, or the
     // root, differs in count (on the cells or not) or in root. The root returns before its
     // readers read, so it learns at its next call.
-    let cases: [(&[&str], Call); 5] = [
-        (&["count 8", "count 16"], |c| {
-            let mut x = vec![1u8; if c.rank() == 2 { 16 } else { 8 }];
+    // (the rank that differs, its count, everyone else's)
+    for (odd, theirs, ours) in [(2, 16, 8), (0, 16, 8), (0, 400_000, 8), (2, 4, 8)] {
+        let (errs, t) = run(kind, |c| {
+            let mut x = vec![1u8; if c.rank() == odd { theirs } else { ours }];
             c.broadcast(&mut x, 0)?;
             c.barrier().map(|_| ())
-        }),
-        (&["count 8", "count 16"], |c| {
-            let mut x = vec![1u8; if c.rank() == 0 { 16 } else { 8 }];
-            c.broadcast(&mut x, 0)?;
-            c.barrier().map(|_| ())
-        }),
-        (&["count 8", "count 400000"], |c| {
-            let mut x = vec![1u8; if c.rank() == 0 { 400_000 } else { 8 }];
-            c.broadcast(&mut x, 0)?;
-            c.barrier().map(|_| ())
-        }),
-        (&["count 8", "count 4"], |c| {
-            let mut x = vec![1u8; if c.rank() == 2 { 4 } else { 8 }];
-            c.broadcast(&mut x, 0)?;
-            c.barrier().map(|_| ())
-        }),
-        (&["mismatch", "root 1"], |c| {
-            let mut x = [1u8; 8];
-            c.broadcast(&mut x, if c.rank() == 2 { 1 } else { 0 })?;
-            c.barrier().map(|_| ())
-        }),
-    ];
-    for (needles, f) in cases {
-        let (errs, t) = run(kind, f);
-        assert_all(&errs, t, needles);
+        });
+        assert_all(&errs, t, &[&format!("count {ours}"), &format!("count {theirs}")]);
     }
+    let (errs, t) = run(kind, |c| {
+        let mut x = [1u8; 8];
+        c.broadcast(&mut x, if c.rank() == 2 { 1 } else { 0 })?;
+        c.barrier().map(|_| ())
+    });
+    assert_all(&errs, t, &["mismatch", "root 1"]);
 });
 
 both!(skipped_call, |kind| {

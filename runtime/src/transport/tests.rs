@@ -414,20 +414,22 @@ mod refused {
         }
     }
 
-    /// Ranks 0 and 1 of a world of 3 (job `job`) connect through `server`'s store with a
-    /// 1.5 s connect timeout, where rank 2 does not come; their errors.
+    /// Ranks 0 and 1 of a world of 3 (job `job`) connect through `server`'s store with
+    /// connect timeouts of `ms[0]` and `ms[1]` milliseconds, where rank 2 does not come (or
+    /// does not count in); their errors.
     fn two_of_three_fail(
         server: &crate::store::StoreServer,
         key: &JobKey,
         job: u64,
+        ms: [u64; 2],
     ) -> Vec<String> {
         use crate::store::TcpStore;
-        let cfg =
-            LinkConfig { connect_timeout: Duration::from_millis(1500), ..LinkConfig::default() };
         std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
                 .map(|rank| {
-                    let (key, cfg, addr) = (key.clone(), cfg.clone(), server.addr());
+                    let (key, addr) = (key.clone(), server.addr());
+                    let wait = Duration::from_millis(ms[rank]);
+                    let cfg = LinkConfig { connect_timeout: wait, ..LinkConfig::default() };
                     s.spawn(move || {
                         let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
                         let id = crate::transport::tcp::JobIdentity { rank, world: 3, job, key };
@@ -437,6 +439,23 @@ mod refused {
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// A store for a world of 3 with rank 2's address `at` in it for job `job`, published as
+    /// rank 2 does, and rank 2's connection to it.
+    fn rank_2_published(
+        key: &JobKey,
+        job: u64,
+        at: SocketAddr,
+    ) -> (crate::store::StoreServer, crate::store::TcpStore) {
+        use crate::store::{StoreServer, TcpStore};
+        let server =
+            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
+                .unwrap();
+        let store = TcpStore::connect(server.addr(), 2, 3, Some(key), T).unwrap();
+        let name = crate::transport::tcp::addr_key(2);
+        crate::store::set_signed(&store, key, job, &name, at.to_string().as_bytes()).unwrap();
+        (server, store)
     }
 
     #[test]
@@ -449,7 +468,7 @@ mod refused {
             StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
                 .unwrap();
         let start = Instant::now();
-        for e in &two_of_three_fail(&server, &key, 1) {
+        for e in &two_of_three_fail(&server, &key, 1, [1500, 1500]) {
             assert!(e.contains("[2]") || e.contains("rank 2"), "{e}");
         }
         assert!(start.elapsed() < Duration::from_secs(15));
@@ -460,23 +479,11 @@ mod refused {
         // World of 3: rank 2 published its address and died before counting in (its listener
         // is closed). Every address is in the store, so the silent ranks are none: ranks 0
         // and 1 must still name rank 2, found by the connection its address refuses.
-        use crate::store::{StoreServer, TcpStore};
         let key = JobKey::from_token("k");
-        let server =
-            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
-                .unwrap();
-        let store = TcpStore::connect(server.addr(), 2, 3, Some(&key), T).unwrap();
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        let published = crate::store::set_signed(
-            &store,
-            &key,
-            4,
-            &crate::transport::tcp::addr_key(2),
-            closed.to_string().as_bytes(),
-        );
-        published.unwrap();
+        let (server, _rank_2) = rank_2_published(&key, 4, closed);
         let start = Instant::now();
-        for e in &two_of_three_fail(&server, &key, 4) {
+        for e in &two_of_three_fail(&server, &key, 4, [1500, 1500]) {
             assert!(e.contains("ranks [2] published an address but refuse connections"), "{e}");
             assert!(!e.contains("did not publish"), "no rank is silent: {e}");
         }
@@ -490,35 +497,10 @@ mod refused {
         // up first (1 s) and closes its listener, having left its reason in the store; rank 1
         // gives up later (3 s) and finds rank 0's address refusing. Rank 0 counted in and
         // failed on its own: rank 1 must not name it as the rank that died.
-        use crate::store::{StoreServer, TcpStore};
         let key = JobKey::from_token("k");
-        let server =
-            StoreServer::start(SocketAddr::from(([127, 0, 0, 1], 0)), 3, Some(key.clone()))
-                .unwrap();
-        let store = TcpStore::connect(server.addr(), 2, 3, Some(&key), T).unwrap();
         let stopped = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let at = stopped.local_addr().unwrap().to_string();
-        let addr = crate::transport::tcp::addr_key(2);
-        crate::store::set_signed(&store, &key, 5, &addr, at.as_bytes()).unwrap();
-        let errs: Vec<String> = std::thread::scope(|s| {
-            let hs: Vec<_> = [(0, 1000), (1, 3000)]
-                .into_iter()
-                .map(|(rank, ms)| {
-                    let (key, addr) = (key.clone(), server.addr());
-                    let cfg = LinkConfig {
-                        connect_timeout: Duration::from_millis(ms),
-                        ..LinkConfig::default()
-                    };
-                    s.spawn(move || {
-                        let store = TcpStore::connect(addr, rank, 3, Some(&key), T).unwrap();
-                        let id = crate::transport::tcp::JobIdentity { rank, world: 3, job: 5, key };
-                        TcpTransport::connect(&id, Arc::new(store), &cfg).unwrap_err().to_string()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for e in &errs {
+        let (server, _rank_2) = rank_2_published(&key, 5, stopped.local_addr().unwrap());
+        for e in &two_of_three_fail(&server, &key, 5, [1000, 3000]) {
             assert!(!e.contains("refuse connections"), "nobody died: {e}");
             assert!(e.contains("1 rank(s) published an address but did not count in"), "{e}");
         }
