@@ -570,7 +570,7 @@ both!(a_small_broadcast_root_runs_ahead_of_slow_readers_exactly, |kind| {
 });
 
 both!(a_small_broadcast_root_runs_ahead_as_far_as_the_turns_allow, |kind| {
-    // Rank 1 stops calling for a while: the root of small broadcasts makes at most as many
+    // Rank 1 stops calling for 1.5 s: the root of small broadcasts makes at most as many
     // calls past rank 1's last as the turns allow before it waits: T − 4 on the cells (8 bytes;
     // a line of cells short of the turns, T = 32), T − 5 calls ahead of the one rank 1 makes
     // next, and T on the line slots (16 bytes), T − 1 ahead. One call more would write a slot
@@ -588,8 +588,9 @@ both!(a_small_broadcast_root_runs_ahead_as_far_as_the_turns_allow, |kind| {
                 c.broadcast(&mut b, 0).unwrap();
             }
             plain.barrier().unwrap();
+            // Long enough for the root's few dozen calls of a few µs on a loaded machine.
             if c.rank() == 1 {
-                std::thread::sleep(Duration::from_millis(500));
+                std::thread::sleep(Duration::from_millis(1500));
                 woke.store(true, std::sync::atomic::Ordering::SeqCst);
             }
             let mut before = 0;
