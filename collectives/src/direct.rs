@@ -670,10 +670,7 @@ impl Direct {
         if self.wins[r].line_gen(s) != g {
             return Ok(());
         }
-        // SAFETY: the peer's line slot, which holds generation `g` until the peer begins
-        // `g + turns` (it needs us done with `g` for that).
-        let raw = unsafe { Self::read_stamp(self.wins[r].line(s).add(LINE_STAMP)) };
-        self.check_stamp(call, r, g, &raw).and(Err(RtError::Protocol {
+        self.line_stamp_at(call, r, g, s).and(Err(RtError::Protocol {
             rank: call.global(self.me),
             peer: call.global(r),
             detail: format!(

@@ -98,13 +98,7 @@ def main():
     size = sbs.mpi_bytes(a.np, sbs.size_of(a.size))
     iters = a.iters.split()
     pp = pingpong_binary()
-    mb = None
-    if a.mpi:
-        sbs.ensure_mpi()
-        mb = os.path.join(ROOT, "target", "mpibench")
-        src = os.path.join(HERE, "mpi", "mpibench.c")
-        if not os.path.exists(mb) or os.path.getmtime(mb) < os.path.getmtime(src):
-            subprocess.run(["mpicc", "-O2", "-o", mb, src], check=True)
+    mb = sbs.build_mpibench() if a.mpi else None
     rounds = []
     for r in range(a.rounds):
         before = pingpong(pp)

@@ -70,13 +70,19 @@ def ensure_mpi():
                    stdout=subprocess.DEVNULL)
 
 
-def build():
+def build_mpibench():
+    """Open MPI installed if missing, and target/mpibench built from its source if stale."""
     ensure_mpi()
     os.makedirs(os.path.join(ROOT, "target"), exist_ok=True)
     mb = os.path.join(ROOT, "target", "mpibench")
     src = os.path.join(ROOT, "tools", "bench", "mpi", "mpibench.c")
     if not os.path.exists(mb) or os.path.getmtime(mb) < os.path.getmtime(src):
         subprocess.run(["mpicc", "-O2", "-o", mb, src], check=True)
+    return mb
+
+
+def build():
+    mb = build_mpibench()
     cb = os.path.join(ROOT, "target", "release", "collbench")
     if not os.path.exists(cb):
         subprocess.run(["cargo", "build", "--release", "-p", "tutti-tools", "--bin", "collbench"],
