@@ -563,6 +563,7 @@ impl Comm {
                 crate::direct::State::Ready(_) => {}
                 _ => self.sel.direct_failed(),
             }
+            self.sel.fix();
         }
         let why = match &*st {
             crate::direct::State::Ready(_) => None,

@@ -176,6 +176,9 @@ pub(crate) struct Direct {
     known_done: Vec<Cell<u64>>,
     /// The latest *done* read from each peer's window (never inferred): see [`Direct::settle`].
     agreed: Vec<Cell<u64>>,
+    /// The least of the peers' [`Direct::agreed`] (`u64::MAX` without peers): a small
+    /// broadcast up to it needs no look at any peer.
+    agreed_by_all: Cell<u64>,
     /// Calls run on the line slots (for the tests).
     lines: u64,
     /// Of those, calls on the cells (for the tests).
@@ -429,6 +432,7 @@ impl Direct {
             single: failed == 0.0,
             known_done,
             agreed,
+            agreed_by_all: Cell::new(if n > 1 { 0 } else { u64::MAX }),
             lines: 0,
             cells: 0,
             singles: 0,
@@ -976,13 +980,14 @@ impl Direct {
         let (mut read, mut popped) = (false, false);
         loop {
             // (A `while let` would hold this borrow through the body, over the pop below.)
-            let Some(u) = self.unchecked.borrow().front().copied() else { break };
-            if self.peers().any(|r| self.agreed[r].get() < u.g) {
+            let Some(g) = self.unchecked.borrow().front().map(|u| u.g) else { break };
+            if g > self.agreed_by_all.get() {
                 // Not covered, and not needed yet: no look at the peers (a look is a read of
                 // memory another core writes).
-                if u.g > must {
+                if g > must {
                     break;
                 }
+                let Some(u) = self.unchecked.borrow().front().copied() else { break };
                 if !read {
                     read = true;
                     for r in self.peers() {
@@ -1012,6 +1017,8 @@ impl Direct {
     fn agree(&self, r: usize, v: u64) {
         if self.agreed[r].get() < v {
             self.agreed[r].set(v);
+            let least = self.peers().map(|r| self.agreed[r].get()).min().unwrap_or(u64::MAX);
+            self.agreed_by_all.set(least);
         }
         self.knew_done(r, v);
     }

@@ -290,6 +290,56 @@ pub(crate) struct Selector {
     single_off: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// The group's windows, once set up (see `direct.rs`).
     pub(crate) direct: crate::direct::Shared,
+    /// The windows' set-up is over and said what it found (`direct_off`, `single_off`): from
+    /// then on nothing the automatic choice depends on changes (set by [`Selector::fix`]).
+    fixed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// This selector's last automatic choice, once fixed ([`Memo`]).
+    memo: Memo,
+}
+
+/// The last automatic choice of a selector, once nothing it depends on can change (the
+/// windows' set-up over, the links measured as loopback or better, no tuning, nothing forced):
+/// a call shaped like the one before, the common case in a training step or a benchmark,
+/// takes it with one load instead of the table. One word: the collective and the algorithm
+/// (the collective's discriminant, the algorithm's index in [`Algo::ALL`]), `uniform`, the bytes, and a bit that
+/// says it is set. A clone starts empty: its forced algorithm or links may differ.
+#[derive(Default)]
+struct Memo(std::sync::atomic::AtomicU64);
+
+impl Memo {
+    const SET: u64 = 1;
+    /// Sizes the word holds (larger calls are not remembered).
+    const MAX_BYTES: usize = (1 << 54) - 1;
+
+    #[inline]
+    fn key(coll: Coll, bytes: usize, uniform: bool) -> Option<u64> {
+        const _: () = assert!(Coll::ALL.len() <= 16 && Algo::ALL.len() <= 16);
+        let c = coll as u64;
+        (bytes <= Self::MAX_BYTES)
+            .then(|| Self::SET | c << 1 | u64::from(uniform) << 5 | (bytes as u64) << 10)
+    }
+
+    #[inline]
+    fn get(&self, coll: Coll, bytes: usize, uniform: bool) -> Option<Algo> {
+        let k = Self::key(coll, bytes, uniform)?;
+        let w = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        (w & !(0xf << 6) == k).then(|| Algo::ALL.get((w >> 6 & 0xf) as usize).copied()).flatten()
+    }
+
+    fn set(&self, coll: Coll, bytes: usize, uniform: bool, algo: Algo) {
+        let (Some(k), Some(a)) =
+            (Self::key(coll, bytes, uniform), Algo::ALL.iter().position(|x| *x == algo))
+        else {
+            return;
+        };
+        self.0.store(k | (a as u64) << 6, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Clone for Memo {
+    fn clone(&self) -> Memo {
+        Memo::default()
+    }
 }
 
 impl Selector {
@@ -304,7 +354,15 @@ impl Selector {
             direct_off: Default::default(),
             single_off: Default::default(),
             direct: Default::default(),
+            fixed: Default::default(),
+            memo: Memo::default(),
         }
+    }
+
+    /// The windows' set-up is over and its findings stored ([`Selector::direct_failed`],
+    /// [`Selector::single_failed`]): the automatic choice may be remembered from now on.
+    pub(crate) fn fix(&self) {
+        self.fixed.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether the automatic choice may take direct reads: the setting (`TUTTI_DIRECT`), until
@@ -367,6 +425,11 @@ impl Selector {
     /// (`uniform`: every rank contributes the same count).
     #[inline]
     pub(crate) fn algo(&self, coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
+        if self.force.is_none() {
+            if let Some(a) = self.memo.get(coll, bytes, uniform) {
+                return a;
+            }
+        }
         let model = self.link_model();
         let auto = || {
             // Where every rank of the group maps every other's memory, direct reads from the
@@ -405,7 +468,17 @@ impl Selector {
             }
             return picked;
         }
-        self.force.or_else(|| self.cfg.overrides.get(coll)).unwrap_or_else(auto)
+        if let Some(a) = self.force.or_else(|| self.cfg.overrides.get(coll)) {
+            return a;
+        }
+        let a = auto();
+        // Remembered only once every input of `auto` is final: the set-up's findings stored,
+        // the links measured (and no cost model, whose topology may come later).
+        let measured = matches!(self.link.get(), Some(None));
+        if measured && self.fixed.load(std::sync::atomic::Ordering::Acquire) {
+            self.memo.set(coll, bytes, uniform, a);
+        }
+        a
     }
 
     /// The elements per piece of an allreduce of `count` elements of `esize` bytes on `n`
@@ -536,6 +609,56 @@ mod link_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_remembered_choice_is_the_tables_and_a_forced_clone_does_not_take_it() {
+        use crate::{Comm, ReduceOp};
+        let comms = Comm::mem_world(2);
+        let c = &comms[0];
+        let (coll, b) = (Coll::Allreduce, 1usize << 20);
+        // Before the windows' set-up nothing is remembered.
+        assert_eq!(c.sel.algo(coll, b, 2, true), Algo::Direct);
+        assert_eq!(c.sel.memo.get(coll, b, true), None);
+        // The set-up (a direct call on every rank) fixes what the choice depends on.
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    c.with_algo(Algo::Direct).allreduce(&mut [1f32; 4], ReduceOp::Sum).unwrap()
+                });
+            }
+        });
+        let table = |coll, b| {
+            if direct_pays(coll, b, 2, true, true) {
+                Algo::Direct
+            } else {
+                choose(coll, b, 2, true)
+            }
+        };
+        let calls = [
+            (Coll::Broadcast, 8),
+            (Coll::AllToAll, 2 << 20),
+            (Coll::AllToAll, 16 << 10),
+            (Coll::Allgather, 2 << 20),
+            (Coll::Allgather, 2 << 20),
+            (Coll::Broadcast, 8),
+            (Coll::Gather, 8),
+            (coll, b),
+        ];
+        for (k, b) in calls {
+            for uniform in [true, false] {
+                let want = if uniform { table(k, b) } else { c.sel.algo(k, b, 2, false) };
+                assert_eq!(c.sel.algo(k, b, 2, uniform), want, "{k:?} {b} {uniform}");
+                assert_eq!(c.sel.memo.get(k, b, uniform), Some(want), "{k:?} {b} {uniform}");
+                assert_eq!(c.sel.algo(k, b, 2, uniform), want, "remembered: {k:?} {b} {uniform}");
+            }
+        }
+        assert_eq!(c.sel.memo.get(coll, b, true), None, "one choice remembered, the last");
+        // A clone forced to an algorithm, or to the cost model, starts without the memory.
+        assert_eq!(c.with_algo(Algo::Ring).sel.algo(coll, b, 2, true), Algo::Ring);
+        assert_eq!(c.sel.algo(coll, b, 2, true), Algo::Direct);
+        let m = crate::model::Model { alpha: 1e-3, beta: 1e-6, beta_local: 1e-9, gamma: 1e-10 };
+        assert_ne!(c.with_model(m).sel.algo(coll, b, 2, true), Algo::Direct);
+    }
 
     #[test]
     fn parse_overrides() {
