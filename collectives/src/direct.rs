@@ -176,9 +176,12 @@ pub(crate) struct Direct {
     known_done: Vec<Cell<u64>>,
     /// The latest *done* read from each peer's window (never inferred): see [`Direct::settle`].
     agreed: Vec<Cell<u64>>,
-    /// The least of the peers' [`Direct::agreed`] (`u64::MAX` without peers): a small
-    /// broadcast up to it needs no look at any peer.
+    /// The least of the peers' [`Direct::agreed`] (`u64::MAX` without peers), as of the last
+    /// time [`Direct::settle`] needed it: a small broadcast up to it needs no look at any peer.
+    /// [`Direct::agree`] only marks it stale (`agreed_stale`), so a loop over the peers that
+    /// raises each does not take the least n times.
     agreed_by_all: Cell<u64>,
+    agreed_stale: Cell<bool>,
     /// Calls run on the line slots (for the tests).
     lines: u64,
     /// Of those, calls on the cells (for the tests).
@@ -433,6 +436,7 @@ impl Direct {
             known_done,
             agreed,
             agreed_by_all: Cell::new(if n > 1 { 0 } else { u64::MAX }),
+            agreed_stale: Cell::new(false),
             lines: 0,
             cells: 0,
             singles: 0,
@@ -981,6 +985,10 @@ impl Direct {
         loop {
             // (A `while let` would hold this borrow through the body, over the pop below.)
             let Some(g) = self.unchecked.borrow().front().map(|u| u.g) else { break };
+            if g > self.agreed_by_all.get() && self.agreed_stale.replace(false) {
+                let least = self.peers().map(|r| self.agreed[r].get()).min();
+                self.agreed_by_all.set(least.unwrap_or(u64::MAX));
+            }
             if g > self.agreed_by_all.get() {
                 // Not covered, and not needed yet: no look at the peers (a look is a read of
                 // memory another core writes).
@@ -1017,8 +1025,7 @@ impl Direct {
     fn agree(&self, r: usize, v: u64) {
         if self.agreed[r].get() < v {
             self.agreed[r].set(v);
-            let least = self.peers().map(|r| self.agreed[r].get()).min().unwrap_or(u64::MAX);
-            self.agreed_by_all.set(least);
+            self.agreed_stale.set(true);
         }
         self.knew_done(r, v);
     }

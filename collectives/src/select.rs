@@ -309,14 +309,21 @@ struct Memo(std::sync::atomic::AtomicU64);
 impl Memo {
     const SET: u64 = 1;
     /// Sizes the word holds (larger calls are not remembered).
-    const MAX_BYTES: usize = (1 << 54) - 1;
+    const MAX_BYTES: u64 = (1 << 54) - 1;
 
     #[inline]
     fn key(coll: Coll, bytes: usize, uniform: bool) -> Option<u64> {
-        const _: () = assert!(Coll::ALL.len() <= 16 && Algo::ALL.len() <= 16);
-        let c = coll as u64;
-        (bytes <= Self::MAX_BYTES)
-            .then(|| Self::SET | c << 1 | u64::from(uniform) << 5 | (bytes as u64) << 10)
+        // Four bits each for the collective's discriminant and the algorithm's index.
+        const _: () = {
+            let mut i = 0;
+            while i < Coll::ALL.len() {
+                assert!((Coll::ALL[i] as usize) < 16);
+                i += 1;
+            }
+            assert!(Algo::ALL.len() <= 16);
+        };
+        let (c, b) = (coll as u64, bytes as u64);
+        (b <= Self::MAX_BYTES).then(|| Self::SET | c << 1 | u64::from(uniform) << 5 | b << 10)
     }
 
     #[inline]
@@ -422,7 +429,8 @@ impl Selector {
     }
 
     /// The algorithm for a call of `coll` moving `bytes` (nccl-tests' S) on `n` ranks
-    /// (`uniform`: every rank contributes the same count).
+    /// (`uniform`: every rank contributes the same count). `n` is the group's size, the same
+    /// at every call of a selector (its [`Memo`] leaves it out).
     #[inline]
     pub(crate) fn algo(&self, coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
         if self.force.is_none() {
@@ -431,6 +439,9 @@ impl Selector {
             }
         }
         let model = self.link_model();
+        // Read before anything `auto` reads: a choice made from findings the set-up had not
+        // stored yet is then never remembered.
+        let fixed = self.fixed.load(std::sync::atomic::Ordering::Acquire);
         let auto = || {
             // Where every rank of the group maps every other's memory, direct reads from the
             // sizes where they measured faster than messages through shared memory. Links the
@@ -475,7 +486,7 @@ impl Selector {
         // Remembered only once every input of `auto` is final: the set-up's findings stored,
         // the links measured (and no cost model, whose topology may come later).
         let measured = matches!(self.link.get(), Some(None));
-        if measured && self.fixed.load(std::sync::atomic::Ordering::Acquire) {
+        if measured && fixed {
             self.memo.set(coll, bytes, uniform, a);
         }
         a
@@ -612,14 +623,24 @@ mod tests {
 
     #[test]
     fn a_remembered_choice_is_the_tables_and_a_forced_clone_does_not_take_it() {
-        use crate::{Comm, ReduceOp};
-        let comms = Comm::mem_world(2);
+        use crate::{Comm, Config, ReduceOp};
+        use tutti_runtime::testing::{groups, Kind};
+        // Rank 3 makes no single copies: the windows' set-up tells every rank, which then
+        // chooses messages for large all-to-alls where it chose direct reads before.
+        let comms: Vec<Comm> = groups(Kind::Mem, 4)
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .map(|(r, g)| {
+                Comm::with_config(g, Config { single_copy: r != 3, ..Default::default() })
+            })
+            .collect();
         let c = &comms[0];
-        let (coll, b) = (Coll::Allreduce, 1usize << 20);
-        // Before the windows' set-up nothing is remembered.
-        assert_eq!(c.sel.algo(coll, b, 2, true), Algo::Direct);
+        c.ensure_measured().unwrap();
+        let (coll, b) = (Coll::AllToAll, 2usize << 20);
+        // Measured, but the set-up not over: chosen, not remembered.
+        assert_eq!(c.sel.algo(coll, b, 4, true), Algo::Direct);
         assert_eq!(c.sel.memo.get(coll, b, true), None);
-        // The set-up (a direct call on every rank) fixes what the choice depends on.
         std::thread::scope(|s| {
             for c in &comms {
                 s.spawn(move || {
@@ -627,11 +648,13 @@ mod tests {
                 });
             }
         });
-        let table = |coll, b| {
-            if direct_pays(coll, b, 2, true, true) {
+        assert_eq!(c.sel.algo(coll, b, 4, true), Algo::Pairwise);
+        assert_eq!(c.sel.memo.get(coll, b, true), Some(Algo::Pairwise));
+        let table = |k, b, uniform| {
+            if direct_pays(k, b, 4, uniform, false) {
                 Algo::Direct
             } else {
-                choose(coll, b, 2, true)
+                choose(k, b, 4, uniform)
             }
         };
         let calls = [
@@ -645,19 +668,22 @@ mod tests {
             (coll, b),
         ];
         for (k, b) in calls {
-            for uniform in [true, false] {
-                let want = if uniform { table(k, b) } else { c.sel.algo(k, b, 2, false) };
-                assert_eq!(c.sel.algo(k, b, 2, uniform), want, "{k:?} {b} {uniform}");
+            for uniform in [false, true] {
+                let want = table(k, b, uniform);
+                assert_eq!(c.sel.algo(k, b, 4, uniform), want, "{k:?} {b} {uniform}");
                 assert_eq!(c.sel.memo.get(k, b, uniform), Some(want), "{k:?} {b} {uniform}");
-                assert_eq!(c.sel.algo(k, b, 2, uniform), want, "remembered: {k:?} {b} {uniform}");
+                assert_eq!(c.sel.algo(k, b, 4, uniform), want, "remembered: {k:?} {b} {uniform}");
             }
         }
-        assert_eq!(c.sel.memo.get(coll, b, true), None, "one choice remembered, the last");
-        // A clone forced to an algorithm, or to the cost model, starts without the memory.
-        assert_eq!(c.with_algo(Algo::Ring).sel.algo(coll, b, 2, true), Algo::Ring);
-        assert_eq!(c.sel.algo(coll, b, 2, true), Algo::Direct);
+        assert_eq!(c.sel.memo.get(coll, b, false), None, "one choice remembered, the last");
+        // A clone forced to an algorithm, or given a cost model, does not take it.
+        assert_eq!(c.with_algo(Algo::Ring).sel.algo(coll, b, 4, true), Algo::Ring);
+        assert_eq!(c.sel.memo.get(coll, b, true), Some(Algo::Pairwise));
         let m = crate::model::Model { alpha: 1e-3, beta: 1e-6, beta_local: 1e-9, gamma: 1e-10 };
-        assert_ne!(c.with_model(m).sel.algo(coll, b, 2, true), Algo::Direct);
+        let (bc, bb) = (Coll::Broadcast, 8);
+        assert_eq!(c.sel.algo(bc, bb, 4, true), Algo::Direct);
+        assert_eq!(c.sel.memo.get(bc, bb, true), Some(Algo::Direct));
+        assert_ne!(c.with_model(m).sel.algo(bc, bb, 4, true), Algo::Direct);
     }
 
     #[test]
