@@ -145,7 +145,8 @@ pub(crate) fn buffer_for(n: usize) -> usize {
 
 /// Line slots a group of `n` ranks uses by turns: 32 (all of [`LINES`]) up to 8 ranks, then
 /// fewer, down to 2 from 128 ranks. A small broadcast's root runs up to this many calls less one
-/// ahead of its readers; a small call reads a slot of every peer, so the first calls through the
+/// ahead of its readers on the line slots (less five on the cells, where there are at least 16);
+/// a small call reads a slot of every peer, so the first calls through the
 /// slots touch `(n − 1) × turns` slots of peers' windows (2 per page), each page a first-touch
 /// fault of its own: with `256 / n` slots that stays near 128 pages per rank at any size (at
 /// 128 ranks, 32 slots had doubled a short job's page faults).
@@ -908,8 +909,8 @@ impl Direct {
         Ok(self.wins[r].cell(s))
     }
 
-    /// While we wait on peer `r`'s cell `s` for generation `g`: a peer whose line slot holds
-    /// `g` with another stamp made another call there (a peer posting its cell stamps the slot
+    /// While we wait on peer `r` for generation `g` (on its cell `s`, or in a buffer): a peer
+    /// whose line slot `s` holds `g` with another stamp made another call there (a peer posting its cell stamps the slot
     /// first, with the same stamp).
     fn line_stamp_at(
         &self,

@@ -298,11 +298,11 @@ pub(crate) struct Selector {
 }
 
 /// The last automatic choice of a selector, once nothing it depends on can change (the
-/// windows' set-up over, the links measured as loopback or better, no tuning, nothing forced):
-/// a call shaped like the one before, the common case in a training step or a benchmark,
-/// takes it with one load instead of the table. One word: the collective and the algorithm
-/// (the collective's discriminant, the algorithm's index in [`Algo::ALL`]), `uniform`, the bytes, and a bit that
-/// says it is set. A clone starts empty: its forced algorithm or links may differ.
+/// windows' set-up over, the links measured and needing no cost model, no tuning, nothing
+/// forced): a call shaped like the one before, the common case in a training step or a
+/// benchmark, takes it with one load instead of the table. One word: a bit that says it is set,
+/// the collective's discriminant, `uniform`, the algorithm's index in [`Algo::ALL`] and the
+/// bytes. A clone starts empty: its forced algorithm or links may differ.
 #[derive(Default)]
 struct Memo(std::sync::atomic::AtomicU64);
 

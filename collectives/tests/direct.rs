@@ -615,8 +615,8 @@ both!(a_small_broadcast_root_runs_ahead_as_far_as_the_turns_allow, |kind| {
 both!(a_root_that_ran_ahead_and_stopped_leaves_no_reader_waiting, |kind| {
     // The root's calls are all broadcasts of its own, and after the last it makes no call: a
     // reader that fell behind still finishes, since each call of the root checked the stamps
-    // up to a line slot's reuse (32 calls) back. Rank 2 is 32 calls behind when the root makes
-    // its last call, and posts its stamp of that call only while the root waits for it to be
+    // up to a line slot's reuse (32 calls) back. Rank 2 is 32 calls behind (28 on the cells)
+    // when the root makes its last call, and posts its stamp of that call only while the root waits for it to be
     // done with it (after the root looked for the stamp without waiting).
     for blk in [1, 2] {
         let (oks, t) = run(kind, 3, Duration::from_secs(10), |c| {

@@ -6,7 +6,7 @@
  * through two cache lines, 200,000 times; prints the mean round trip in nanoseconds. On the
  * 2-core reference VM it reads about 100 ns in its usual phase and 300-600 ns in its slow one,
  * and small calls between ranks move with it: benchmarks say the phase they ran in by running
- * this before and after (tools/bench/ab.py, side_by_side.py).
+ * this before and after (tools/bench/ab.py).
  */
 #define _GNU_SOURCE
 #include <pthread.h>

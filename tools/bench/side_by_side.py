@@ -23,8 +23,8 @@ modes in one run; the table shows tutti in Open MPI's mode (`tutti_us`) and in g
 TCP (`--mca btl tcp,self`, column `mpi`), and with its own defaults (column `mpi_shm`: on one
 host its shared-memory transport, `vader`), the peers of tutti's TCP and shared-memory links.
 `--tutti-env` adds variables to collbench's environment (`TUTTI_SHM=0`: tutti over TCP alone).
-collbench times calls shorter than 20 µs in groups (`-m`), one clock reading per group, as
-mpibench and gloo_bench time their whole loop with one.
+collbench times calls of about 10 µs or less in groups (`-m`) that span about 20 µs, one clock
+reading per group, as mpibench and gloo_bench time their whole loop with one.
 gloo (torch.distributed, CPU tensors, `gloo_bench.py`)
 runs where a Python with torch is found (`--gloo`, else $TUTTI_TORCH_PYTHON, else
 ~/.cache/tutti/venv-torch, as CI makes it) and for the collectives gloo has on CPU (allreduce,

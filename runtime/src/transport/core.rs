@@ -856,8 +856,9 @@ impl Core {
     /// The dead-peer rule for a wait that needs `peer` but has no operation posted to it
     /// (direct reads wait on the peer's memory, not its messages): fail the link when nothing,
     /// not even a keep-alive, came from it for `dead_after` since the later of its last
-    /// traffic and `since` — the rule [`Core::poll_wait`] applies, only once anything at all
-    /// came from it, and not while the link is parked. Returns whether the link failed now.
+    /// traffic and `since` — the rule [`Core::poll_wait`] applies to a single wait (no run of
+    /// waits here: `since` is this wait's start), only once anything at all came from it, and
+    /// not while the link is parked. Returns whether the link failed now.
     pub(crate) fn check_silent(&mut self, peer: usize, since: Instant, now: Instant) -> bool {
         // A parked link holds a message nobody asked for yet in front of whatever came after
         // it (keep-alives included): its silence says nothing.

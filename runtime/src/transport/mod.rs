@@ -49,7 +49,9 @@ pub struct LinkConfig {
     /// 1 GiB; beyond it the rank fails with `UnexpectedOverflow`. Hazard: larger lets such a
     /// program hold that much memory here.
     pub unexpected_limit: u64,
-    /// Idle time after which a keep-alive is sent on a connection. Default 1 s. Keep-alives are
+    /// Idle time after which a keep-alive is sent on a connection. Default 1 s; the connection
+    /// core sends them at most a quarter of `dead_after` apart whatever this says, so a peer
+    /// that only receives never looks dead. Keep-alives are
     /// sent by a background thread, so long computation between collectives keeps them going
     /// (over QUIC, quinn's keep-alives at this interval).
     pub keepalive_interval: Duration,
