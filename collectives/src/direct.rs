@@ -910,8 +910,8 @@ impl Direct {
     }
 
     /// While we wait on peer `r` for generation `g` (on its cell `s`, or in a buffer): a peer
-    /// whose line slot `s` holds `g` with another stamp made another call there (a peer posting its cell stamps the slot
-    /// first, with the same stamp).
+    /// whose line slot `s` holds `g` with another stamp made another call there (a peer
+    /// posting its cell stamps the slot first, with the same stamp).
     fn line_stamp_at(
         &self,
         call: &Call<'_>,
