@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # tutti's whole test suite, set-up included: the README's test command, and what .ci/run runs.
 #
-#   tools/test.sh [ARGS…]      ARGS go to `cargo test` (e.g. `-p tutti-collectives`, a test name)
+#   tools/test.sh [ARGS…]      ARGS go to the test runner (e.g. `-p tutti-collectives`, a test
+#                              name)
 #
-# It makes or reuses what the process tests need, then runs every test binary even when one
-# fails (`--no-fail-fast`), so one failure never hides another:
+# The runner is cargo-nextest where it is installed (every test in a process of its own, two at
+# a time, tests of different binaries side by side; groups in .config/nextest.toml), then the
+# doc tests with `cargo test --doc`; otherwise, or with TUTTI_TEST_NO_NEXTEST=1, `cargo test`
+# (one binary after another). Either way every test runs even when one fails, so one failure
+# never hides another. It first makes or reuses what the process tests need:
 #   - torch, for the torchrun tests: a virtualenv outside the clone (TUTTI_TORCH_VENV, default
 #     ~/.cache/tutti/venv-torch), made once (about 5 GB and several minutes from PyPI), reused
 #     after;
 #   - Slurm (slurm-wlm, munge) and Open MPI (openmpi-bin) from Debian, for the srun and mpirun
 #     tests (root: installed with apt-get when missing; otherwise install them first). The
 #     Slurm tests start and stop clusters of their own (tests/slurm/slurm.sh).
-# On 2 cores the first run takes about 15 minutes (the build and torch's download), later ones 5.
+# On 2 cores the first run takes about 15 minutes (the build and torch's download), later ones 6.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,5 +62,16 @@ this as root, or set TUTTI_TEST_NO_SLURM=1 / TUTTI_TEST_NO_MPI=1 to skip those t
     apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+if [ -z "${TUTTI_TEST_NO_NEXTEST:-}" ] && cargo nextest --version >/dev/null 2>&1; then
+    say "cargo nextest run --workspace --release $*"
+    rc=0
+    cargo nextest run --workspace --release "$@" || rc=$?
+    # nextest does not run doc tests; a test-name filter in ARGS would not apply to them.
+    if [ $# -eq 0 ]; then
+        say "cargo test --workspace --release --doc"
+        cargo test --workspace --release --doc || rc=$?
+    fi
+    exit $rc
+fi
 say "cargo test --workspace --release --no-fail-fast $*"
 exec cargo test --workspace --release --no-fail-fast "$@"
