@@ -82,6 +82,8 @@ on_node0() { SLURM_CONF="$scratch/slurm/slurm.conf" nsenter --net=/run/netns/$na
 # Each command is echoed, with the job secret the README exports blanked out of the log.
 exec {trace}> >(sed -E 's/(TUTTI_TOKEN=)[^ ]+/\1<secret>/g' >&2)
 BASH_XTRACEFD=\$trace
+# Each command's line starts with the seconds since the script began.
+PS4='+ [\${SECONDS} s] '
 set -x
 $script
 EOF

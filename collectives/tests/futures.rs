@@ -3,8 +3,6 @@
 //! collectives on different sub-groups awaited by tasks of one runtime while a timer task keeps
 //! its schedule.
 
-mod common;
-
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,7 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tutti_collectives::{Comm, ReduceOp};
 
 /// Wakes by unparking the thread that runs [`block_on`], counting the wakes.

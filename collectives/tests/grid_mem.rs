@@ -2,10 +2,8 @@
 //! in memory, and over shared memory between ranks of one host (fewer worlds: the same state
 //! machine, another driver).
 
-mod common;
-
-use common::grid::*;
-use common::*;
+use crate::common::grid::*;
+use crate::common::*;
 use tutti_collectives::{Algo, Comm, ReduceOp};
 
 #[test]

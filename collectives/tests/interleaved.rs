@@ -4,9 +4,7 @@
 //! compared with the answer each rank computes on its own. In-place all-to-all, which now leaves
 //! the own block where it is, is checked alongside.
 
-mod common;
-
-use common::world;
+use crate::common::world;
 use tutti_collectives::{Algo, Comm};
 
 const MIB: usize = 1 << 20;

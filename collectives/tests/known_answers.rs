@@ -3,9 +3,7 @@
 //! toward zero for integers). The inputs are chosen so that any reduction order gives the same
 //! bits: two ranks where a rounding happens, exact partial results where three ranks take part.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use half::{bf16, f16};
 use tutti_collectives::{Comm, Element, ReduceOp};
 

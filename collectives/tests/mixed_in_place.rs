@@ -6,9 +6,7 @@
 //! its own. (Before, an out-of-place all-gather cut its first large exchange in pieces while an
 //! in-place one sent it whole: the pair failed with a count mismatch.)
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use tutti_collectives::algo::INTERLEAVE_MIN;
 use tutti_collectives::{Algo, Coll, Comm, ReduceOp};
 

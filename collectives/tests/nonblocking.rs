@@ -1,8 +1,6 @@
 //! Non-blocking collectives: several outstanding, mixed with blocking calls, same results.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use tutti_collectives::{Comm, ReduceOp};
 
 #[test]

@@ -4,9 +4,7 @@
 //! send to the wrong ranks, the wrong bytes or the wrong amount: every result is compared
 //! element for element, and a stale plan fails as a mismatch or a timeout instead.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use tutti_collectives::{Algo, Coll, Comm, ReduceOp};
 
 /// The broadcast and reduce roots change from call to call, with everything else the same.

@@ -1,8 +1,6 @@
 //! Property tests: random lengths, world sizes and segment sizes, every algorithm, exact results.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use proptest::prelude::*;
 use tutti_collectives::{Algo, Coll, Comm, ReduceOp};
 

@@ -19,7 +19,8 @@ const RANK: &str = env!("CARGO_BIN_EXE_tt-rank");
 const RUN: &str = env!("CARGO_BIN_EXE_tt-run");
 const SECRET: &str = "cluster-test-secret-0123";
 
-/// One cluster at a time in this process (they share the bridge's address plan).
+/// One cluster at a time in this process (they share the bridge's address plan); under
+/// cargo-nextest, whose tests are processes, the `namespaces` group of .config/nextest.toml.
 static ONE: Mutex<()> = Mutex::new(());
 
 /// A cluster of `hosts` namespaces, taken down when dropped.

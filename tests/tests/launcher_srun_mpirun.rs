@@ -22,7 +22,9 @@ const SLURM: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/slurm/slurm.sh");
 const CLUSTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/cluster/cluster.sh");
 const LIMIT: Duration = Duration::from_secs(180);
 
-/// One cluster at a time in this process (each has its own daemons, but the machine has 2 cores).
+/// One cluster at a time in this process (each has its own daemons, but the machine has 2 cores);
+/// under cargo-nextest, whose tests are processes, the `namespaces` group of .config/nextest.toml
+/// (shared with the cluster tests, whose namespace hosts use the same addresses).
 static ONE: Mutex<()> = Mutex::new(());
 
 /// Whether `prog` is installed (on PATH, or in /usr/sbin where Debian puts the daemons).

@@ -5,7 +5,8 @@
 //! from `/proc/*/maps`), and the machine's own count of shared pages (`Shmem` in
 //! `/proc/meminfo`, which counts memfd pages), which grows while a 4-rank job runs, comes back
 //! when every rank has been killed. In a test binary of its own, so that no other job of this
-//! suite runs meanwhile under `cargo test`.
+//! suite runs meanwhile under `cargo test`; under cargo-nextest it takes every test slot
+//! (.config/nextest.toml), so that it runs alone.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
