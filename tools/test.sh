@@ -4,7 +4,7 @@
 #   tools/test.sh [ARGS…]      ARGS go to the test runner (e.g. `-p tutti-collectives`, a test
 #                              name)
 #
-# The runner is cargo-nextest where it is installed (every test in a process of its own, two at
+# The runner is cargo-nextest where it is installed (every test in a process of its own, four at
 # a time, tests of different binaries side by side; groups in .config/nextest.toml), then the
 # doc tests with `cargo test --doc`; otherwise, or with TUTTI_TEST_NO_NEXTEST=1, `cargo test`
 # (one binary after another). Either way every test runs even when one fails, so one failure
@@ -15,7 +15,8 @@
 #   - Slurm (slurm-wlm, munge) and Open MPI (openmpi-bin) from Debian, for the srun and mpirun
 #     tests (root: installed with apt-get when missing; otherwise install them first). The
 #     Slurm tests start and stop clusters of their own (tests/slurm/slurm.sh).
-# On 2 cores the first run takes about 15 minutes (the build and torch's download), later ones 6.
+# On 2 cores the first run takes about 15 minutes (the build and torch's download), later ones 4
+# (nextest; 8 under `cargo test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
