@@ -5,10 +5,11 @@
 #                              name)
 #
 # The runner is cargo-nextest where it is installed (every test in a process of its own, four at
-# a time, tests of different binaries side by side; groups in .config/nextest.toml), then the
-# doc tests with `cargo test --doc`; otherwise, or with TUTTI_TEST_NO_NEXTEST=1, `cargo test`
-# (one binary after another). Either way every test runs even when one fails, so one failure
-# never hides another. It first makes or reuses what the process tests need:
+# a time, tests of different binaries side by side; groups in .config/nextest.toml), then, when
+# no ARGS are given, the doc tests with `cargo test --doc`; otherwise, or with
+# TUTTI_TEST_NO_NEXTEST=1, `cargo test` (one binary after another). Either way every test runs
+# even when one fails, so one failure never hides another. It first makes or reuses what the
+# process tests need:
 #   - torch, for the torchrun tests: a virtualenv outside the clone (TUTTI_TORCH_VENV, default
 #     ~/.cache/tutti/venv-torch), made once (about 5 GB and several minutes from PyPI), reused
 #     after;
@@ -69,8 +70,8 @@ if [ -z "${TUTTI_TEST_NO_NEXTEST:-}" ] && cargo nextest --version >/dev/null 2>&
     cargo nextest run --workspace --release "$@" || rc=$?
     # nextest does not run doc tests; a test-name filter in ARGS would not apply to them.
     if [ $# -eq 0 ]; then
-        say "cargo test --workspace --release --doc"
-        cargo test --workspace --release --doc || rc=$?
+        say "cargo test --workspace --release --doc --no-fail-fast"
+        cargo test --workspace --release --doc --no-fail-fast || rc=$?
     fi
     exit $rc
 fi
