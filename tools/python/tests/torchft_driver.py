@@ -10,7 +10,15 @@ before the tests run, this script replaces, in that module only,
 
 Usage: ``python torchft_driver.py [--gloo] [TEST ...]``: without names, the DDP cases the
 tutti tests check (healthy, recovery sync/async/native, skip-init-sync, multi-rank recovery);
-``--gloo`` runs them unchanged, as the control. Exits non-zero when a test fails.
+``--gloo`` runs them with gloo, as the control. Exits non-zero when a test fails.
+
+One race of the test module's own is closed in both modes (``_serialize_draws``): its replicas
+are threads of one process, sharing torch's global generator. Each seeds it and builds its
+model under the module's ``INIT_LOCK``, but the training loop draws its inputs from the same
+generator without that lock, before the first quorum, so one replica's draw can land inside
+the other's model init. With ``init_sync=False`` (skip-init-sync) nothing heals that, and the
+replicas end with different weights whatever the backend (seen once in CI: ``layers.0.weight``
+equal, ``layers.0.bias`` not). The loop's draws now take ``INIT_LOCK`` too.
 
 ``python torchft_driver.py --resiliency [--gloo]`` runs instead the allreduce cases of
 torchft's multi-group resiliency test (``process_group_test.py``, ``NormalGlooMultiPgTest``:
@@ -75,6 +83,28 @@ def _substitute(mit) -> None:
     mit.ProcessGroupGloo = gloo_wrapper
 
 
+def _serialize_draws(mit) -> None:
+    """Makes the test module's training loops draw from torch's global generator under the
+    ``INIT_LOCK`` its model inits hold (see the module docstring)."""
+    lock = mit.INIT_LOCK
+    real = mit.torch
+
+    def locked(fn):
+        def draw(*args, **kwargs):
+            with lock:
+                return fn(*args, **kwargs)
+        return draw
+
+    class Torch:
+        rand = staticmethod(locked(real.rand))
+        randint = staticmethod(locked(real.randint))
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    mit.torch = Torch()
+
+
 class _Factory:
     """Called like ``dist.ProcessGroup``; its other attributes (``BackendType``, and the
     ``reconfigure`` the tests look for) are torch's."""
@@ -125,6 +155,7 @@ def main(argv) -> int:
     names = [a for a in argv if not a.startswith("--")] or DEFAULT
     import torchft.manager_integ_test as mit
 
+    _serialize_draws(mit)
     if not gloo:
         _substitute(mit)
     suite = unittest.TestSuite(mit.ManagerIntegTest(n) for n in names)
