@@ -9,6 +9,7 @@ mod common;
 
 mod abort_timeout;
 mod cost;
+mod credits;
 mod direct;
 mod futures;
 mod grid_mem;

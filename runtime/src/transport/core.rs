@@ -547,7 +547,6 @@ impl Core {
     }
 
     /// Payload bytes of messages waiting for their receives, from every peer.
-    #[cfg(test)]
     pub(crate) fn unexpected_held(&self) -> u64 {
         self.queues.iter().map(PeerQueues::buffered).sum()
     }

@@ -928,6 +928,10 @@ impl<T: Wired> Transport for T {
         self.engine().lost_peers()
     }
 
+    fn unexpected_bytes(&self) -> u64 {
+        self.engine().lock().core.unexpected_held()
+    }
+
     fn probe(&self, peer: usize, desc: MsgDesc) -> Result<bool> {
         self.engine().probe(peer, desc)
     }

@@ -437,6 +437,16 @@ pub trait Transport: Send + Sync {
         Vec::new()
     }
 
+    /// Payload bytes this rank holds for messages that arrived before their receives were
+    /// posted, from every peer together. Flow control keeps each peer's share within
+    /// [`LinkConfig::window`] (plus messages a wait moved aside to reach a later one, within
+    /// [`LinkConfig::unexpected_limit`]): what to look at when a rank's memory grows while its
+    /// peers run ahead of it. Never blocks for long (it takes the connection core's lock).
+    /// Default: 0 (a transport that holds nothing it was not asked for).
+    fn unexpected_bytes(&self) -> u64 {
+        0
+    }
+
     /// The address this rank listens on and published to its peers (`None` for transports
     /// without one, such as the in-memory transport).
     fn local_addr(&self) -> Option<std::net::SocketAddr> {
