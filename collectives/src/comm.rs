@@ -19,6 +19,9 @@ use crate::plan::Plan;
 use crate::select::{Algo, Selector};
 use crate::topo::Topology;
 
+/// How a collective plans a call: from the call's context, the algorithm and the topology.
+pub(crate) type PlanFn<'a> = dyn Fn(&PlanCtx, Algo, &Topology) -> Result<Plan> + 'a;
+
 /// What one collective call did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stats {
@@ -418,11 +421,11 @@ impl Comm {
 
     /// Choose the algorithm, then [`Comm::execute`]. Called by the collectives' methods inside
     /// [`Comm::call`], after they validated their arguments.
-    pub(crate) fn run(
-        &self,
-        req: Req<'_>,
-        plan: impl FnOnce(&PlanCtx, Algo, &Topology) -> Result<Plan>,
-    ) -> Result<Stats> {
+    ///
+    /// `plan` is a trait object, as in [`Comm::execute`]: one copy of each serves every
+    /// collective and element type (as generics they were compiled once per caller and type,
+    /// 64 copies in collbench's crate).
+    pub(crate) fn run(&self, req: Req<'_>, plan: &PlanFn<'_>) -> Result<Stats> {
         // The link measurement, once per group, at its first collective (the same call on every rank).
         self.ensure_measured()?;
         // The collective's `plan` refuses an algorithm that cannot run here (`Coll::supports`).
@@ -444,12 +447,7 @@ impl Comm {
 
     /// Plan `req` with `algo`, take the sequence number and execute: no choice, no link measurement, no
     /// tuning (what the link measurement and the tuner's agreement run on).
-    pub(crate) fn execute(
-        &self,
-        req: Req<'_>,
-        algo: Algo,
-        plan: impl FnOnce(&PlanCtx, Algo, &Topology) -> Result<Plan>,
-    ) -> Result<Stats> {
+    pub(crate) fn execute(&self, req: Req<'_>, algo: Algo, plan: &PlanFn<'_>) -> Result<Stats> {
         let mut algo = algo;
         if algo == Algo::Direct {
             // Set up already, the common case: straight to the call.
@@ -682,7 +680,7 @@ impl Comm {
             input: None,
             finish: None,
         };
-        self.execute(req, algo, |ctx, a, t| crate::coll::allreduce::plan(ctx, a, count, t))
+        self.execute(req, algo, &|ctx, a, t| crate::coll::allreduce::plan(ctx, a, count, t))
             .map(|_| ())
     }
 
@@ -702,7 +700,7 @@ impl Comm {
             input: Some(mine),
             finish: None,
         };
-        self.execute(req, algo, |ctx, a, t| crate::coll::allgather::plan(ctx, a, &blocks, t))
+        self.execute(req, algo, &|ctx, a, t| crate::coll::allgather::plan(ctx, a, &blocks, t))
             .map(|_| ())
     }
 

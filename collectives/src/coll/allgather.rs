@@ -115,7 +115,7 @@ impl Comm {
         };
         let _rank = self.rank();
         // The blocks only where a plan is made (not on a cached plan's or direct reads' path).
-        self.run(req, |ctx, algo, topo| plan(ctx, algo, &blocks_from_counts(counts, es), topo))
+        self.run(req, &|ctx, algo, topo| plan(ctx, algo, &blocks_from_counts(counts, es), topo))
     }
 }
 

@@ -79,7 +79,7 @@ impl Comm {
                 _ => None,
             },
         };
-        self.run(req, |ctx, algo, topo| plan(ctx, algo, count, topo))
+        self.run(req, &|ctx, algo, topo| plan(ctx, algo, count, topo))
     }
 
     /// Allreduce in place: every rank ends with the elementwise reduction of every rank's `buf`.

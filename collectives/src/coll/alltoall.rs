@@ -108,7 +108,7 @@ impl Comm {
             finish: None,
         };
         let _in_place = input.is_none();
-        self.run(req, |ctx, algo, _| {
+        self.run(req, &|ctx, algo, _| {
             let (send, recv) = (blocks_from_counts(sc, es), blocks_from_counts(rc, es));
             plan(ctx, algo, &send, &recv, total_bytes)
         })

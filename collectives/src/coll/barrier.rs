@@ -32,7 +32,7 @@ impl Comm {
                 input: None,
                 finish: None,
             };
-            self.run(req, |ctx, algo, _| plan(ctx, algo))
+            self.run(req, &|ctx, algo, _| plan(ctx, algo))
         })
     }
 }

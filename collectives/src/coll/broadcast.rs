@@ -68,7 +68,7 @@ impl Comm {
             input: input.map(as_bytes),
             finish: None,
         };
-        self.run(req, |ctx, algo, topo| plan(ctx, algo, len, root, topo))
+        self.run(req, &|ctx, algo, topo| plan(ctx, algo, len, root, topo))
     }
 }
 

@@ -69,7 +69,7 @@ impl Comm {
             input: input.map(as_bytes),
             finish: None,
         };
-        let st = self.run(req, |ctx, algo, _| plan(ctx, algo, len, root))?;
+        let st = self.run(req, &|ctx, algo, _| plan(ctx, algo, len, root))?;
         if self.rank() == root {
             self.finish_avg(op, out);
         }

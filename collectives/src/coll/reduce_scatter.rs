@@ -123,7 +123,7 @@ impl Comm {
         };
         let in_place = input.is_none();
         let st = self
-            .run(req, |ctx, algo, topo| plan(ctx, algo, &blocks_from_counts(counts, es), topo))?;
+            .run(req, &|ctx, algo, topo| plan(ctx, algo, &blocks_from_counts(counts, es), topo))?;
         if in_place {
             let c = counts[rank];
             let off: usize = counts[..rank].iter().sum();

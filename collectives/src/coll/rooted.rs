@@ -54,7 +54,7 @@ impl Comm {
                 input: Some(as_bytes(input)),
                 finish: None,
             };
-            self.run(req, |ctx, algo, _| plan(ctx, algo, &blocks, root))
+            self.run(req, &|ctx, algo, _| plan(ctx, algo, &blocks, root))
         })
     }
 
@@ -88,7 +88,7 @@ impl Comm {
                 input: None,
                 finish: None,
             };
-            self.run(req, |ctx, algo, _| plan(ctx, algo, &blocks, root))
+            self.run(req, &|ctx, algo, _| plan(ctx, algo, &blocks, root))
         })
     }
 }

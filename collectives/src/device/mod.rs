@@ -625,7 +625,9 @@ impl Staged {
     }
 
     /// The pipeline: per segment, copy the input blocks' part down, run the host collective on
-    /// the packed segment, copy the output blocks' part up.
+    /// the packed segment, copy the output blocks' part up. The typed entry to
+    /// [`Staged::run_bytes`], which holds the pipeline once for every element type and
+    /// collective (as a generic it was compiled 56 times in collbench's crate).
     fn run<T: Element>(
         &self,
         name: &'static str,
@@ -634,8 +636,33 @@ impl Staged {
         shape: Shape,
         host: impl Fn(&Comm, &mut [T], &mut [T]) -> Result<Stats>,
     ) -> Result<StagedStats> {
+        fn typed<T>(b: &mut [u8]) -> &mut [T] {
+            if b.is_empty() {
+                return &mut [];
+            }
+            // SAFETY: the bytes are a stage's (aligned to 16 bytes, at least `T`'s alignment)
+            // and a whole number of elements long (`run_bytes` cuts them in elements); the
+            // typed slice borrows them for as long as the byte slice would.
+            unsafe {
+                std::slice::from_raw_parts_mut(b.as_mut_ptr().cast::<T>(), b.len() / size_of::<T>())
+            }
+        }
+        self.run_bytes(name, input, output, shape, size_of::<T>(), &|c, inp, out| {
+            host(c, typed::<T>(inp), typed::<T>(out))
+        })
+    }
+
+    /// [`Staged::run`] on elements of `esz` bytes, the host collective given bytes.
+    fn run_bytes(
+        &self,
+        name: &'static str,
+        input: &dyn DeviceBuffer,
+        output: &dyn DeviceBuffer,
+        shape: Shape,
+        esz: usize,
+        host: &HostBytes<'_>,
+    ) -> Result<StagedStats> {
         let start = Instant::now();
-        let esz = size_of::<T>();
         // A call smaller than a segment gets slots of its own size, not a whole segment's.
         let seg = self.resolved()?.segment_elems(shape.count, esz);
         let nseg = shape.count.div_ceil(seg);
@@ -702,7 +729,7 @@ impl Staged {
                 // only after the host collective is done with it; stages are aligned to 16 bytes
                 // and sized for `n * seg` elements.
                 let inp = unsafe {
-                    std::slice::from_raw_parts_mut(slot.input.ptr().cast::<T>(), shape.n_in * len)
+                    std::slice::from_raw_parts_mut(slot.input.ptr(), shape.n_in * len * esz)
                 };
                 let t0 = Instant::now();
                 act(Action::Collective(k));
@@ -714,7 +741,7 @@ impl Staged {
                     Some(o) => {
                         // SAFETY: as above, for the output stage.
                         let out = unsafe {
-                            std::slice::from_raw_parts_mut(o.ptr().cast::<T>(), shape.n_out * len)
+                            std::slice::from_raw_parts_mut(o.ptr(), shape.n_out * len * esz)
                         };
                         host(&self.comm, inp, out)?
                     }
@@ -778,6 +805,10 @@ impl Staged {
         })
     }
 }
+
+/// A staged call's host collective on a segment's input and output stages, as bytes (the
+/// output empty in place).
+type HostBytes<'a> = dyn Fn(&Comm, &mut [u8], &mut [u8]) -> Result<Stats> + 'a;
 
 /// Open a device by name: `sim` (the simulated device, default settings) or `cuda`
 /// (GPU `ordinal`, usually `LOCAL_RANK`).
