@@ -1,6 +1,6 @@
 //! Communicators that read their peers' memory directly, each with a sub-group of its own, made
-//! and dropped a thousand times: no descriptor and no mapping stays behind. (Alone in its test binary: it counts the whole
-//! process's descriptors and mappings.)
+//! and dropped a thousand times: no descriptor and no mapping stays behind. (Alone in its test
+//! binary: it counts the whole process's descriptors and mappings.)
 
 use tutti_collectives::{Algo, Comm, ReduceOp};
 use tutti_runtime::testing::{groups, Kind};
@@ -21,9 +21,14 @@ fn rounds(gs: &[tutti_runtime::Group], k: usize) {
                     let mut x = vec![i as f32; 1000];
                     c.allreduce(&mut x, ReduceOp::Sum).unwrap();
                     assert!(x.iter().all(|v| *v == 2.0 * i as f32));
-                    // A sub-group of its own (a new group id, windows of its own; the same forced
-                    // direct reads), dropped with it.
-                    let sub = c.split(&[0, 1]).unwrap().expect("both ranks are in it");
+                    // A sub-group of its own (a new group id, windows of its own), forced onto
+                    // direct reads too (a split keeps the settings, not a forced algorithm),
+                    // dropped with it.
+                    let sub = c
+                        .split(&[0, 1])
+                        .unwrap()
+                        .expect("both ranks are in it")
+                        .with_algo(Algo::Direct);
                     let mut y = vec![i as f32; 1000];
                     let st = sub.allreduce(&mut y, ReduceOp::Max).unwrap();
                     assert_eq!(st.algo, Algo::Direct);

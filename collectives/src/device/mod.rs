@@ -58,7 +58,8 @@ pub trait HostStage: Send + Sync {
     /// Size in bytes.
     fn len_bytes(&self) -> usize;
     /// Start of the memory. Valid for `len_bytes()` bytes while the stage lives; aligned to at
-    /// least 16 bytes.
+    /// least 8 bytes, every element type's alignment (the simulated device's stages are boxed
+    /// `u64`s; pinned CUDA stages start on a page).
     fn ptr(&self) -> *mut u8;
 }
 
@@ -640,9 +641,11 @@ impl Staged {
             if b.is_empty() {
                 return &mut [];
             }
-            // SAFETY: the bytes are a stage's (aligned to 16 bytes, at least `T`'s alignment)
-            // and a whole number of elements long (`run_bytes` cuts them in elements); the
-            // typed slice borrows them for as long as the byte slice would.
+            debug_assert!(b.as_ptr().cast::<T>().is_aligned(), "a stage aligned for its type");
+            // SAFETY: the bytes are a stage's, aligned to at least 8 bytes (`HostStage::ptr`),
+            // which covers every `Element`'s alignment, and a whole number of elements long
+            // (`run_bytes` cuts them in elements); the typed slice borrows them for as long as
+            // the byte slice would.
             unsafe {
                 std::slice::from_raw_parts_mut(b.as_mut_ptr().cast::<T>(), b.len() / size_of::<T>())
             }
@@ -726,8 +729,8 @@ impl Staged {
                 let (first, len) = range(k);
                 let slot = &slots[k % depth];
                 // SAFETY: the slot's copy down was waited for; its copy up (below) is queued
-                // only after the host collective is done with it; stages are aligned to 16 bytes
-                // and sized for `n * seg` elements.
+                // only after the host collective is done with it; stages are sized for
+                // `n * seg` elements.
                 let inp = unsafe {
                     std::slice::from_raw_parts_mut(slot.input.ptr(), shape.n_in * len * esz)
                 };

@@ -437,12 +437,14 @@ pub trait Transport: Send + Sync {
         Vec::new()
     }
 
-    /// Payload bytes this rank holds for messages that arrived before their receives were
-    /// posted, from every peer together. Flow control keeps each peer's share within
-    /// [`LinkConfig::window`] (plus messages a wait moved aside to reach a later one, within
-    /// [`LinkConfig::unexpected_limit`]): what to look at when a rank's memory grows while its
-    /// peers run ahead of it. Never blocks for long (it takes the connection core's lock).
-    /// Default: 0 (a transport that holds nothing it was not asked for).
+    /// Payload bytes this rank holds for messages that arrived whole before their receives
+    /// were posted, from every peer together, sends to itself included. Flow control keeps
+    /// each peer's share within [`LinkConfig::window`] (plus messages a wait moved aside to
+    /// reach a later one, within [`LinkConfig::unexpected_limit`]); sends to itself are bounded
+    /// by neither, and a message still arriving is not counted yet. What to look at when a
+    /// rank's memory grows while its peers run ahead of it. Never blocks for long (it takes the
+    /// connection core's lock). Default: 0 (a transport that holds nothing it was not asked
+    /// for).
     fn unexpected_bytes(&self) -> u64 {
         0
     }
