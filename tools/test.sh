@@ -16,8 +16,8 @@
 #   - Slurm (slurm-wlm, munge) and Open MPI (openmpi-bin) from Debian, for the srun and mpirun
 #     tests (root: installed with apt-get when missing; otherwise install them first). The
 #     Slurm tests start and stop clusters of their own (tests/slurm/slurm.sh).
-# On 2 cores the first run takes about 15 minutes (the build and torch's download), later ones 4
-# (nextest; 8 under `cargo test`).
+# On 2 cores the first run takes about 15 minutes (the build and torch's download), later ones
+# 3–4 (nextest; about 7 under `cargo test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
