@@ -99,6 +99,13 @@ const WITHDRAWN: u64 = u64::MAX;
 /// cache (13 against 47–56 GB/s on the reference machine): it pays where it saves copies of
 /// larger blocks, not at 256 KiB.
 pub(crate) const SINGLE_FROM: usize = 512 << 10;
+/// All-gather blocks of at least this many bytes go by single copy in a group of 2 ranks that
+/// can: a rank lends its block (in place too) and the peer takes it with one copy through the
+/// kernel, instead of two through the windows. With 2 ranks, each on a core, that took 0.72–0.97
+/// of messages' time out of place and 0.36–0.89 in place from 1 to 64 MiB (the VM's slow phase);
+/// with 4 ranks on 2 cores 1.26–1.36 of the windows' out of place, so groups of 3 or more keep
+/// the windows.
+pub(crate) const GATHER_SINGLE_FROM: usize = 512 << 10;
 
 /// Whether a call's rank runs ahead of its peers: a small broadcast's root, on the line slots
 /// or the cells ([`Direct::free`]).
@@ -1357,9 +1364,22 @@ impl Direct {
         // every peer is done with them. In place the input is also the output, so the pieces go
         // through our buffer. (Only memory the kernel can read through: not a device's mapping,
         // say.)
-        let lends = coll == Coll::AllToAll && self.single && block >= SINGLE_FROM;
-        let single = lends && !in_place && tutti_runtime::window::lendable(src, n * block);
-        let source = if single { src as u64 } else { 0 };
+        //
+        // An all-gather lends its one block, in place too: there it is the output's own block,
+        // which nobody writes during the call. Its readers take it whole at the last
+        // generation, as an all-to-all's. `lends`: whether the peers may lend (the same on
+        // every rank); `single`: whether we do.
+        let lends = match coll {
+            Coll::AllToAll => self.single && block >= SINGLE_FROM,
+            Coll::Allgather => self.single && n == 2 && block >= GATHER_SINGLE_FROM,
+            _ => false,
+        };
+        let (lent_at, lent_len) =
+            if coll == Coll::Allgather { (ours(me), block) } else { (0, n * block) };
+        let single = lends
+            && (coll == Coll::Allgather || !in_place)
+            && tutti_runtime::window::lendable(src.wrapping_add(lent_at), lent_len);
+        let source = if single { src as u64 + lent_at as u64 } else { 0 };
         self.singles += u64::from(single);
         // Leaving with an error (an early return) or a panic before every peer is done drops
         // it armed: a copy of our input that a peer makes from now on, or is making, is found
@@ -1369,7 +1389,7 @@ impl Direct {
         // generation waits for them, and their whole block for us is taken at the last one,
         // once all of ours is posted (in place it overwrites our input). A call of lenders
         // waits for its peers to begin it once, not once per buffer's worth. Only an
-        // all-to-all of blocks that may be lent has any.
+        // all-to-all or all-gather of blocks that may be lent has any.
         let mut lent_by = vec![false; if lends { n } else { 0 }];
         let mut first = (0, 0);
         // One generation at least: a call of nothing still checks that the peers make it.
@@ -1381,32 +1401,60 @@ impl Direct {
                 first = (g, b);
             }
             if coll == Coll::Allgather {
-                // Piece by piece: ours posted, then each peer's copied as soon as it is posted.
+                if single {
+                    // Our block stays where it is, lent: out of place, straight into our
+                    // output's block; nothing goes through our buffer.
+                    if !in_place {
+                        // SAFETY: the caller's input and our output's block, at this offset.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                src.add(off),
+                                dst.add(me * block + off),
+                                l,
+                            )
+                        };
+                    }
+                    self.progress(g, l);
+                }
+                // Piece by piece: ours posted, then each peer's copied as soon as it is posted
+                // (a lender's block is taken whole at the last generation, below).
                 let mut at = 0;
                 while at < l {
                     let k = self.piece.min(l - at);
-                    let mine = self.buf(me, b);
-                    // SAFETY: our input's piece into our own free buffer; then posted pieces
-                    // of every buffer into our output's blocks at this offset (ours too when
-                    // out of place).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.add(ours(me) + off + at),
-                            mine.add(at),
-                            k,
-                        );
-                        self.progress(g, at + k);
-                        if !in_place {
+                    if !single {
+                        let mine = self.buf(me, b);
+                        // SAFETY: our input's piece into our own free buffer, then (out of
+                        // place) into our output's block at this offset.
+                        unsafe {
                             std::ptr::copy_nonoverlapping(
+                                src.add(ours(me) + off + at),
                                 mine.add(at),
-                                dst.add(me * block + off + at),
                                 k,
                             );
+                            self.progress(g, at + k);
+                            if !in_place {
+                                std::ptr::copy_nonoverlapping(
+                                    mine.add(at),
+                                    dst.add(me * block + off + at),
+                                    k,
+                                );
+                            }
                         }
                     }
                     for r in self.peers() {
+                        if lent_by.get(r) == Some(&true) {
+                            continue;
+                        }
                         self.posted(call, r, g, b, at + k, off + at)?;
-                        // SAFETY: as above.
+                        if lends && off == 0 && at == 0 {
+                            // As an all-to-all's lenders are learned (below).
+                            lent_by[r] = self.source_word(r, b).load(Ordering::Relaxed) != 0;
+                            if lent_by[r] {
+                                continue;
+                            }
+                        }
+                        // SAFETY: a posted piece of peer r's buffer into our output's block r
+                        // at this offset.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 self.buf(r, b).add(at),
@@ -1421,6 +1469,14 @@ impl Direct {
                     // A call of nothing: still check that the peers make the same call.
                     for r in self.peers() {
                         self.posted(call, r, g, b, 0, off)?;
+                    }
+                }
+                if off + l == block {
+                    for r in self.peers().filter(|r| lent_by.get(*r) == Some(&true)) {
+                        // SAFETY: our output's block r, `block` bytes.
+                        unsafe {
+                            self.take_lent(call, r, first, 0, dst.add(r * block), block, off)?
+                        };
                     }
                 }
                 self.finish(g);
@@ -1962,6 +2018,80 @@ mod tests {
                 let singles = with_direct(c, |d| d.singles);
                 let want = if offs.is_empty() && c.rank() % 2 == 1 { blks.len() as u64 } else { 0 };
                 assert_eq!(singles, want, "rank {} (single copies off on {offs:?})", c.rank());
+            }
+        }
+    }
+
+    #[test]
+    fn an_all_gather_lends_large_blocks_by_single_copy_in_place_and_out() {
+        use tutti_runtime::testing::{groups, Kind};
+        // Rank q's block, element i, at call k: exact, different everywhere.
+        let val =
+            |k: usize, q: usize, i: usize| (k * 1_000_000_007 + q * 1_000_003 + i * 13) as i64;
+        // Blocks of 640 KB, 880 KB and 1.2 MB: over GATHER_SINGLE_FROM, and 1–3 generations of
+        // a buffer (lenders taken at an odd and an even last generation); 2 ranks lend, 3 do
+        // not.
+        let blks = [80_000, 110_000, 150_000];
+        for n in [2, 3] {
+            // On for all; off for all; off on the last rank only, which turns it off for all.
+            for offs in [vec![], (0..n).collect(), vec![n - 1]] {
+                let comms: Vec<Comm> = groups(Kind::Mem, n)
+                    .unwrap()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, g)| {
+                        let cfg =
+                            crate::Config { single_copy: !offs.contains(&r), ..Default::default() };
+                        Comm::with_config(g, cfg)
+                    })
+                    .collect();
+                std::thread::scope(|s| {
+                    for c in &comms {
+                        s.spawn(move || {
+                            let (c, r) = (c.with_algo(Algo::Direct), c.rank());
+                            for (k, blk) in blks.into_iter().enumerate() {
+                                let want: Vec<i64> = (0..n)
+                                    .flat_map(|q| (0..blk).map(move |i| val(k, q, i)))
+                                    .collect();
+                                // Rank 0 in place (its block lent from its output), the others
+                                // out of place: every rank then overwrites what it passed, as a
+                                // caller may once the call returned (a peer still copying
+                                // would take the new bytes).
+                                if r == 0 {
+                                    let mut buf = vec![-7i64; n * blk];
+                                    for i in 0..blk {
+                                        buf[r * blk + i] = val(k, r, i);
+                                    }
+                                    c.allgather_inplace(&mut buf).unwrap();
+                                    assert!(buf == want, "rank {r}: in place, {blk}");
+                                    buf.fill(-1);
+                                } else {
+                                    let mut inp: Vec<i64> =
+                                        (0..blk).map(|i| val(k, r, i)).collect();
+                                    let mut out = vec![0i64; n * blk];
+                                    c.allgather(&inp, &mut out).unwrap();
+                                    inp.fill(-1);
+                                    assert!(out == want, "rank {r}: out of place, {blk}");
+                                }
+                            }
+                            // A small block goes through the buffers.
+                            let small: Vec<i64> = (0..1000).map(|i| val(9, r, i)).collect();
+                            let mut out = vec![0i64; n * small.len()];
+                            c.allgather(&small, &mut out).unwrap();
+                            assert!(out
+                                .chunks(1000)
+                                .enumerate()
+                                .all(|(q, b)| b[7] == val(9, q, 7)));
+                        });
+                    }
+                });
+                for c in &comms {
+                    let singles = with_direct(c, |d| d.singles);
+                    // Only a group of 2 lends (3 keep the windows, whose results are checked
+                    // above all the same).
+                    let want = if offs.is_empty() && n == 2 { blks.len() as u64 } else { 0 };
+                    assert_eq!(singles, want, "{n} ranks, rank {} (off on {offs:?})", c.rank());
+                }
             }
         }
     }

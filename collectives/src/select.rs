@@ -232,7 +232,12 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// the time with 2–4 ranks; the choice cannot see it, since it must be the same on every
 /// rank and one rank may call in place while another does not): direct reads up to 4 MiB
 /// with 3 ranks, 8 MiB with 4–7, 16 MiB from 8 (no usual-phase run past it). With 2 ranks,
-/// each on a core, out of place 0.74–0.78 from 16 MiB and 0.77 at 1 MiB: messages.
+/// each on a core, out of place 0.74–0.78 from 16 MiB and 0.77 at 1 MiB: messages. An
+/// all-gather of 2 ranks whose blocks go by single copy (`GATHER_SINGLE_FROM`) took 0.73, 0.92
+/// and 0.97 of messages' time out of place at 8, 32 and 64 MiB (0.59–0.89 in place; 4–6
+/// rounds, the VM's slow phase): direct reads from 8 MiB, where the blocks are out of the
+/// caches' reach; below, the kernel's copy is slower than `memcpy` on data in cache, and no
+/// round of the usual phase came to measure it.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bool) -> bool {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
@@ -245,7 +250,9 @@ pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bo
         (Coll::Broadcast, 2) => b <= 64 * K || b >= M,
         (Coll::Broadcast, _) => true,
         (Coll::Allreduce, 2) => b <= 16 * K || (M..=4 * M).contains(&b),
-        (Coll::Allgather | Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
+        // An all-gather of 2 whose blocks go by single copy, out of the caches' reach.
+        (Coll::Allgather, 2) => b <= 16 * K || single && b >= 8 * M,
+        (Coll::ReduceScatter | Coll::AllToAll, 2) => b <= 16 * K,
         (Coll::Allreduce | Coll::Allgather | Coll::ReduceScatter, _) => true,
         (Coll::AllToAll, n) => {
             let most = match n {
@@ -574,6 +581,23 @@ mod link_tests {
         c.sel.single_failed();
         assert_eq!(a2a(2 << 20), Algo::Pairwise);
         assert_eq!(a2a(1 << 20), Algo::Direct);
+    }
+
+    #[test]
+    fn large_all_gathers_of_2_read_directly_where_their_blocks_go_by_single_copy() {
+        let comms = Comm::mem_world(2);
+        let c = &comms[0];
+        let ag = |b: usize| c.algo_for(Coll::Allgather, b, true);
+        assert_eq!(ag(16 << 10), Algo::Direct);
+        assert_ne!(ag(64 << 10), Algo::Direct);
+        assert_ne!(ag(4 << 20), Algo::Direct);
+        for b in [8 << 20, 64 << 20, 1 << 30] {
+            assert_eq!(ag(b), Algo::Direct, "{b}");
+        }
+        // A group whose set-up found no single copies keeps messages there.
+        c.sel.single_failed();
+        assert_ne!(ag(8 << 20), Algo::Direct);
+        assert_eq!(ag(16 << 10), Algo::Direct);
     }
 
     #[test]
