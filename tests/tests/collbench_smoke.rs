@@ -213,7 +213,7 @@ fn staged_piece_settings_are_taken_from_the_environment_and_a_bad_one_is_named()
 }
 
 #[test]
-fn large_all_to_alls_of_processes_verify_with_single_copies_on_and_off() {
+fn large_all_to_alls_and_all_gathers_of_processes_verify_with_single_copies_on_and_off() {
     // 4 processes on one host: 4 MiB runs by direct reads, its out-of-place blocks by single
     // copy, where the kernel allows it; with 0 the first call's set-up tells every rank that
     // the group makes none, and the later calls take messages. collbench checks every element
@@ -222,13 +222,19 @@ fn large_all_to_alls_of_processes_verify_with_single_copies_on_and_off() {
     // run makes single copies.)
     let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
         .is_ok_and(|s| s.trim() != "0");
-    let with = if yama { "pairwise" } else { "direct" };
-    let args = ["alltoall", "-b", "4M", "-e", "4M", "-n", "3", "-w", "1", "--np", "4"];
-    for (single, algo) in [("1", with), ("0", "pairwise")] {
-        let text = one_verified_row(&args, "TUTTI_SINGLE_COPY", single);
-        let extras = text.split("collbench extras").nth(1).unwrap_or_default();
-        assert!(extras.contains(algo), "{text}");
+    // The same for an all-gather of 2 processes at 16 MiB, whose blocks go by single copy in
+    // place and out of place (else recursive doubling's messages).
+    let a2a = ["alltoall", "-b", "4M", "-e", "4M", "-n", "3", "-w", "1", "--np", "4"];
+    let ag = ["allgather", "-b", "16M", "-e", "16M", "-n", "3", "-w", "1", "--np", "2"];
+    for (args, messages) in [(a2a, "pairwise"), (ag, "rd")] {
+        let with = if yama { messages } else { "direct" };
+        for (single, algo) in [("1", with), ("0", messages)] {
+            let text = one_verified_row(&args, "TUTTI_SINGLE_COPY", single);
+            let extras = text.split("collbench extras").nth(1).unwrap_or_default();
+            assert!(extras.contains(algo), "{text}");
+        }
     }
+    let args = a2a;
     let why = "TUTTI_SINGLE_COPY=\"yes\": expected 1 or 0";
     refused(&args, "TUTTI_SINGLE_COPY", "yes", why);
 }
