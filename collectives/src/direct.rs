@@ -101,10 +101,10 @@ const WITHDRAWN: u64 = u64::MAX;
 pub(crate) const SINGLE_FROM: usize = 512 << 10;
 /// All-gather blocks of at least this many bytes go by single copy in a group of 2 ranks that
 /// can: a rank lends its block (in place too) and the peer takes it with one copy through the
-/// kernel, instead of two through the windows. With 2 ranks, each on a core, that took 0.72–0.97
-/// of messages' time out of place and 0.36–0.89 in place from 1 to 64 MiB (the VM's slow phase);
-/// with 4 ranks on 2 cores 1.26–1.36 of the windows' out of place, so groups of 3 or more keep
-/// the windows.
+/// kernel, instead of two through the windows. With 2 ranks, each on a core, that took 0.72–0.92
+/// of messages' time out of place from 1 to 32 MiB and 0.97 and 1.08 at 64 MiB (two runs), 0.36–0.89
+/// in place (the VM's slow phase); with 4 ranks on 2 cores (a trial build that lent there too)
+/// 1.26–1.36 of the windows' time out of place, so groups of 3 or more keep the windows.
 pub(crate) const GATHER_SINGLE_FROM: usize = 512 << 10;
 
 /// Whether a call's rank runs ahead of its peers: a small broadcast's root, on the line slots
@@ -196,6 +196,9 @@ pub(crate) struct Direct {
     cells: u64,
     /// Calls whose pieces the peers took by single copy (for the tests).
     singles: u64,
+    /// Lend nothing, as where the kernel cannot read the input through (for the tests).
+    #[cfg(test)]
+    lend_none: bool,
     /// Line slots used by turns ([`line_turns`]).
     turns: u64,
     /// Small broadcasts this rank made as root whose peers' stamps it has not checked yet, in
@@ -448,6 +451,8 @@ impl Direct {
             lines: 0,
             cells: 0,
             singles: 0,
+            #[cfg(test)]
+            lend_none: false,
             turns: line_turns(n),
             unchecked: RefCell::default(),
         })))
@@ -1376,7 +1381,12 @@ impl Direct {
         };
         let (lent_at, lent_len) =
             if coll == Coll::Allgather { (ours(me), block) } else { (0, n * block) };
+        #[cfg(test)]
+        let lends_here = !self.lend_none;
+        #[cfg(not(test))]
+        let lends_here = true;
         let single = lends
+            && lends_here
             && (coll == Coll::Allgather || !in_place)
             && tutti_runtime::window::lendable(src.wrapping_add(lent_at), lent_len);
         let source = if single { src as u64 + lent_at as u64 } else { 0 };
@@ -1402,8 +1412,10 @@ impl Direct {
             }
             if coll == Coll::Allgather {
                 if single {
-                    // Our block stays where it is, lent: out of place, straight into our
-                    // output's block; nothing goes through our buffer.
+                    // Our block stays where it is, lent (the peer may take it as soon as we
+                    // publish): out of place, then straight into our output's block; nothing
+                    // goes through our buffer.
+                    self.progress(g, l);
                     if !in_place {
                         // SAFETY: the caller's input and our output's block, at this offset.
                         unsafe {
@@ -1414,7 +1426,6 @@ impl Direct {
                             )
                         };
                     }
-                    self.progress(g, l);
                 }
                 // Piece by piece: ours posted, then each peer's copied as soon as it is posted
                 // (a lender's block is taken whole at the last generation, below).
@@ -2028,10 +2039,10 @@ mod tests {
         // Rank q's block, element i, at call k: exact, different everywhere.
         let val =
             |k: usize, q: usize, i: usize| (k * 1_000_000_007 + q * 1_000_003 + i * 13) as i64;
-        // Blocks of 640 KB, 880 KB and 1.2 MB: over GATHER_SINGLE_FROM, and 1–3 generations of
-        // a buffer (lenders taken at an odd and an even last generation); 2 ranks lend, 3 do
-        // not.
-        let blks = [80_000, 110_000, 150_000];
+        // Blocks of 640 KB, 1.2 MB and 2.4 MB: over GATHER_SINGLE_FROM, and 1, 2 and 3
+        // generations of a 1 MiB buffer (a lender's first stamp slot used again before its
+        // block is taken); 2 ranks lend, 3 do not.
+        let blks = [80_000, 150_000, 300_000];
         for n in [2, 3] {
             // On for all; off for all; off on the last rank only, which turns it off for all.
             for offs in [vec![], (0..n).collect(), vec![n - 1]] {
@@ -2094,6 +2105,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_all_gather_mixes_a_lender_and_a_rank_that_posts_its_pieces() {
+        use tutti_runtime::testing::{groups, Kind};
+        // Rank 1 lends nothing (as where the kernel cannot read its input through): it posts
+        // its pieces, which rank 0 copies, while rank 0 lends and rank 1 takes its block.
+        let n = 2;
+        let comms: Vec<Comm> = groups(Kind::Mem, n).unwrap().into_iter().map(Comm::new).collect();
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || c.with_algo(Algo::Direct).allreduce(&mut [1f32; 4], ReduceOp::Sum));
+            }
+        });
+        let mut st = comms[1].sel.direct.lock();
+        let State::Ready(d) = &mut *st else { panic!("direct reads are not set up") };
+        d.lend_none = true;
+        drop(st);
+        let blk = 300_000;
+        let val = |q: usize, i: usize| (q * 1_000_003 + i * 13) as i64;
+        std::thread::scope(|s| {
+            for c in &comms {
+                s.spawn(move || {
+                    let (c, r) = (c.with_algo(Algo::Direct), c.rank());
+                    let want: Vec<i64> =
+                        (0..n).flat_map(|q| (0..blk).map(move |i| val(q, i))).collect();
+                    let inp: Vec<i64> = (0..blk).map(|i| val(r, i)).collect();
+                    let mut out = vec![0i64; n * blk];
+                    c.allgather(&inp, &mut out).unwrap();
+                    assert!(out == want, "rank {r}: out of place");
+                    let mut buf = vec![-7i64; n * blk];
+                    buf[r * blk..(r + 1) * blk].copy_from_slice(&inp);
+                    c.allgather_inplace(&mut buf).unwrap();
+                    assert!(buf == want, "rank {r}: in place");
+                });
+            }
+        });
+        assert_eq!(with_direct(&comms[0], |d| d.singles), 2);
+        assert_eq!(with_direct(&comms[1], |d| d.singles), 0);
     }
 
     #[test]

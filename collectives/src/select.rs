@@ -233,9 +233,9 @@ pub fn choose(coll: Coll, bytes: usize, n: usize, uniform: bool) -> Algo {
 /// rank and one rank may call in place while another does not): direct reads up to 4 MiB
 /// with 3 ranks, 8 MiB with 4–7, 16 MiB from 8 (no usual-phase run past it). With 2 ranks,
 /// each on a core, out of place 0.74–0.78 from 16 MiB and 0.77 at 1 MiB: messages. An
-/// all-gather of 2 ranks whose blocks go by single copy (`GATHER_SINGLE_FROM`) took 0.73, 0.92
-/// and 0.97 of messages' time out of place at 8, 32 and 64 MiB (0.59–0.89 in place; 4–6
-/// rounds, the VM's slow phase): direct reads from 8 MiB, where the blocks are out of the
+/// all-gather of 2 ranks whose blocks go by single copy (`GATHER_SINGLE_FROM`) took 0.73 and
+/// 0.92 of messages' time out of place at 8 and 32 MiB, 0.97 and 1.08 at 64 MiB in two runs
+/// (0.59–0.89 in place; 4–6 rounds, the VM's slow phase): direct reads from 8 MiB, where the blocks are out of the
 /// caches' reach; below, the kernel's copy is slower than `memcpy` on data in cache, and no
 /// round of the usual phase came to measure it.
 pub fn direct_pays(coll: Coll, bytes: usize, n: usize, uniform: bool, single: bool) -> bool {
