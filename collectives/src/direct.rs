@@ -1776,6 +1776,20 @@ mod tests {
         f(d)
     }
 
+    /// A group of `n` ranks over the in-memory transport, with single copies off on the ranks
+    /// in `offs` (one is enough to turn them off for the group).
+    fn single_copy_off_on(n: usize, offs: &[usize]) -> Vec<Comm> {
+        tutti_runtime::testing::groups(tutti_runtime::testing::Kind::Mem, n)
+            .unwrap()
+            .into_iter()
+            .enumerate()
+            .map(|(r, g)| {
+                let cfg = crate::Config { single_copy: !offs.contains(&r), ..Default::default() };
+                Comm::with_config(g, cfg)
+            })
+            .collect()
+    }
+
     /// The stamp compare that skips decoding sees every byte: the same call, rank and
     /// generation give the same bytes, and a change anywhere (any one byte, the rank, the
     /// generation, the sequence number, the count) is a different stamp.
@@ -1967,7 +1981,6 @@ mod tests {
 
     #[test]
     fn an_all_to_all_out_of_place_lends_large_blocks_by_single_copy() {
-        use tutti_runtime::testing::{groups, Kind};
         // Rank q's block for rank r, element i, at call k: exact, different everywhere.
         let val = |k: usize, q: usize, r: usize, i: usize| {
             (k * 1_000_000_007 + q * 1_000_003 + r * 7_919 + i * 13) as i64
@@ -1979,16 +1992,7 @@ mod tests {
         let blks = [80_000, 110_000, 150_000];
         // On for all; off for all; off on rank 2 only, which turns it off for the group.
         for offs in [&[][..], &[0, 1, 2, 3], &[2]] {
-            let comms: Vec<Comm> = groups(Kind::Mem, n)
-                .unwrap()
-                .into_iter()
-                .enumerate()
-                .map(|(r, g)| {
-                    let cfg =
-                        crate::Config { single_copy: !offs.contains(&r), ..Default::default() };
-                    Comm::with_config(g, cfg)
-                })
-                .collect();
+            let comms = single_copy_off_on(n, offs);
             std::thread::scope(|s| {
                 for c in &comms {
                     s.spawn(move || {
@@ -2035,7 +2039,6 @@ mod tests {
 
     #[test]
     fn an_all_gather_lends_large_blocks_by_single_copy_in_place_and_out() {
-        use tutti_runtime::testing::{groups, Kind};
         // Rank q's block, element i, at call k: exact, different everywhere.
         let val =
             |k: usize, q: usize, i: usize| (k * 1_000_000_007 + q * 1_000_003 + i * 13) as i64;
@@ -2046,16 +2049,7 @@ mod tests {
         for n in [2, 3] {
             // On for all; off for all; off on the last rank only, which turns it off for all.
             for offs in [vec![], (0..n).collect(), vec![n - 1]] {
-                let comms: Vec<Comm> = groups(Kind::Mem, n)
-                    .unwrap()
-                    .into_iter()
-                    .enumerate()
-                    .map(|(r, g)| {
-                        let cfg =
-                            crate::Config { single_copy: !offs.contains(&r), ..Default::default() };
-                        Comm::with_config(g, cfg)
-                    })
-                    .collect();
+                let comms = single_copy_off_on(n, &offs);
                 std::thread::scope(|s| {
                     for c in &comms {
                         s.spawn(move || {
@@ -2149,18 +2143,9 @@ mod tests {
     #[test]
     fn a_group_without_single_copies_keeps_large_all_to_alls_of_4_on_messages() {
         use crate::coll::Coll;
-        use tutti_runtime::testing::{groups, Kind};
         // Off on one rank only: the set-up tells every rank, and every rank's choice follows.
         for off in [None, Some(3)] {
-            let comms: Vec<Comm> = groups(Kind::Mem, 4)
-                .unwrap()
-                .into_iter()
-                .enumerate()
-                .map(|(r, g)| {
-                    let single_copy = off != Some(r);
-                    Comm::with_config(g, crate::Config { single_copy, ..Default::default() })
-                })
-                .collect();
+            let comms = single_copy_off_on(4, off.as_slice());
             std::thread::scope(|s| {
                 for c in &comms {
                     s.spawn(move || {

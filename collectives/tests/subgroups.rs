@@ -96,10 +96,11 @@ fn threads_at_once(kind: Kind) {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    // Scheduling noise on a loaded machine may delay a call now and then; a lost wake-up
-    // delays dozens.
+    // Scheduling noise on a loaded machine may delay a call now and then (a pause of the
+    // whole machine delays a call on every rank at once: 8 in one CI dry run, 2 on each rank);
+    // a lost wake-up delayed 56–71 of these calls.
     let total: usize = slow.iter().sum();
-    assert!(total <= 4, "{total} of {} calls took 60 ms or more: {slow:?}", 8 * CALLS);
+    assert!(total <= 16, "{total} of {} calls took 60 ms or more: {slow:?}", 8 * CALLS);
 }
 
 #[test]
